@@ -1,0 +1,236 @@
+// The thin pybind11 module p2pweights._native. Every blocking call releases the GIL. A non-OK
+// Status becomes the matching Python exception through p2pweights.errors.raise_for_status.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "buffers/cuda_runtime.h"
+#include "buffers/transfer_buffer.h"
+#include "transport/loopback.h"
+#include "transport/py_transport.h"
+#include "writer.h"
+
+namespace py = pybind11;
+using namespace p2pw;
+
+#ifndef P2PW_VERSION
+#define P2PW_VERSION "dev"
+#endif
+
+namespace {
+
+void check(const Status& s) {
+  if (s.ok()) return;
+  py::module_::import("p2pweights.errors").attr("raise_for_status")(static_cast<int>(s.code()), s.message());
+  throw std::runtime_error(s.to_string());  // unreachable: raise_for_status always raises
+}
+
+// Objects whose destructor joins threads that may need the GIL are destroyed with it released.
+template <typename T>
+struct GilFreeDelete {
+  void operator()(T* p) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete p;
+    } else {
+      delete p;
+    }
+  }
+};
+
+py::dict report_to_dict(const EngineReport& r) {
+  py::dict d;
+  d["engine"] = r.engine;
+  d["name"] = r.name;
+  d["bytes"] = r.bytes;
+  d["writes"] = r.writes;
+  d["batches"] = r.batches;
+  d["skipped_batches"] = r.skipped_batches;
+  d["seconds"] = r.seconds;
+  d["gbps"] = r.gbps;
+  d["state"] = r.state;
+  d["code"] = static_cast<int>(r.code);
+  d["error"] = r.error;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "p2pweights native core: transfer buffers, transports, the pipelined writer";
+  m.attr("__version__") = P2PW_VERSION;
+
+  py::enum_<Code>(m, "Code")
+      .value("IN_PROGRESS", Code::kInProgress)
+      .value("OK", Code::kOk)
+      .value("INVALID_ARGUMENT", Code::kInvalidArgument)
+      .value("TIMEOUT", Code::kTimeout)
+      .value("REMOTE_DISCONNECTED", Code::kRemoteDisconnected)
+      .value("TRANSPORT_ERROR", Code::kTransportError)
+      .value("CLOSED", Code::kClosed)
+      .value("NOT_FOUND", Code::kNotFound)
+      .value("BUSY", Code::kBusy)
+      .value("OUT_OF_REGION", Code::kOutOfRegion);
+
+  m.def("cuda_runtime_info", [] {
+    CudaRuntime& c = CudaRuntime::get();
+    py::dict d;
+    d["loaded"] = c.loaded();
+    d["library"] = c.library();
+    d["device_count"] = c.device_count();
+    return d;
+  }, "Whether a CUDA runtime was found at run time, which library, and how many devices it sees.");
+
+  py::class_<TransferBuffer, std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>>(
+      m, "TransferBuffer", py::buffer_protocol())
+      .def_static("allocate", [](size_t slot_bytes, int num_slots, const std::string& pin) {
+        TransferBuffer* b = nullptr;
+        Status s;
+        {
+          py::gil_scoped_release nogil;  // pinning a GiB takes ~0.4 s
+          s = TransferBuffer::allocate_host(slot_bytes, num_slots, pin, &b);
+        }
+        check(s);
+        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b);
+      }, py::arg("slot_bytes"), py::arg("num_slots") = 2, py::arg("pin") = "auto")
+      .def_static("wrap", [](uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location) {
+        TransferBuffer* b = nullptr;
+        check(TransferBuffer::wrap(addr, slot_bytes, num_slots, location, &b));
+        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b);
+      }, py::arg("addr"), py::arg("slot_bytes"), py::arg("num_slots"), py::arg("location") = "cpu")
+      .def_property_readonly_static("alignment", [](py::object) { return TransferBuffer::kAlignment; })
+      .def_property_readonly("address", &TransferBuffer::address)
+      .def_property_readonly("slot_bytes", &TransferBuffer::slot_bytes)
+      .def_property_readonly("num_slots", &TransferBuffer::num_slots)
+      .def_property_readonly("total_bytes", &TransferBuffer::total_bytes)
+      .def_property_readonly("location", &TransferBuffer::location)
+      .def_property_readonly("pin_mode", [](const TransferBuffer& b) { return pin_mode_name(b.pin_mode()); })
+      .def_property_readonly("pin_warning", &TransferBuffer::pin_warning)
+      .def_property_readonly("closed", &TransferBuffer::closed)
+      .def("slot_address", [](const TransferBuffer& b, int i) {
+        if (b.closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
+        if (i < 0 || i >= b.num_slots()) check(Status(Code::kInvalidArgument, "slot " + std::to_string(i) + " does not exist"));
+        return reinterpret_cast<uint64_t>(b.slot(i));
+      })
+      .def("slot_view", [](const TransferBuffer& b, int i) {
+        if (b.closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
+        if (b.location() != "cpu") check(Status(Code::kInvalidArgument, "a GPU slot has no host view"));
+        if (i < 0 || i >= b.num_slots()) check(Status(Code::kInvalidArgument, "slot " + std::to_string(i) + " does not exist"));
+        return py::memoryview::from_memory(b.slot(i), static_cast<ssize_t>(b.slot_bytes()));
+      }, "A writable view of slot i without a copy (numpy.frombuffer / torch.frombuffer).")
+      .def_buffer([](TransferBuffer& b) -> py::buffer_info {
+        if (b.closed() || b.location() != "cpu") check(Status(Code::kInvalidArgument, "no host view of this buffer"));
+        return py::buffer_info(b.base(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(b.total_bytes())}, {1});
+      })
+      .def("close", &TransferBuffer::close);
+
+  py::class_<Transport, std::unique_ptr<Transport, GilFreeDelete<Transport>>>(m, "Transport")
+      .def_property_readonly("name", &Transport::name)
+      .def("register_memory", [](Transport& t, uint64_t addr, uint64_t length, const std::string& location) {
+        Status s;
+        { py::gil_scoped_release nogil; s = t.register_memory(addr, length, location); }
+        check(s);
+      }, py::arg("addr"), py::arg("length"), py::arg("location") = "cpu")
+      .def("deregister_memory", [](Transport& t, uint64_t addr) {
+        Status s;
+        { py::gil_scoped_release nogil; s = t.deregister_memory(addr); }
+        check(s);
+      })
+      .def("connect", [](Transport& t, int engine, const std::string& descriptor) {
+        Status s;
+        { py::gil_scoped_release nogil; s = t.connect(engine, descriptor); }
+        check(s);
+      })
+      .def("disconnect", [](Transport& t, int engine) {
+        Status s;
+        { py::gil_scoped_release nogil; s = t.disconnect(engine); }
+        check(s);
+      })
+      .def("close", [](Transport& t) { py::gil_scoped_release nogil; t.close(); });
+
+  py::class_<LoopbackTransport, Transport, std::unique_ptr<LoopbackTransport, GilFreeDelete<LoopbackTransport>>>(
+      m, "LoopbackTransport")
+      .def(py::init<>())
+      .def("set_fault", [](LoopbackTransport& t, int engine, double delay_s, int64_t fail_after_bytes, bool hang,
+                           bool disconnected, double link_gbps) {
+        LoopbackFault f;
+        f.delay_s = delay_s;
+        f.fail_after_bytes = fail_after_bytes;
+        f.hang = hang;
+        f.disconnected = disconnected;
+        f.link_gbps = link_gbps;
+        check(t.set_fault(engine, f));
+      }, py::arg("engine"), py::arg("delay_s") = 0.0, py::arg("fail_after_bytes") = -1, py::arg("hang") = false,
+         py::arg("disconnected") = false, py::arg("link_gbps") = 0.0)
+      .def("bytes_copied", &LoopbackTransport::bytes_copied);
+
+  py::class_<PyTransport, Transport, std::unique_ptr<PyTransport, GilFreeDelete<PyTransport>>>(m, "PyTransport")
+      .def(py::init<py::object>(), py::arg("backend"))
+      .def_property_readonly("backend", &PyTransport::backend);
+
+  py::class_<PipelinedWriter, std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>>(m, "PipelinedWriter")
+      .def(py::init([](Transport* t, TransferBuffer* b, double timeout_s) {
+             if (b->closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
+             if (!(timeout_s > 0)) check(Status(Code::kInvalidArgument, "transfer timeout must be positive"));
+             WriterOptions o;
+             o.transfer_timeout_s = timeout_s;
+             return std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>(new PipelinedWriter(t, b, o));
+           }),
+           py::arg("transport"), py::arg("buffer"), py::arg("transfer_timeout") = 30.0,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def_property_readonly("transfer_timeout", &PipelinedWriter::transfer_timeout_s)
+      .def("add_engine", [](PipelinedWriter& w, int engine, const std::string& name,
+                            const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+        std::vector<Region> r;
+        for (auto& [a, n] : regions) r.push_back(Region{a, n});
+        check(w.add_engine(engine, name, std::move(r)));
+      }, py::arg("engine"), py::arg("name"), py::arg("regions"))
+      .def("remove_engine", [](PipelinedWriter& w, int engine) {
+        Status s;
+        { py::gil_scoped_release nogil; s = w.remove_engine(engine); }
+        check(s);
+      })
+      .def("acquire", [](PipelinedWriter& w, double timeout_s) {
+        int slot = -1;
+        Status s;
+        { py::gil_scoped_release nogil; s = w.acquire(&slot, timeout_s); }
+        check(s);
+        return slot;
+      }, py::arg("timeout") = -1.0, "Blocks (GIL released) until a slot has no writes reading it.")
+      .def("release_slot", [](PipelinedWriter& w, int slot) { check(w.release_slot(slot)); })
+      .def("submit", [](PipelinedWriter& w, int slot, py::array_t<int64_t, py::array::forcecast> offsets,
+                        py::array_t<int64_t, py::array::forcecast> lengths,
+                        py::array_t<int32_t, py::array::forcecast> engines,
+                        py::array_t<uint64_t, py::array::forcecast> remote_addrs) {
+        const ssize_t n = offsets.size();
+        if (lengths.size() != n || engines.size() != n || remote_addrs.size() != n)
+          check(Status(Code::kInvalidArgument, "offsets, lengths, engines and remote addresses differ in length"));
+        auto o = offsets.unchecked<1>();
+        auto l = lengths.unchecked<1>();
+        auto e = engines.unchecked<1>();
+        auto r = remote_addrs.unchecked<1>();
+        std::vector<Write> writes(n);
+        for (ssize_t i = 0; i < n; ++i) {
+          if (o(i) < 0 || l(i) <= 0)
+            check(Status(Code::kInvalidArgument, "write " + std::to_string(i) + " has offset " + std::to_string(o(i)) +
+                                                     " and length " + std::to_string(l(i)) +
+                                                     "; offsets must be >= 0 and lengths > 0"));
+          writes[i] = Write{static_cast<uint64_t>(o(i)), static_cast<uint64_t>(l(i)), e(i), r(i)};
+        }
+        Status s;
+        { py::gil_scoped_release nogil; s = w.submit(slot, writes); }
+        check(s);
+      }, py::arg("slot"), py::arg("offsets"), py::arg("lengths"), py::arg("engines"), py::arg("remote_addrs"))
+      .def("pending_batches", &PipelinedWriter::pending_batches)
+      .def("finish", [](PipelinedWriter& w) {
+        std::vector<EngineReport> rep;
+        Status s;
+        { py::gil_scoped_release nogil; s = w.finish(&rep); }
+        check(s);
+        py::list out;
+        for (auto& r : rep) out.append(report_to_dict(r));
+        return out;
+      }, "Waits (GIL released) for every queued write; returns one dict per engine and starts a new update.")
+      .def("close", [](PipelinedWriter& w) { py::gil_scoped_release nogil; w.close(); });
+}

@@ -1,0 +1,104 @@
+#include "buffers/transfer_buffer.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "buffers/cuda_runtime.h"
+
+namespace p2pw {
+
+const char* pin_mode_name(PinMode m) {
+  switch (m) {
+    case PinMode::kNone: return "none";
+    case PinMode::kMlock: return "mlock";
+    case PinMode::kCudaHostRegister: return "cuda_host_register";
+    case PinMode::kDevice: return "device";
+  }
+  return "unknown";
+}
+
+Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std::string& pin,
+                                     TransferBuffer** out) {
+  if (slot_bytes == 0) return Status(Code::kInvalidArgument, "slot size must be positive");
+  if (num_slots < 1) return Status(Code::kInvalidArgument, "need at least one slot");
+  if (pin != "auto" && pin != "cuda" && pin != "mlock" && pin != "none")
+    return Status(Code::kInvalidArgument, "pin must be auto, cuda, mlock or none, not '" + pin + "'");
+  const size_t slot = round_up(slot_bytes);
+  const size_t total = slot * static_cast<size_t>(num_slots);
+  // mmap gives page-aligned, zero-filled memory and lets the kernel back it lazily.
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    return Status(Code::kInvalidArgument, "cannot allocate " + std::to_string(total) +
+                                              " bytes of transfer buffer: " + std::strerror(errno));
+  madvise(p, total, MADV_HUGEPAGE);
+  auto* b = new TransferBuffer();
+  b->base_ = static_cast<uint8_t*>(p);
+  b->slot_bytes_ = slot;
+  b->num_slots_ = num_slots;
+  b->owned_ = true;
+
+  std::string why;
+  bool pinned = false;
+  if (pin == "auto" || pin == "cuda") {
+    CudaRuntime& cuda = CudaRuntime::get();
+    if (cuda.loaded() && cuda.device_count() > 0) {
+      int err = cuda.host_register(p, total);
+      if (err == 0) {
+        b->pin_mode_ = PinMode::kCudaHostRegister;
+        pinned = true;
+      } else {
+        why = "cudaHostRegister failed: " + cuda.error_string(err);
+      }
+    } else {
+      why = cuda.loaded() ? "CUDA runtime has no device" : "no CUDA runtime";
+    }
+  }
+  if (!pinned && (pin == "auto" || pin == "mlock")) {
+    if (mlock(p, total) == 0) {
+      b->pin_mode_ = PinMode::kMlock;
+      pinned = true;
+    } else {
+      why += std::string(why.empty() ? "" : "; ") + "mlock of " + std::to_string(total) +
+             " bytes failed: " + std::strerror(errno) + " (raise `ulimit -l` or run with CAP_IPC_LOCK)";
+    }
+  }
+  if (!pinned && pin != "none") {
+    b->pin_warning_ = "transfer buffer is not pinned (" + why +
+                      "); writes still work but the transport may bounce through its own copies";
+  }
+  *out = b;
+  return Status::Ok();
+}
+
+Status TransferBuffer::wrap(uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location,
+                            TransferBuffer** out) {
+  if (addr == 0) return Status(Code::kInvalidArgument, "cannot wrap a null address");
+  if (slot_bytes == 0 || num_slots < 1)
+    return Status(Code::kInvalidArgument, "slot size and slot count must be positive");
+  auto* b = new TransferBuffer();
+  b->base_ = reinterpret_cast<uint8_t*>(addr);
+  b->slot_bytes_ = slot_bytes;
+  b->num_slots_ = num_slots;
+  b->location_ = location;
+  b->pin_mode_ = location.rfind("cuda", 0) == 0 ? PinMode::kDevice : PinMode::kNone;
+  b->owned_ = false;
+  *out = b;
+  return Status::Ok();
+}
+
+void TransferBuffer::close() {
+  if (base_ == nullptr) return;
+  if (owned_) {
+    const size_t total = total_bytes();
+    if (pin_mode_ == PinMode::kCudaHostRegister) CudaRuntime::get().host_unregister(base_);
+    if (pin_mode_ == PinMode::kMlock) munlock(base_, total);
+    munmap(base_, total);
+  }
+  base_ = nullptr;
+}
+
+TransferBuffer::~TransferBuffer() { close(); }
+
+}  // namespace p2pw

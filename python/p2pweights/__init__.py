@@ -1,0 +1,51 @@
+"""p2pweights: one-sided RDMA weight updates from RL trainer ranks into running rollout engines."""
+from __future__ import annotations
+
+from . import _native
+from .buffers import TransferBuffers
+from .config import Settings, settings
+from .errors import (
+    Busy,
+    Closed,
+    EngineError,
+    InvalidWrite,
+    LayoutMismatch,
+    MissingTensors,
+    NotFound,
+    OutOfRegion,
+    P2PWeightsError,
+    RemoteDisconnected,
+    TransferTimeout,
+    TransportError,
+    UnknownParameter,
+    UnsupportedLayout,
+    UpdateFailed,
+    WrongTransport,
+)
+from .writer import PipelinedWriter, WriteReport
+
+__version__ = _native.__version__
+
+__all__ = [
+    "Busy",
+    "Closed",
+    "EngineError",
+    "InvalidWrite",
+    "LayoutMismatch",
+    "MissingTensors",
+    "NotFound",
+    "OutOfRegion",
+    "P2PWeightsError",
+    "PipelinedWriter",
+    "RemoteDisconnected",
+    "Settings",
+    "TransferBuffers",
+    "TransferTimeout",
+    "TransportError",
+    "UnknownParameter",
+    "UnsupportedLayout",
+    "UpdateFailed",
+    "WriteReport",
+    "WrongTransport",
+    "settings",
+]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One-command setup for p2pweights on a CPU development machine (Debian, Python 3.11).
+# Installs the system library Mooncake needs, the Python dependencies (torch CPU build, a minimal
+# sglang 0.5.23 for model classes and loaders, Mooncake and NIXL), then builds and installs this
+# package. Safe to run twice.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
+
+# torch: the CPU build (sglang's own pin would pull a multi-GB CUDA build).
+$PIP "torch==2.13.0"
+# sglang for its model classes and weight loaders only; its full dependency set needs a GPU stack.
+$PIP --no-deps "sglang==0.5.23"
+$PIP numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
+  IPython aiohttp dill einops gguf partial-json-parser "apache-tvm-ffi==0.1.11" \
+  "transformers==5.19.0" "sentencepiece==0.2.1" "triton==3.8.0" "compressed-tensors==0.18.0" \
+  "openai==2.8.0" fastapi uvicorn
+# Transports: Mooncake (CPU build) and NIXL's UCX plugin (import nixl_cu12 directly; the `nixl`
+# meta package drags in a CUDA torch).
+$PIP mooncake-transfer-engine-non-cuda
+$PIP --no-deps nixl-cu12
+# Build and test tools.
+$PIP "pybind11>=2.13" "scikit-build-core>=0.10" cmake ninja pytest pytest-benchmark hypothesis
+# The package itself (C++ core built by scikit-build-core + CMake).
+$PIP --no-build-isolation .
+echo "p2pweights installed: run 'p2pweights doctor' or 'p2pweights demo'"
