@@ -1,0 +1,105 @@
+"""`p2pweights doctor`: what this machine offers p2pweights, and what is missing with the fix."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import json
+import os
+import warnings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _try_import(module: str) -> tuple[bool, str]:
+    try:
+        importlib.import_module(module)
+        return True, ""
+    except Exception as e:  # noqa: BLE001 - any failure to import is the finding
+        return False, f"{type(e).__name__}: {e}"
+
+
+def _transports() -> dict[str, dict]:
+    out = {}
+    ok, why = _try_import("mooncake.engine")
+    out["mooncake"] = {
+        "importable": ok,
+        "version": _version("mooncake-transfer-engine-non-cuda") or _version("mooncake-transfer-engine")
+        or _version("mooncake-transfer-engine-cuda13"),
+        "error": why or None,
+        "fix": None if ok else "apt-get install libibverbs1 && pip install mooncake-transfer-engine-non-cuda (GPU: mooncake-transfer-engine)",
+    }
+    nixl_mod, nixl_why = None, ""
+    for mod in ("nixl_cu12", "nixl_cu13", "nixl._api"):
+        ok, why = _try_import(mod)
+        if ok:
+            nixl_mod = mod
+            break
+        nixl_why = nixl_why or why
+    out["nixl"] = {
+        "importable": nixl_mod is not None,
+        "module": nixl_mod,
+        "version": _version("nixl-cu12") or _version("nixl-cu13") or _version("nixl"),
+        "error": None if nixl_mod else nixl_why,
+        "fix": None if nixl_mod else "pip install --no-deps nixl-cu12 (or nixl-cu13)",
+    }
+    return out
+
+
+def collect() -> dict:
+    from .. import _native
+    from ..config import settings
+
+    findings: dict = {"native": {"version": _native.__version__, "path": _native.__file__}}
+    cuda = _native.cuda_runtime_info()
+    findings["cuda"] = cuda
+    # A small buffer tells which pinning this process gets (CUDA registration, mlock or none).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from ..buffers import TransferBuffers
+
+        with TransferBuffers(1 << 20, 1) as b:
+            findings["pinning"] = {"mode": b.pin_mode, "warning": str(caught[0].message) if caught else None}
+    try:
+        s = settings()
+        findings["settings"] = {k: getattr(s, k) for k in s.__dataclass_fields__}
+        findings["slot_device"] = s.buffer_device
+    except ValueError as e:
+        findings["settings"] = {"error": str(e)}
+        findings["slot_device"] = None
+    findings["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("P2PW_")}
+    findings["transports"] = _transports()
+    findings["torch"] = _version("torch")
+    findings["sglang"] = _version("sglang")
+    return findings
+
+
+def run(args: argparse.Namespace) -> int:
+    f = collect()
+    if args.json:
+        print(json.dumps(f, indent=2, default=str))
+        return 0
+    cuda = f["cuda"]
+    print(f"p2pweights native module {f['native']['version']}  ({f['native']['path']})")
+    print(f"CUDA runtime   : {cuda['library'] or 'not found'}; devices: {cuda['device_count']}")
+    print(f"pinning        : {f['pinning']['mode']}" + (f"  ({f['pinning']['warning']})" if f['pinning']['warning'] else ""))
+    print(f"slot device    : {f['slot_device']}")
+    for name, t in f["transports"].items():
+        state = f"ok ({t['version']})" if t["importable"] else f"MISSING — {t['error']}; fix: {t['fix']}"
+        print(f"{name:<15}: {state}")
+    print(f"torch          : {f['torch'] or 'MISSING (pip install torch)'}")
+    print(f"sglang         : {f['sglang'] or 'MISSING (bash scripts/setup.sh installs sglang==0.5.23)'}")
+    if "error" in f["settings"]:
+        print(f"settings       : ERROR {f['settings']['error']}")
+    else:
+        print("settings       : " + ", ".join(f"{k}={v}" for k, v in f["settings"].items()))
+    return 0
