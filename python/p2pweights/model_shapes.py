@@ -1,0 +1,325 @@
+"""Bytes one engine rank holds, as sglang 0.5.23 shards a model, from an HF config.json alone.
+
+This mirrors the constructors of sglang's model classes (qwen3.py, qwen3_moe.py, deepseek_v2.py)
+closely enough that the sum matches the parameters of sglang's own model built on the meta device
+for that rank (tests/test_plan_meta.py pins it). What a rank holds is kept per section -- the
+first-stage tensors (embedding), one entry per decoder layer, the last-stage tensors (final norm,
+LM head) -- because a trainer pipeline stage writes only its own layers.
+
+Rules taken from sglang, with why they matter for the bytes:
+- attention is sharded over attention TP = tp / dp (DP attention); KV heads are replicated when
+  attention TP exceeds them (each rank keeps one);
+- the vocabulary is padded to a multiple of 64, or of 64 * shards when that is not divisible;
+  the embedding is sharded over attention TP under DP attention, the LM head only with
+  dp_lm_head; tied embeddings share one tensor;
+- norms, routers (and DeepSeek's fp32 e_score_correction_bias) and MLA's fused
+  q_a/kv_a projection are replicated on every rank;
+- routed experts are split over EP and their intermediate size over MoE TP = tp / ep; dense MLPs
+  and shared experts over full TP.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import P2PWeightsError
+
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+_FP32 = 4
+_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
+
+
+class PlanError(P2PWeightsError, ValueError):
+    """A plan request that cannot describe a real cluster (zero GPUs, TP not dividing heads, ...).
+
+    The message names the flag to change and how.
+    """
+
+
+DENSE = ("Qwen3ForCausalLM",)
+MOE = ("Qwen3MoeForCausalLM",)
+MLA = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE + MOE + MLA
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one engine shards the model: sglang's --tp, --ep, --dp (with --enable-dp-attention),
+    --enable-dp-lm-head, and whether shared experts are fused into the routed experts."""
+
+    tp: int
+    ep: int = 1
+    dp: int = 1
+    dp_lm_head: bool = False
+    fused_shared_experts: bool = False
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tp // self.dp
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.ep
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.dp > 1:
+            parts.append(f"dp={self.dp}")
+        if self.dp_lm_head:
+            parts.append("dp_lm_head=1")
+        if self.fused_shared_experts:
+            parts.append("fused_shared_experts=1")
+        return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Parameter bytes of one engine rank: first-stage tensors, one entry per decoder layer,
+    last-stage tensors."""
+
+    first: int
+    layers: tuple[int, ...]
+    last: int
+
+    @property
+    def total(self) -> int:
+        return self.first + sum(self.layers) + self.last
+
+    def of_layers(self, start: int, end: int, *, first: bool, last: bool) -> int:
+        """Bytes of the pipeline stage holding layers [start, end)."""
+        return (self.first if first else 0) + sum(self.layers[start:end]) + (self.last if last else 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The fields of an HF config.json that decide how many bytes each shard holds."""
+
+    architecture: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    # MoE (Qwen3-MoE and DeepSeek)
+    experts: int = 0
+    moe_intermediate: int = 0
+    # DeepSeek: MLA and which layers are MoE
+    shared_experts: int = 0
+    first_k_dense: int = 0
+    moe_layer_freq: int = 1
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router_bias_fp32: bool = False
+    router_fp32: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.architecture in MLA:
+            return "mla"
+        return "moe" if self.architecture in MOE else "dense"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.kind == "moe":
+            return True  # sglang 0.5.23 builds every Qwen3-MoE layer sparse
+        if self.kind == "mla":
+            return self.experts > 0 and layer >= self.first_k_dense and layer % self.moe_layer_freq == 0
+        return False
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """An HF config.json, given the file or the folder holding it."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise PlanError(f"--model: no config.json at {path!r}; pass a model folder or its config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """Read the sharding-relevant fields of an HF config (a dict of config.json)."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise PlanError(
+            f"--model: unknown architecture {arch!r}; the cost model knows "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Set \"architectures\" in config.json to one of them "
+            "if the model is built the same way."
+        )
+    c = config
+    heads = int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    common = dict(
+        architecture=arch,
+        hidden=hidden,
+        layers=int(c["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        vocab=int(c["vocab_size"]),
+        intermediate=int(c["intermediate_size"]),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)),
+    )
+    if arch in MOE:
+        return ModelShape(**common, experts=int(c["num_experts"]), moe_intermediate=int(c["moe_intermediate_size"]))
+    if arch in MLA:
+        return ModelShape(
+            **common,
+            experts=int(c.get("n_routed_experts") or 0),
+            moe_intermediate=int(c.get("moe_intermediate_size") or 0),
+            shared_experts=int(c.get("n_shared_experts") or 0),
+            first_k_dense=int(c.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(c.get("moe_layer_freq") or 1),
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=int(c["kv_lora_rank"]),
+            qk_nope_head_dim=int(c["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(c["qk_rope_head_dim"]),
+            v_head_dim=int(c["v_head_dim"]),
+            router_bias_fp32=c.get("topk_method") == "noaux_tc",
+            router_fp32=bool(c.get("router_fp32", False)),
+        )
+    return ModelShape(**common)
+
+
+def check_layout(shape: ModelShape, layout: ShardLayout, flag: str = "--engine") -> None:
+    """Refuse a shard layout sglang would refuse (or build wrong), naming the flag to fix."""
+    if layout.tp < 1:
+        raise PlanError(f"{flag}: tp={layout.tp}; an engine needs at least one GPU")
+    for name, value in (("ep", layout.ep), ("dp", layout.dp)):
+        if value < 1 or layout.tp % value:
+            raise PlanError(f"{flag}: {name}={value} must divide tp={layout.tp}; pick a divisor of tp")
+    if shape.heads % layout.attn_tp:
+        raise PlanError(
+            f"{flag}: attention TP {layout.attn_tp} (tp/dp) does not divide the {shape.heads} attention "
+            f"heads of {shape.architecture}; use a tp/dp that divides {shape.heads}"
+        )
+    if shape.kind != "mla":
+        kv, atp = shape.kv_heads, layout.attn_tp
+        if (kv >= atp and kv % atp) or (kv < atp and atp % kv):
+            raise PlanError(
+                f"{flag}: attention TP {atp} and the {kv} KV heads must divide one another; change tp or dp"
+            )
+    if shape.experts:
+        if shape.experts % layout.ep:
+            raise PlanError(f"{flag}: ep={layout.ep} does not divide the {shape.experts} experts; pick a divisor")
+        if shape.moe_intermediate % layout.moe_tp:
+            raise PlanError(
+                f"{flag}: MoE TP {layout.moe_tp} (tp/ep) does not divide moe_intermediate_size "
+                f"{shape.moe_intermediate}; raise ep"
+            )
+        if layout.tp > shape.experts:
+            raise PlanError(f"{flag}: tp={layout.tp} exceeds the {shape.experts} experts (sglang refuses it)")
+    elif layout.ep > 1:
+        raise PlanError(f"{flag}: ep={layout.ep} on a dense model; drop ep")
+    if layout.fused_shared_experts and shape.shared_experts != 1:
+        raise PlanError(f"{flag}: fused_shared_experts needs a model with one shared expert")
+
+
+def vocab_rows_per_shard(vocab: int, shards: int) -> int:
+    """Rows of the embedding / LM head per shard, with sglang's vocabulary padding."""
+    pad = _VOCAB_PADDING
+    if _round_up(vocab, pad) % shards:
+        pad *= shards
+    return _round_up(vocab, pad) // shards
+
+
+def engine_rank_bytes(shape: ModelShape, layout: ShardLayout, dtype: str = "bf16") -> RankBytes:
+    """Bytes every rank of an engine with this shard layout holds (all ranks hold the same count:
+    sglang shards evenly, padding the vocabulary)."""
+    check_layout(shape, layout)
+    b = DTYPE_BYTES[dtype]
+    h = shape.hidden
+    embed_shards = layout.attn_tp if layout.dp > 1 else layout.tp
+    first = vocab_rows_per_shard(shape.vocab, embed_shards) * h * b
+    last = h * b  # final norm
+    if not shape.tie_word_embeddings:
+        head_shards = layout.attn_tp if layout.dp_lm_head else layout.tp
+        last += vocab_rows_per_shard(shape.vocab, head_shards) * h * b
+    layers = tuple(_layer_bytes(shape, layout, i, b) for i in range(shape.layers))
+    return RankBytes(first=first, layers=layers, last=last)
+
+
+def full_model_bytes(shape: ModelShape, dtype: str = "bf16") -> RankBytes:
+    """Bytes of the unsharded HF tensors (what the broadcast baseline sends): no vocabulary
+    padding, shared experts kept apart."""
+    b = DTYPE_BYTES[dtype]
+    h = shape.hidden
+    layout = ShardLayout(tp=1)
+    last = h * b + (0 if shape.tie_word_embeddings else shape.vocab * h * b)
+    layers = tuple(_layer_bytes(shape, layout, i, b) for i in range(shape.layers))
+    return RankBytes(first=shape.vocab * h * b, layers=layers, last=last)
+
+
+def _layer_bytes(shape: ModelShape, layout: ShardLayout, layer: int, b: int) -> int:
+    h = shape.hidden
+    norms = 2 * h * b  # input_layernorm, post_attention_layernorm
+    attn = _mla_bytes(shape, layout, b) if shape.kind == "mla" else _gqa_bytes(shape, layout, b)
+    if shape.is_moe_layer(layer):
+        ffn = _moe_bytes(shape, layout, b)
+    else:
+        ffn = _mlp_bytes(h, shape.intermediate // layout.tp, b)
+    return norms + attn + ffn
+
+
+def _gqa_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+    h, d = shape.hidden, shape.head_dim
+    q_heads = shape.heads // layout.attn_tp
+    kv_heads = max(1, shape.kv_heads // layout.attn_tp)  # replicated when attention TP exceeds them
+    qkv_out = (q_heads + 2 * kv_heads) * d
+    n = qkv_out * h + h * q_heads * d + 2 * d  # qkv_proj, o_proj, q_norm + k_norm
+    if shape.attention_bias:
+        n += qkv_out + h  # column bias is sharded, row bias is whole
+    return n * b
+
+
+def _mla_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+    h = shape.hidden
+    heads = shape.heads // layout.attn_tp
+    qk_head = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    kv_a = shape.kv_lora_rank + shape.qk_rope_head_dim
+    if shape.q_lora_rank:
+        # fused_qkv_a_proj_with_mqa and both lora norms are replicated; q_b_proj is sharded
+        n = h * (shape.q_lora_rank + kv_a) + shape.q_lora_rank + shape.q_lora_rank * heads * qk_head
+    else:
+        n = h * heads * qk_head + h * kv_a  # q_proj sharded, kv_a_proj_with_mqa replicated
+    n += shape.kv_lora_rank  # kv_a_layernorm
+    n += shape.kv_lora_rank * heads * (shape.qk_nope_head_dim + shape.v_head_dim)  # kv_b_proj
+    n += heads * shape.v_head_dim * h  # o_proj
+    return n * b
+
+
+def _mlp_bytes(hidden: int, intermediate_shard: int, b: int) -> int:
+    return 3 * hidden * intermediate_shard * b  # gate_up_proj + down_proj
+
+
+def _moe_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+    h, e = shape.hidden, shape.experts
+    gate = e * h * (_FP32 if shape.router_fp32 else b)
+    if shape.router_bias_fp32:
+        gate += e * _FP32  # e_score_correction_bias stays fp32
+    local_experts = e // layout.ep
+    shared = 0
+    if shape.shared_experts:
+        if layout.fused_shared_experts:
+            local_experts += shape.shared_experts  # each rank keeps the whole shared expert
+        else:
+            shared = _mlp_bytes(h, shape.moe_intermediate * shape.shared_experts // layout.tp, b)
+    experts = local_experts * _mlp_bytes(h, shape.moe_intermediate // layout.moe_tp, b)
+    return gate + experts + shared
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m

@@ -1,0 +1,237 @@
+"""Which sender writes which engine rank: the rollout-engine rank assignment behind `p2pweights plan`.
+
+Senders are the trainer's data replicas: the ranks that hold the same weights once the trainer has
+gathered them (the ranks of one pipeline stage, or every rank when the trainer gathers PP too).
+Each PP stage's senders write their own stage's parameters to every engine rank, so the rule below
+runs once per stage, over the same senders count and the same targets.
+
+The rule lives in :func:`assign_engine_ranks`. Everything else here describes the cluster.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .model_shapes import ModelShape, PlanError, ShardLayout, check_layout
+
+__all__ = [
+    "Engine",
+    "Plan",
+    "PlanError",
+    "SenderTargets",
+    "TrainerLayout",
+    "assign_engine_ranks",
+    "make_plan",
+    "stage_layers",
+]
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer's parallelism: GPUs in all, TP, PP, EP, and whether it gathers PP as well
+    (then every rank holds the whole model and there is one stage of senders)."""
+
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_gathered: bool = False
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages whose senders write separately."""
+        return 1 if self.pp_gathered else self.pp
+
+    @property
+    def senders_per_stage(self) -> int:
+        return self.gpus // self.stages
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One rollout engine: its GPU count (one engine rank per GPU) and its shard layout."""
+
+    gpus: int
+    layout: ShardLayout
+
+
+@dataclass
+class SenderTargets:
+    """One engine rank a sender prepares (loads into its slots once) and the engines it writes
+    those bytes to."""
+
+    sender: int
+    engine_rank: int
+    layout: ShardLayout
+    engines: list[int] = field(default_factory=list)
+
+
+def assign_engine_ranks(senders: int, engines: Sequence[Engine]) -> list[SenderTargets]:
+    """Give every (engine, engine rank) exactly one of ``senders`` senders.
+
+    1. Every sender first gets one target, in order (engine 0 rank 0, rank 1, ..., engine 1 ...),
+       so that all senders write in parallel.
+    2. Each remaining target goes to a sender that already prepares that same engine rank of the
+       same shard layout -- the one writing to the fewest engines so far (lowest index on a tie) --
+       so its bytes are prepared once and written to one more engine.
+    3. Else it goes round robin over the senders.
+
+    Engine ranks of different shard layouts hold different bytes, so "the same engine rank" means
+    the same rank index *and* layout. Returns one entry per (sender, engine rank, layout), ordered
+    by sender, then by when the sender first got that engine rank.
+    """
+    if senders < 1:
+        raise PlanError("--trainer: no senders; gpus must be at least the number of PP stages")
+    by_sender: list[list[SenderTargets]] = [[] for _ in range(senders)]
+    writes = [0] * senders  # engines each sender writes to, counted per engine rank
+    # (layout, engine rank) -> heap of (writes when pushed, sender, its entry); entries go stale
+    # when that sender gains writes elsewhere and are refreshed when they surface.
+    preparing: dict[tuple[ShardLayout, int], list[tuple[int, int, SenderTargets]]] = {}
+    next_first = 0
+    round_robin = 0
+
+    def give(sender: int, engine: int, rank: int, layout: ShardLayout) -> None:
+        entry = SenderTargets(sender, rank, layout, [engine])
+        by_sender[sender].append(entry)
+        writes[sender] += 1
+        heapq.heappush(preparing.setdefault((layout, rank), []), (writes[sender], sender, entry))
+
+    for engine, (gpus, layout) in enumerate((e.gpus, e.layout) for e in engines):
+        for rank in range(gpus):
+            if next_first < senders:  # 1. one each, in order
+                give(next_first, engine, rank, layout)
+                next_first += 1
+                continue
+            heap = preparing.get((layout, rank))
+            if heap:  # 2. a sender already preparing this engine rank, fewest engines first
+                while heap[0][0] != writes[heap[0][1]]:
+                    _, sender, entry = heapq.heappop(heap)
+                    heapq.heappush(heap, (writes[sender], sender, entry))
+                _, sender, entry = heapq.heappop(heap)
+                entry.engines.append(engine)
+                writes[sender] += 1
+                heapq.heappush(heap, (writes[sender], sender, entry))
+                continue
+            give(round_robin, engine, rank, layout)  # 3. round robin
+            round_robin = (round_robin + 1) % senders
+    return [entry for entries in by_sender for entry in entries]
+
+
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) decoder layers of each trainer pipeline stage: as even as possible, the last
+    stages taking one extra layer each (sglang's and Megatron's even split)."""
+    if stages > layers:
+        raise PlanError(
+            f"--trainer: pp={stages} is more PP stages than the model's {layers} layers; use pp <= {layers}"
+        )
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage >= stages - extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+@dataclass
+class Plan:
+    """The assignment for every PP stage. Each stage has the same senders and the same targets, so
+    the rule runs once and :meth:`entries` stamps the stage on it."""
+
+    trainer: TrainerLayout
+    engines: list[Engine]
+    per_stage: list[SenderTargets]
+    stage_bounds: list[tuple[int, int]]
+
+    def entries(self) -> Iterator[tuple[int, SenderTargets]]:
+        """(pp_stage, entry) for every engine rank a sender of any stage prepares."""
+        for stage in range(self.trainer.stages):
+            for entry in self.per_stage:
+                yield stage, entry
+
+    @property
+    def engine_ranks(self) -> int:
+        return sum(e.gpus for e in self.engines)
+
+    @property
+    def active_senders_per_stage(self) -> int:
+        return len({e.sender for e in self.per_stage})
+
+    @property
+    def max_engines_per_sender(self) -> int:
+        """The most engine-rank writes one sender makes in a stage."""
+        counts: dict[int, int] = {}
+        for e in self.per_stage:
+            counts[e.sender] = counts.get(e.sender, 0) + len(e.engines)
+        return max(counts.values())
+
+    @property
+    def max_engine_ranks_per_sender(self) -> int:
+        """The most engine ranks one sender prepares in a stage."""
+        counts: dict[int, int] = {}
+        for e in self.per_stage:
+            counts[e.sender] = counts.get(e.sender, 0) + 1
+        return max(counts.values())
+
+    def senders_json(self) -> list[dict]:
+        return [
+            {"sender": e.sender, "pp_stage": stage, "engine_rank": e.engine_rank, "engines": list(e.engines)}
+            for stage, e in self.entries()
+        ]
+
+
+def make_plan(
+    trainer: TrainerLayout,
+    engines: Sequence[Engine],
+    shape: ModelShape | None = None,
+) -> Plan:
+    """Check the cluster description and assign engine ranks for every PP stage."""
+    _check_trainer(trainer, shape)
+    if not engines:
+        raise PlanError("--engines: no engines; give at least one, e.g. --engines 2x8")
+    for i, engine in enumerate(engines):
+        if engine.gpus < 1:
+            raise PlanError(f"--engines: engine {i} has {engine.gpus} GPUs; every engine needs at least one")
+        if engine.layout.tp != engine.gpus:
+            raise PlanError(
+                f"--engine: tp={engine.layout.tp} but engine {i} has {engine.gpus} GPUs; "
+                "leave tp out (it defaults to each engine's GPU count) or make them equal"
+            )
+        if shape is not None:
+            check_layout(shape, engine.layout)
+    layers = shape.layers if shape is not None else max(trainer.pp, 1)
+    bounds = stage_layers(layers, trainer.stages)
+    per_stage = assign_engine_ranks(trainer.senders_per_stage, engines)
+    return Plan(trainer=trainer, engines=list(engines), per_stage=per_stage, stage_bounds=bounds)
+
+
+def _check_trainer(trainer: TrainerLayout, shape: ModelShape | None) -> None:
+    t = trainer
+    if t.gpus < 1:
+        raise PlanError(f"--trainer: gpus={t.gpus}; the trainer needs at least one GPU")
+    for name, value in (("tp", t.tp), ("pp", t.pp), ("ep", t.ep)):
+        if value < 1:
+            raise PlanError(f"--trainer: {name}={value} must be at least 1")
+    if t.gpus % (t.tp * t.pp):
+        raise PlanError(
+            f"--trainer: gpus={t.gpus} is not a multiple of tp*pp={t.tp * t.pp}; make gpus = tp*pp*dp"
+        )
+    if (t.gpus // t.pp) % t.ep:
+        raise PlanError(
+            f"--trainer: ep={t.ep} does not divide the {t.gpus // t.pp} ranks of a PP stage; pick a divisor"
+        )
+    if shape is None:
+        return
+    if shape.heads % t.tp:
+        raise PlanError(
+            f"--trainer: tp={t.tp} does not divide the {shape.heads} attention heads of "
+            f"{shape.architecture}; use a tp that divides {shape.heads}"
+        )
+    if t.pp > shape.layers:
+        raise PlanError(
+            f"--trainer: pp={t.pp} is more PP stages than the model's {shape.layers} layers; "
+            f"use pp <= {shape.layers}"
+        )
+    if shape.experts and shape.experts % t.ep:
+        raise PlanError(f"--trainer: ep={t.ep} does not divide the {shape.experts} experts; pick a divisor")
