@@ -228,6 +228,18 @@ def check_layout(shape: ModelShape, layout: ShardLayout, flag: str = "--engine")
         raise PlanError(f"{flag}: fused_shared_experts needs a model with one shared expert")
 
 
+def fuses_shared_experts_by_default(shape: ModelShape, ep: int) -> bool:
+    """Whether sglang 0.5.23 fuses the shared expert into the routed experts when the engine is
+    started without --disable/--enforce-shared-experts-fusion, on an NVIDIA GPU (sm80+) with an
+    unquantized checkpoint: only DeepSeek-V3's own shape (256 experts, one shared), without EP."""
+    return (
+        shape.architecture == "DeepseekV3ForCausalLM"
+        and shape.experts == 256
+        and shape.shared_experts == 1
+        and ep == 1
+    )
+
+
 def vocab_rows_per_shard(vocab: int, shards: int) -> int:
     """Rows of the embedding / LM head per shard, with sglang's vocabulary padding."""
     pad = _VOCAB_PADDING

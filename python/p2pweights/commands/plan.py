@@ -1,12 +1,182 @@
-"""`p2pweights plan` (not built yet)."""
+"""`p2pweights plan`: who sends what to which engine rank, and predicted seconds (P2P vs broadcast).
+
+Every flag is documented in docs/plan.md.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+from ..cost_model import HOST_DEVICE_GBPS, NIC_GBPS, Cost, Links, predict
+from ..model_shapes import (
+    DTYPE_BYTES,
+    ModelShape,
+    PlanError,
+    ShardLayout,
+    fuses_shared_experts_by_default,
+    load_config,
+    model_shape,
+)
+from ..plan import Engine, Plan, TrainerLayout, make_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--model", required=True, metavar="CONFIG_DIR_OR_JSON",
+                        help="an HF config.json, or the folder holding it")
+    parser.add_argument("--trainer", required=True, metavar="tp=T,pp=P,ep=E,gpus=G",
+                        help="trainer parallelism; gpus is required, tp/pp/ep default to 1")
+    parser.add_argument("--engines", required=True, metavar="NxG[,NxG...]",
+                        help="engines as COUNTxGPUS items, e.g. 2x32 or 3x4,1x2")
+    parser.add_argument("--engine", default="", metavar="tp=T,ep=E,dp=D,...",
+                        help="shard layout of every engine: tp (default: the engine's GPU count), "
+                             "ep (a number or 'tp'), dp (attention DP), dp_lm_head, fused_shared_experts")
+    parser.add_argument("--pp-gathered", action="store_true",
+                        help="the trainer gathers PP too: every trainer rank is a sender of the whole model")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES),
+                        help="dtype of the weights sent and held by the engines (default bf16)")
+    parser.add_argument("--nic-gbps", type=float, default=NIC_GBPS,
+                        help=f"NIC bandwidth per GPU in GB/s, both sides (default {NIC_GBPS:g})")
+    parser.add_argument("--host-device-gbps", type=float, default=HOST_DEVICE_GBPS,
+                        help=f"sender host<->device copy bandwidth in GB/s (default {HOST_DEVICE_GBPS:g})")
+    parser.add_argument("--slots", choices=("host", "gpu"), default="host",
+                        help="where transfer-buffer slots live: host (bytes bounce through pinned host "
+                             "memory, the default) or gpu (GPUDirect RDMA)")
+    parser.add_argument("--json", action="store_true", help="print the plan and cost as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("p2pweights plan: not implemented yet")
+    try:
+        shape = model_shape(load_config(args.model))
+        trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
+        engines = parse_engines(args.engines, args.engine, shape)
+        if args.nic_gbps <= 0 or args.host_device_gbps <= 0:
+            raise PlanError("--nic-gbps / --host-device-gbps: bandwidths must be positive")
+        plan = make_plan(trainer, engines, shape)
+        links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
+                      host_slots=args.slots == "host")
+        cost = predict(plan, shape, links, args.dtype)
+    except PlanError as e:
+        print(f"p2pweights plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan_json(args, shape, plan, cost)))
+    else:
+        print(render(shape, plan, cost, links, args.dtype))
+    return 0
+
+
+def _key_values(text: str, flag: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in allowed:
+            raise PlanError(f"{flag}: cannot read {item!r}; expected key=value with key one of {', '.join(allowed)}")
+        out[key] = value
+    return out
+
+
+def _int(value: str, flag: str, key: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"{flag}: {key}={value!r} is not a whole number") from None
+
+
+def parse_trainer(text: str, *, pp_gathered: bool = False) -> TrainerLayout:
+    """``tp=4,pp=4,ep=16,gpus=64`` -> TrainerLayout."""
+    kv = _key_values(text, "--trainer", ("tp", "pp", "ep", "gpus"))
+    if "gpus" not in kv:
+        raise PlanError("--trainer: gpus is required, e.g. --trainer tp=4,pp=4,gpus=64")
+    n = {k: _int(v, "--trainer", k) for k, v in kv.items()}
+    return TrainerLayout(gpus=n["gpus"], tp=n.get("tp", 1), pp=n.get("pp", 1), ep=n.get("ep", 1),
+                         pp_gathered=pp_gathered)
+
+
+def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = None) -> list[Engine]:
+    """``3x4,1x2`` and ``tp=..,ep=..`` -> one Engine per engine, in order. Without
+    fused_shared_experts, each engine gets sglang's default for ``shape`` and its EP."""
+    kv = _key_values(engine, "--engine", ("tp", "ep", "dp", "dp_lm_head", "fused_shared_experts"))
+    sizes: list[int] = []
+    for item in filter(None, (s.strip() for s in engines.split(","))):
+        count, sep, gpus = item.partition("x")
+        if not sep:
+            count, gpus = "1", item
+        c, g = _int(count, "--engines", "count"), _int(gpus, "--engines", "gpus")
+        if c < 1 or g < 1:
+            raise PlanError(f"--engines: {item!r} has zero engines or zero GPUs; write COUNTxGPUS with both >= 1")
+        sizes += [g] * c
+    if not sizes:
+        raise PlanError("--engines: no engines; give at least one, e.g. --engines 2x8")
+    out = []
+    for gpus in sizes:
+        tp = _int(kv["tp"], "--engine", "tp") if "tp" in kv else gpus
+        ep = tp if kv.get("ep") == "tp" else _int(kv.get("ep", "1"), "--engine", "ep")
+        dp = tp if kv.get("dp") == "tp" else _int(kv.get("dp", "1"), "--engine", "dp")
+        layout = ShardLayout(
+            tp=tp, ep=ep, dp=dp,
+            dp_lm_head=bool(_int(kv.get("dp_lm_head", "0"), "--engine", "dp_lm_head")),
+            fused_shared_experts=(
+                bool(_int(kv["fused_shared_experts"], "--engine", "fused_shared_experts"))
+                if "fused_shared_experts" in kv
+                else shape is not None and fuses_shared_experts_by_default(shape, ep)
+            ),
+        )
+        out.append(Engine(gpus=gpus, layout=layout))
+    return out
+
+
+def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost) -> dict:
+    t = plan.trainer
+    return {
+        "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype},
+        "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "pp_gathered": t.pp_gathered},
+        "engines": [{"engine": i, "gpus": e.gpus, "layout": e.layout.describe()} for i, e in enumerate(plan.engines)],
+        "summary": {
+            "pp_stages": t.stages,
+            "senders_per_stage": t.senders_per_stage,
+            "active_senders_per_stage": plan.active_senders_per_stage,
+            "engine_ranks": plan.engine_ranks,
+            "max_engine_ranks_per_sender": plan.max_engine_ranks_per_sender,
+            "max_engines_per_sender": plan.max_engines_per_sender,
+        },
+        "senders": plan.senders_json(),
+        "cost": cost.as_json(),
+    }
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) -> str:
+    t = plan.trainer
+    layouts = sorted({e.layout.describe() for e in plan.engines})
+    lines = [
+        f"model      {shape.architecture}, {shape.layers} layers, {dtype}",
+        f"trainer    {t.gpus} GPUs tp={t.tp} pp={t.pp} ep={t.ep}"
+        + (" (PP gathered)" if t.pp_gathered else ""),
+        f"engines    {len(plan.engines)} engines, {plan.engine_ranks} engine ranks; layouts: {'; '.join(layouts)}",
+        f"senders    {t.senders_per_stage} per PP stage x {t.stages} stage(s); "
+        f"{plan.active_senders_per_stage} per stage write",
+        f"fan-out    a sender prepares at most {plan.max_engine_ranks_per_sender} engine rank(s) and makes at most "
+        f"{plan.max_engines_per_sender} engine-rank write(s) per stage",
+        f"links      NIC {links.nic_gbps:g} GB/s per GPU, host<->device {links.host_device_gbps:g} GB/s, "
+        f"slots in {'host' if links.host_slots else 'GPU'} memory",
+        "",
+        f"{'quantity':<40} {'value':>14}",
+        f"{'bytes per engine rank (max)':<40} {_gb(cost.bytes_per_engine_rank_max):>14}",
+        f"{'bytes prepared per sender (max)':<40} {_gb(cost.bytes_prepared_per_sender_max):>14}",
+        f"{'bytes written per sender (max)':<40} {_gb(cost.bytes_per_sender_max):>14}",
+        f"{'full model (broadcast per GPU)':<40} {_gb(cost.full_model_bytes):>14}",
+    ]
+    for link, seconds in cost.seconds_by_link:
+        lines.append(f"{'  time on ' + link:<40} {seconds:>12.3f} s")
+    lines += [
+        f"{'P2P predicted':<40} {cost.p2p_seconds:>12.3f} s",
+        f"{'broadcast predicted':<40} {cost.broadcast_seconds:>12.3f} s",
+        f"{'wire floor':<40} {cost.floor_seconds:>12.3f} s",
+        f"{'bottleneck':<40} {cost.bottleneck:>14}",
+        f"{'speed-up over broadcast':<40} {cost.broadcast_seconds / cost.p2p_seconds:>13.1f}x",
+    ]
+    return "\n".join(lines)

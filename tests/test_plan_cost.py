@@ -1,0 +1,150 @@
+"""The cost model: bytes per engine rank for real shapes, and the predictions built on them."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pweights.cost_model import ENGINE_NIC, SENDER_HOST_COPY, SENDER_NIC, Links, predict
+from p2pweights.model_shapes import (
+    PlanError,
+    ShardLayout,
+    engine_rank_bytes,
+    fuses_shared_experts_by_default,
+    full_model_bytes,
+    load_config,
+    model_shape,
+    vocab_rows_per_shard,
+)
+from p2pweights.plan import Engine, TrainerLayout, make_plan
+
+MODELS = "/work/shared/models"
+
+
+def shape_of(name: str):
+    folder = f"benchmarks/models/{name}" if name in ("qwen3-235b-a22b", "kimi-k2") else f"{MODELS}/{name}"
+    return model_shape(load_config(folder))
+
+
+@pytest.mark.parametrize(
+    "model, layout, gigabytes",
+    [  # the table of /work/shared/models/README.md, measured on sglang's meta models
+        ("qwen3-0.6b", ShardLayout(tp=1), 1.192),
+        ("qwen3-4b", ShardLayout(tp=2), 4.023),
+        ("qwen3-30b-a3b", ShardLayout(tp=8, ep=8), 7.681),
+        ("deepseek-v3", ShardLayout(tp=8, ep=8), 169.561),
+    ],
+)
+def test_bytes_per_engine_rank_match_the_shared_models_table(model, layout, gigabytes):
+    assert round(engine_rank_bytes(shape_of(model), layout).total / 1e9, 3) == gigabytes
+
+
+@pytest.mark.parametrize(
+    "model, params",
+    [("qwen3-235b-a22b", 235.09e9), ("kimi-k2", 1026.41e9), ("deepseek-v3", 671.03e9), ("qwen3-30b-a3b", 30.53e9)],
+)
+def test_full_model_has_its_published_parameter_count(model, params):
+    assert full_model_bytes(shape_of(model)).total / 2 == pytest.approx(params, rel=1e-4)
+
+
+def test_vocabulary_padding_follows_sglang():
+    assert vocab_rows_per_shard(151936, 8) == 151936 // 8  # 151936 is a multiple of 64 * 8
+    assert vocab_rows_per_shard(1000, 1) == 1024  # padded to 64
+    assert vocab_rows_per_shard(1000, 2) == 512
+    assert vocab_rows_per_shard(1030, 4) == 1088 // 4
+    assert vocab_rows_per_shard(1030, 3) == 1152 // 3  # 1088 does not split in 3: pad to 64 * 3
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    shape = shape_of("qwen3-235b-a22b")  # 4 KV heads
+    tp4, tp32 = (engine_rank_bytes(shape, ShardLayout(tp=t, ep=t)) for t in (4, 32))
+    # one KV head per rank from TP4 on: K and V projections stop shrinking
+    kv_bytes = 2 * 128 * 4096 * 2
+    q_o_tp32 = 2 * (64 // 32) * 128 * 4096 * 2
+    attn32 = tp32.layers[0] - (2 * 4096 * 2) - (2 * 128 * 2)
+    experts32 = 128 // 32 * 3 * 4096 * 1536 * 2 + 128 * 4096 * 2
+    assert attn32 - experts32 == q_o_tp32 + kv_bytes
+    assert tp4.total > tp32.total
+
+
+def test_dp_attention_shards_attention_over_tp_over_dp():
+    shape = shape_of("deepseek-v3")
+    plain = engine_rank_bytes(shape, ShardLayout(tp=8, ep=8))
+    dp8 = engine_rank_bytes(shape, ShardLayout(tp=8, ep=8, dp=8))  # attention TP 1: whole attention
+    assert dp8.layers[10] > plain.layers[10]
+    assert dp8.first == 129280 * 7168 * 2  # embedding whole: sharded over attention TP 1
+    assert dp8.last == plain.last  # LM head still over full TP without dp_lm_head
+
+
+def test_shared_expert_fusion_default_is_sglangs():
+    assert fuses_shared_experts_by_default(shape_of("deepseek-v3"), ep=1)
+    assert not fuses_shared_experts_by_default(shape_of("deepseek-v3"), ep=8)
+    assert not fuses_shared_experts_by_default(shape_of("kimi-k2"), ep=1)  # 384 experts: only quark
+
+
+def test_engine_layout_errors_name_the_flag():
+    with pytest.raises(PlanError, match="--engine: ep=3 must divide tp=8"):
+        engine_rank_bytes(shape_of("qwen3-30b-a3b"), ShardLayout(tp=8, ep=3))
+    with pytest.raises(PlanError, match="--engine: ep=2 on a dense model"):
+        engine_rank_bytes(shape_of("qwen3-4b"), ShardLayout(tp=2, ep=2))
+    with pytest.raises(PlanError, match="--engine: attention TP 3 .* does not divide the 16 attention heads"):
+        engine_rank_bytes(shape_of("qwen3-0.6b"), ShardLayout(tp=3))
+    odd_kv = dataclasses.replace(shape_of("qwen3-0.6b"), heads=12, kv_heads=6)
+    with pytest.raises(PlanError, match="--engine: attention TP 4 and the 6 KV heads"):
+        engine_rank_bytes(odd_kv, ShardLayout(tp=4))
+
+
+def plan_for(model, trainer, engines, ep_equals_tp=True):
+    shape = shape_of(model)
+    layouts = [Engine(g, ShardLayout(tp=g, ep=g if ep_equals_tp else 1)) for g in engines]
+    return shape, make_plan(trainer, layouts, shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pp=st.sampled_from([1, 2, 4, 8]),
+    dp=st.integers(1, 16),
+    engines=st.lists(st.sampled_from([4, 8, 16, 32]), min_size=1, max_size=6),
+    host_slots=st.booleans(),
+)
+def test_p2p_never_beats_the_wire_floor_and_names_its_bottleneck(pp, dp, engines, host_slots):
+    shape, plan = plan_for("qwen3-235b-a22b", TrainerLayout(gpus=pp * dp * 4, tp=4, pp=pp), engines)
+    cost = predict(plan, shape, Links(host_slots=host_slots))
+    assert cost.p2p_seconds >= cost.floor_seconds
+    assert cost.p2p_seconds == dict(cost.seconds_by_link)[cost.bottleneck]
+    assert (SENDER_HOST_COPY in dict(cost.seconds_by_link)) == host_slots
+    assert cost.broadcast_seconds == pytest.approx(full_model_bytes(shape).total / 50e9)
+    # a sender writes what it prepares at least once
+    assert cost.bytes_per_sender_max >= cost.bytes_prepared_per_sender_max
+
+
+def test_stage_bytes_add_up_to_the_engine_rank():
+    shape = shape_of("deepseek-v3")
+    rank = engine_rank_bytes(shape, ShardLayout(tp=32, ep=32))
+    _, plan = plan_for("deepseek-v3", TrainerLayout(gpus=256, tp=8, pp=4, ep=32), [32] * 8)
+    stages = plan.stage_bounds
+    total = sum(rank.of_layers(s, e, first=i == 0, last=i == len(stages) - 1) for i, (s, e) in enumerate(stages))
+    assert total == rank.total
+
+
+def test_one_sender_per_engine_rank_is_engine_nic_bound():
+    # 64 senders, 8 engines of 8 ranks: no fan-out, sender and engine carry the same bytes
+    shape, plan = plan_for("qwen3-30b-a3b", TrainerLayout(gpus=64, pp=1), [8] * 8)
+    cost = predict(plan, shape, Links(host_slots=False))
+    assert cost.bottleneck == ENGINE_NIC and cost.p2p_seconds == cost.floor_seconds
+
+
+def test_few_senders_fanning_out_are_sender_nic_bound():
+    shape, plan = plan_for("qwen3-30b-a3b", TrainerLayout(gpus=8, tp=8), [8] * 8)
+    cost = predict(plan, shape, Links())
+    assert plan.max_engines_per_sender == 8
+    assert cost.bottleneck == SENDER_NIC
+    assert cost.p2p_seconds == pytest.approx(8 * cost.floor_seconds)
+
+
+def test_slow_host_copies_become_the_bottleneck():
+    shape, plan = plan_for("qwen3-30b-a3b", TrainerLayout(gpus=8, tp=8), [8])
+    cost = predict(plan, shape, Links(host_device_gbps=5))
+    assert cost.bottleneck == SENDER_HOST_COPY
