@@ -1,0 +1,73 @@
+"""Parameter groups: the connected components of HF names and parameters.
+
+A group is the unit the sender loads: once every HF tensor of a group has arrived, the replica's
+loaders can produce every byte of its parameters (q/k/v → qkv_proj, gate/up → gate_up_proj,
+all local experts of a layer → w13/w2). Each group has a fixed layout inside a transfer slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .hf_checkpoint import TensorSpec
+
+SLOT_ALIGNMENT = 256  # bytes; every parameter starts at a multiple of this inside a slot
+
+
+@dataclass(frozen=True)
+class SlotRegion:
+    """Where one parameter's bytes sit in a slot, for the writer."""
+
+    param_name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    index: int
+    params: tuple[str, ...]  # engine parameter names, in the model's order
+    hf_names: tuple[str, ...]  # every HF tensor the group's loaders read
+    regions: tuple[SlotRegion, ...]  # one per parameter, same order as params
+
+    @property
+    def nbytes(self) -> int:
+        """Slot bytes the group needs (with alignment padding)."""
+        last = self.regions[-1]
+        return last.offset + last.nbytes
+
+
+def _align(n: int, to: int = SLOT_ALIGNMENT) -> int:
+    return (n + to - 1) // to * to
+
+
+def build_groups(sources: Mapping[str, list[str]], param_specs: Mapping[str, TensorSpec]) -> list[ParameterGroup]:
+    """Connected components over (parameter — HF name) edges; parameter order is kept."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for pname, hf_names in sources.items():
+        for hf in hf_names:
+            a, b = find("p:" + pname), find("h:" + hf)
+            if a != b:
+                parent[a] = b
+    members: dict[str, list[str]] = {}
+    for pname in sources:  # dict order = model order
+        members.setdefault(find("p:" + pname), []).append(pname)
+    groups = []
+    for index, params in enumerate(members.values()):
+        hf: dict[str, None] = {}
+        for p in params:
+            hf.update(dict.fromkeys(sources[p]))
+        regions, offset = [], 0
+        for p in params:
+            n = param_specs[p].nbytes
+            regions.append(SlotRegion(p, offset, n))
+            offset = _align(offset + n)
+        groups.append(ParameterGroup(index, tuple(params), tuple(hf), tuple(regions)))
+    return groups

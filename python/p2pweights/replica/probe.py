@@ -1,0 +1,175 @@
+"""The loader probe: which HF tensors reach which parameter, learned by running the replica's own
+loaders on meta tensors.
+
+Each HF input is a meta tensor with a tag. A ``TorchDispatchMode`` sees every aten op the
+loaders run and passes the union of its inputs' tags to its outputs, keyed by storage, so tags
+follow data through views, ``narrow``, ``cat`` (DeepSeek's ``fused_qkv_a_proj_with_mqa``),
+copies, dtype casts and arithmetic. After ``load_weights``, a parameter's storage holds the tags
+of every HF name whose data reached it. Nothing is allocated: all of it is on the meta device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..errors import UnsupportedLayout
+from .hf_checkpoint import TensorSpec
+from .sglang_env import activate
+
+if TYPE_CHECKING:
+    import torch
+
+# Ops whose output takes an input's shape or dtype, not its data.
+_SHAPE_ONLY_OPS = {
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "new_empty",
+    "new_empty_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "detach",  # shares storage anyway; nothing new flows
+}
+
+
+def _storage_key(t: "torch.Tensor") -> int:
+    return t.untyped_storage()._cdata
+
+
+class _DataFlow:
+    """Built lazily (torch imports stay out of module import)."""
+
+    def __new__(cls) -> Any:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class DataFlow(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tags: dict[int, set[int]] = {}
+                # keep every tensor seen alive so a storage key is never reused mid-probe
+                self.alive: list[torch.Tensor] = []
+
+            def tag(self, t: torch.Tensor, tag: int) -> None:
+                self.tags.setdefault(_storage_key(t), set()).add(tag)
+                self.alive.append(t)
+
+            def tags_of(self, t: torch.Tensor) -> set[int]:
+                return self.tags.get(_storage_key(t), set())
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if func.__name__.split(".")[0] in _SHAPE_ONLY_OPS:
+                    return out
+                tags = self.tags
+                flowing: set[int] = set()
+                for leaf in _tensors((args, kwargs.values())):
+                    found = tags.get(_storage_key(leaf))
+                    if found:
+                        flowing |= found
+                if flowing:
+                    targets = list(_tensors(out))
+                    # in-place and out= ops write into their mutable arguments
+                    for i, arg in enumerate(func._schema.arguments):
+                        if arg.alias_info is not None and arg.alias_info.is_write:
+                            value = args[i] if i < len(args) else kwargs.get(arg.name)
+                            targets += _tensors(value)
+                    for x in targets:
+                        tags.setdefault(_storage_key(x), set()).update(flowing)
+                        self.alive.append(x)
+                return out
+
+        def _tensors(value: Any) -> list:
+            """Tensors in an op's arguments or results: flat, or inside lists/tuples (cat)."""
+            if isinstance(value, torch.Tensor):
+                return [value]
+            if isinstance(value, (list, tuple, type({}.values()))):
+                found = []
+                for v in value:
+                    found += _tensors(v)
+                return found
+            return []
+
+        return DataFlow()
+
+
+@dataclass
+class LoaderMapping:
+    """What the probe learned for one replica: which HF names feed which parameter."""
+
+    sources: dict[str, list[str]]  # parameter name -> HF names whose data reaches it
+    param_specs: dict[str, TensorSpec]  # parameter name -> shape/dtype on the engine rank
+    hf_specs: dict[str, TensorSpec]  # every HF name the probe fed
+    ignored: list[str] = field(default_factory=list)  # HF names the loaders drop for this rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sources": self.sources,
+            "param_specs": {k: [list(v.shape), v.dtype] for k, v in self.param_specs.items()},
+            "hf_specs": {k: [list(v.shape), v.dtype] for k, v in self.hf_specs.items()},
+            "ignored": self.ignored,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "LoaderMapping":
+        def specs(d: Mapping[str, Any]) -> dict[str, TensorSpec]:
+            return {k: TensorSpec(tuple(s), dt) for k, (s, dt) in d.items()}
+
+        return cls(
+            sources={k: list(v) for k, v in data["sources"].items()},
+            param_specs=specs(data["param_specs"]),
+            hf_specs=specs(data["hf_specs"]),
+            ignored=list(data["ignored"]),
+        )
+
+
+def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) -> LoaderMapping:
+    """Run ``model.load_weights`` on meta HF inputs and record the data flow into parameters.
+
+    Raises :class:`UnsupportedLayout` naming every parameter no HF name reaches: the engine
+    holds it, so a sender could never write it.
+    """
+    import torch
+
+    names = list(hf_specs)
+    flow = _DataFlow()
+    inputs = []
+    for i, name in enumerate(names):
+        spec = hf_specs[name]
+        t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
+        flow.tag(t, i)
+        inputs.append((name, t))
+    params = dict(model.named_parameters())
+    if any(p.device.type != "meta" for p in params.values()):
+        raise ValueError("probe_loaders needs a replica on the meta device")
+    with activate(model), flow:
+        model.load_weights(iter(inputs))
+    params = dict(model.named_parameters())  # a loader may have replaced a parameter's data
+    sources: dict[str, list[str]] = {}
+    reached: set[int] = set()
+    for pname, p in params.items():
+        tags = flow.tags_of(p)
+        reached |= tags
+        sources[pname] = [names[i] for i in sorted(tags)]
+    uncovered = [p for p, s in sources.items() if not s]
+    if uncovered:
+        shown = ", ".join(uncovered[:8]) + (f" (+{len(uncovered) - 8} more)" if len(uncovered) > 8 else "")
+        raise UnsupportedLayout(
+            f"{len(uncovered)} parameter(s) of the engine rank are reached by no HF tensor, "
+            f"so a sender could never write them: {shown}"
+        )
+    return LoaderMapping(
+        sources=sources,
+        param_specs={n: TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in params.items()},
+        hf_specs=dict(hf_specs),
+        ignored=[names[i] for i in range(len(names)) if i not in reached],
+    )

@@ -1,0 +1,346 @@
+"""One meta replica per (model, shard layout, engine rank), its loader mapping, and filling slots.
+
+``ModelReplicas.get(config, engine, rank)`` returns the process's one :class:`ModelReplica` of
+that shard layout (invariant 7): built on the meta device, probed once, and cached in memory and
+(optionally) on disk. ``ModelReplica.materialize_group`` runs the replica's own loaders on one
+complete parameter group, writing straight into a transfer slot. There is never a full copy of
+the model: only meta parameters, the slot, and the group's HF inputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
+from . import sglang_env
+from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
+from .hf_checkpoint import TensorSpec, checkpoint_tensors, load_config
+from .layout import EngineLayout
+from .probe import LoaderMapping, probe_loaders
+
+if TYPE_CHECKING:
+    import torch
+
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ReplicaKey:
+    """Model config hash + shard layout + engine rank (+ role, for drafts later)."""
+
+    config_hash: str
+    layout: EngineLayout
+    rank: int
+    role: str = "target"
+
+    def digest(self) -> str:
+        import sglang
+
+        from .. import __version__
+
+        text = json.dumps(
+            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, sglang.__version__, __version__],
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def config_hash(config: Any) -> str:
+    return hashlib.sha256(json.dumps(load_config(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ModelReplica:
+    """The sglang model of one engine rank on meta, and what its loaders do with HF tensors."""
+
+    def __init__(self, config: Any, engine: EngineLayout, rank: int, mapping: LoaderMapping,
+                 model: "torch.nn.Module | None" = None, key: ReplicaKey | None = None):
+        self.config_dir = sglang_env.config_dir_of(config)
+        self.engine = engine
+        self.rank = rank
+        self.mapping = mapping
+        self.key = key
+        self._model = model
+        self._model_lock = threading.Lock()
+        self._sites: dict[str, list[tuple[Any, str]]] | None = None
+        self.groups: list[ParameterGroup] = build_groups(mapping.sources, mapping.param_specs)
+        self._group_of_hf: dict[str, ParameterGroup] = {}
+        for g in self.groups:
+            for hf in g.hf_names:
+                self._group_of_hf[hf] = g
+        self._ignored = frozenset(mapping.ignored)
+
+    # -- connect-time facts -------------------------------------------------------------------
+    @property
+    def model(self) -> "torch.nn.Module":
+        """The meta model; built on first use when the mapping came from the disk cache."""
+        with self._model_lock:
+            if self._model is None:
+                self._model = sglang_env.build_model(self.config_dir, self.engine, self.rank)
+                built = {n: TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                         for n, p in self._model.named_parameters()}
+                if built != self.mapping.param_specs:
+                    raise LayoutMismatch(
+                        f"replica of {self.engine.describe()} rank {self.rank} no longer matches its cached "
+                        "mapping (different sglang build?); clear the replica cache"
+                    )
+            return self._model
+
+    @property
+    def hf_specs(self) -> dict[str, TensorSpec]:
+        """Every HF tensor of the checkpoint the probe fed (the names a sender may push)."""
+        return self.mapping.hf_specs
+
+    @property
+    def param_specs(self) -> dict[str, TensorSpec]:
+        """Engine parameter name → shape and dtype on this rank (``.nbytes`` = numel × size)."""
+        return self.mapping.param_specs
+
+    @property
+    def ignored_hf_names(self) -> frozenset[str]:
+        """HF names whose data this rank does not hold (other EP ranks' experts, MTP layers of a
+        target model); pushing them is fine and writes nothing here."""
+        return self._ignored
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self.mapping.param_specs)
+
+    def param_nbytes(self, name: str) -> int:
+        """numel × element size of an engine parameter (compare with what the engine published)."""
+        try:
+            return self.mapping.param_specs[name].nbytes
+        except KeyError:
+            raise LayoutMismatch(f"parameter {name} is not held by {self.engine.describe()} rank {self.rank}") from None
+
+    def param_nbytes_all(self) -> dict[str, int]:
+        return {n: s.nbytes for n, s in self.mapping.param_specs.items()}
+
+    def check_published(self, published: Mapping[str, int]) -> None:
+        """Compare the engine's published ``{param_name: numel × element size}`` with the replica.
+
+        Raises :class:`LayoutMismatch` naming each parameter that differs, is missing on either
+        side — e.g. an engine on a GPU that fused DeepSeek's shared expert while this host's
+        sglang decided not to (pass ``enforce_shared_experts_fusion`` or
+        ``disable_shared_experts_fusion`` explicitly then).
+        """
+        mine = self.param_nbytes_all()
+        problems = [f"{n}: replica {mine[n]} B, engine {published[n]} B" for n in mine if n in published and mine[n] != published[n]]
+        problems += [f"{n}: the engine published no such parameter" for n in mine if n not in published]
+        problems += [f"{n}: the replica has no such parameter" for n in published if n not in mine]
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+            raise LayoutMismatch(f"engine rank {self.rank} ({self.engine.describe()}) differs from its replica: {shown}")
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.mapping.param_specs.values())
+
+    @property
+    def largest_group_nbytes(self) -> int:
+        """Slot bytes the largest parameter group needs: the smallest usable slot size."""
+        return max(g.nbytes for g in self.groups)
+
+    def group_of(self, hf_name: str) -> ParameterGroup | None:
+        """The group an HF tensor feeds; None if this rank does not hold its data (another
+        expert-parallel rank's expert, an MTP layer the target model skips)."""
+        group = self._group_of_hf.get(hf_name)
+        if group is None and hf_name not in self._ignored:
+            raise UnknownParameter(
+                f"HF tensor {hf_name} is not in the checkpoint of {self.engine.describe()} rank {self.rank}'s model"
+            )
+        return group
+
+    # -- update time ----------------------------------------------------------------------------
+    def materialize_group(
+        self, group: ParameterGroup, hf_tensors: Mapping[str, "torch.Tensor"], slot: "torch.Tensor",
+        offset: int = 0,
+    ) -> list[SlotRegion]:
+        """Run the replica's loaders on one complete group, writing its parameters into ``slot``.
+
+        ``slot`` is a 1-D uint8 tensor (a view of a transfer slot, host or GPU memory); the group
+        takes ``group.nbytes`` from ``offset`` on (a multiple of 256, so several groups can share
+        a slot). Returns (parameter name, offset in ``slot``, bytes) per parameter. The
+        parameters point into the slot only while the loaders run; they keep their class and
+        attributes, and are meta again afterwards. HF tensors may be on the CPU or the slot's device.
+        """
+        import torch
+
+        missing = [n for n in group.hf_names if n not in hf_tensors]
+        if missing:
+            raise MissingTensors(f"parameter group {group.index} ({group.params[0]}, ...) still misses {missing}")
+        extra = [n for n in hf_tensors if n not in group.hf_names]
+        if extra:
+            raise UnknownParameter(f"HF tensors {extra} do not belong to parameter group {group.index}")
+        if slot.dtype != torch.uint8 or slot.dim() != 1 or slot.numel() < offset + group.nbytes:
+            raise LayoutMismatch(
+                f"slot must be 1-D uint8 with {group.nbytes} bytes free from offset {offset}, "
+                f"got {slot.dtype} {tuple(slot.shape)}")
+        if offset % SLOT_ALIGNMENT:
+            raise LayoutMismatch(f"group offset {offset} in the slot is not a multiple of {SLOT_ALIGNMENT}")
+        regions = [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in group.regions]
+        model = self.model
+        if self._sites is None:
+            self._sites = sglang_env.parameter_sites(model)
+        params = dict(model.named_parameters())
+        views, installed = [], []
+        for region in regions:
+            old = params[region.param_name]
+            spec = self.mapping.param_specs[region.param_name]
+            view = slot[region.offset:region.offset + region.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
+            view.zero_()  # padding rows some loaders leave untouched must not carry old bytes
+            new = sglang_env.rebuild_parameter(old, view)
+            sglang_env.install_parameter(self._sites[region.param_name], new)
+            views.append(view)
+            installed.append((region.param_name, old, new))
+        derived = _DerivedState(model, group.params)
+        try:
+            with sglang_env.activate(model):
+                model.load_weights(iter([(n, hf_tensors[n]) for n in group.hf_names]))
+            for region, view in zip(regions, views):
+                # a loader may have rebound .data (or replaced the parameter): copy it back
+                module, attr = self._sites[region.param_name][0]
+                current = module._parameters[attr]
+                if current.data.data_ptr() != view.data_ptr():
+                    if tuple(current.shape) != tuple(view.shape) or current.dtype != view.dtype:
+                        raise LayoutMismatch(
+                            f"loader of {region.param_name} produced {tuple(current.shape)} {current.dtype}, "
+                            f"the engine holds {tuple(view.shape)} {view.dtype}"
+                        )
+                    view.copy_(current.data)
+        finally:
+            for name, old, _ in installed:
+                sglang_env.install_parameter(self._sites[name], old)
+            derived.restore()
+        return regions
+
+    load_group = materialize_group  # the sender's word for it
+
+
+class _DerivedState:
+    """Loaders also compute derived tensors (DeepSeek's w_kc/w_vc from kv_b_proj) as plain module
+    attributes. The engine recomputes those itself at end_weight_update; the replica must not keep
+    them pointing into a slot, so they are put back after each group."""
+
+    def __init__(self, model: "torch.nn.Module", params: Iterable[str]):
+        import torch
+
+        # the owning module's parent (self_attn for kv_b_proj.weight), never the whole model
+        prefixes = {p.rsplit(".", 2)[0] if p.count(".") >= 3 else p.rsplit(".", 1)[0] for p in params}
+        self.saved: list[tuple[Any, dict[str, Any]]] = []
+        for prefix in prefixes:
+            try:
+                module = model.get_submodule(prefix)
+            except AttributeError:
+                continue
+            for sub in module.modules():
+                state = {k: v for k, v in vars(sub).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+                self.saved.append((sub, state))
+
+    def restore(self) -> None:
+        import torch
+
+        for module, state in self.saved:
+            for k, v in list(vars(module).items()):
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and k not in state:
+                    delattr(module, k)
+            for k, v in state.items():
+                object.__setattr__(module, k, v)
+
+
+class ModelReplicas:
+    """The process's replicas, one per (model config, shard layout, engine rank).
+
+    ``cache_dir`` (or ``P2PW_REPLICA_CACHE_DIR``) also keeps each loader mapping on disk, keyed
+    by a hash of the model config, the layout, the rank and the sglang version; a process that
+    finds it there skips the probe and builds the meta model only when it first loads a group.
+    """
+
+    def __init__(self, cache_dir: str | None = None):
+        self.cache_dir = cache_dir if cache_dir is not None else os.environ.get("P2PW_REPLICA_CACHE_DIR") or None
+        self._replicas: dict[ReplicaKey, ModelReplica] = {}
+        self._lock = threading.Lock()
+        self.builds = 0  # replicas built and probed in this process
+        self.disk_hits = 0
+        self.last_timings: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, config: Any, engine: EngineLayout, rank: int,
+            hf_specs: Mapping[str, TensorSpec] | None = None) -> ModelReplica:
+        """The replica of engine rank ``rank`` of an engine with layout ``engine`` (built once).
+
+        ``hf_specs`` defaults to the config's published checkpoint (``checkpoint_tensors``).
+        """
+        engine.check_supported()
+        key = ReplicaKey(config_hash(config), engine, rank)
+        with self._lock:
+            replica = self._replicas.get(key)
+            if replica is not None:
+                return replica
+            replica = self._load_from_disk(config, engine, rank, key)
+            if replica is None:
+                replica = self._build(config, engine, rank, key, hf_specs)
+            self._replicas[key] = replica
+            return replica
+
+    def clear(self) -> None:
+        with self._lock:
+            self._replicas.clear()
+
+    def _build(self, config: Any, engine: EngineLayout, rank: int, key: ReplicaKey,
+               hf_specs: Mapping[str, TensorSpec] | None) -> ModelReplica:
+        t0 = time.perf_counter()
+        model = sglang_env.build_model(config, engine, rank)
+        t1 = time.perf_counter()
+        mapping = probe_loaders(model, hf_specs if hf_specs is not None else checkpoint_tensors(config))
+        t2 = time.perf_counter()
+        replica = ModelReplica(config, engine, rank, mapping, model=model, key=key)
+        self.last_timings = {"build_s": t1 - t0, "probe_s": t2 - t1, "groups_s": time.perf_counter() - t2}
+        self.builds += 1
+        self._save_to_disk(key, mapping)
+        return replica
+
+    def _cache_path(self, key: ReplicaKey) -> str | None:
+        if not self.cache_dir:
+            return None
+        return os.path.join(self.cache_dir, f"replica-{key.digest()}.json")
+
+    def _load_from_disk(self, config: Any, engine: EngineLayout, rank: int, key: ReplicaKey) -> ModelReplica | None:
+        path = self._cache_path(key)
+        if not path or not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                mapping = LoaderMapping.from_json(json.load(f))
+        except (OSError, ValueError, KeyError):
+            return None  # a damaged cache entry is rebuilt, never trusted
+        self.disk_hits += 1
+        return ModelReplica(config, engine, rank, mapping, key=key)
+
+    def _save_to_disk(self, key: ReplicaKey, mapping: LoaderMapping) -> None:
+        path = self._cache_path(key)
+        if not path:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(mapping.to_json(), f)
+        os.replace(tmp, path)
+
+
+_DEFAULT: ModelReplicas | None = None
+
+
+def model_replicas() -> ModelReplicas:
+    """The process-wide :class:`ModelReplicas` (invariant 7: one replica per shard layout)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = ModelReplicas()
+    return _DEFAULT
