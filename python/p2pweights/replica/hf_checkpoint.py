@@ -65,16 +65,45 @@ def checkpoint_tensors(config: Any) -> dict[str, TensorSpec]:
     return out
 
 
+_POOL_ELEMENTS = 16_777_259  # a prime: TP/EP shards of a tensor never line up with the pool's period
+_pools: dict[str, Any] = {}
+
+
+def _pool(dtype: str) -> Any:
+    """Normally distributed values, made once per process and dtype (randn of a whole real-size
+    checkpoint costs seconds per GB on 2 cores; slicing a pool costs a memcpy)."""
+    import torch
+
+    pool = _pools.get(dtype)
+    if pool is None:
+        gen = torch.Generator().manual_seed(0x5EED)
+        pool = torch.randn(_POOL_ELEMENTS, generator=gen, dtype=torch.float32).to(getattr(torch, dtype))
+        _pools[dtype] = pool
+    return pool
+
+
 def random_tensor(name: str, spec: TensorSpec, seed: int = 0) -> Any:
     """A random CPU tensor for one HF name; the same name, spec and seed give the same bytes, so
-    two loading paths can each make their inputs without holding the whole checkpoint."""
+    two loading paths (a sender and an engine's reference) each make their inputs without holding
+    the whole checkpoint. Values are a window of a fixed random pool starting at a hash of
+    (seed, name), wrapping around: distinct per name and seed, and unaligned across shards."""
     import hashlib
 
     import torch
 
     digest = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
-    gen = torch.Generator().manual_seed(digest & ((1 << 63) - 1))
-    return torch.randn(spec.shape, generator=gen, dtype=torch.float32).to(getattr(torch, spec.dtype))
+    pool = _pool(spec.dtype)
+    n = 1
+    for d in spec.shape:
+        n *= d
+    out = torch.empty(n, dtype=pool.dtype)
+    start, filled = digest % _POOL_ELEMENTS, 0
+    while filled < n:
+        take = min(n - filled, _POOL_ELEMENTS - start)
+        out[filled:filled + take].copy_(pool[start:start + take])
+        filled += take
+        start = 0
+    return out.view(spec.shape)
 
 
 def random_checkpoint(specs: Mapping[str, TensorSpec], seed: int = 0) -> Iterator[tuple[str, Any]]:
