@@ -1,0 +1,392 @@
+"""WeightSender: the trainer's API. connect(engines) once, then per training step::
+
+    with sender.update(version=step) as update:
+        for hf_name, tensor in trainer_state_dict_in_hf_names():
+            update.push(hf_name, tensor)
+    print(update.report)
+
+Each PP stage (and each data replica, ``sender_index`` of ``num_senders``) runs its own sender; the
+planner's rule (:func:`p2pweights.plan.assign_engine_ranks`) picks the engine ranks it prepares
+and the engines it writes them to. A parameter group is loaded, by the replica's own sglang
+loaders, into a transfer slot as soon as all its HF inputs arrived; full slots go to the native
+writer while the next one fills. Engines are told to end the update and bump their version only
+after every write succeeded.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from . import transport as transports
+from .buffers import TransferBuffers, slot_size
+from .config import Settings, format_size, settings
+from .engines import SglangEngine, UpdateSession
+from .errors import LayoutMismatch, P2PWeightsError, UpdateFailed
+from .plan import Engine as PlanEngine
+from .plan import assign_engine_ranks, stage_layers
+from .stager import GroupStager
+from .transport.publication import EnginePublication
+from .writer import PipelinedWriter, WriteReport
+
+
+@dataclass
+class _Target:
+    """One engine rank this sender writes: which engine, which writer id, what it published."""
+
+    engine: SglangEngine
+    rank: int
+    writer_id: int
+    publication: EnginePublication
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine.name}/rank{self.rank}"
+
+
+@dataclass
+class _Prepared:
+    """One engine rank this sender prepares (loads once) and the engines it writes those bytes to."""
+
+    layout_key: str
+    rank: int
+    replica: Any
+    stager: GroupStager
+    targets: list[_Target] = field(default_factory=list)
+
+
+@dataclass
+class EngineRankReport:
+    engine: str
+    rank: int
+    bytes: int
+    seconds: float
+    gbps: float
+    state: str
+    error: str = ""
+
+
+@dataclass
+class UpdateReport:
+    version: str
+    seconds: float  # from pause returning (or update start without control) to the update returning
+    bytes: int
+    groups: int
+    slots: int
+    staging_seconds: float  # in push(), outside the loaders: checks and staging
+    loading_seconds: float  # the replica's loaders filling slots
+    writing_seconds: float  # longest engine's first post to last completion
+    waiting_seconds: float  # blocked on a free slot or on the last writes
+    control_seconds: float  # engine control plane (begin/end/version/continue), outside `seconds`'s writes
+    engines: list[EngineRankReport]
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"update {self.version}: {format_size(self.bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s); "
+            f"{self.groups} groups in {self.slots} slots; loading {self.loading_seconds:.3f} s, writing "
+            f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s"
+        ]
+        for e in self.engines:
+            lines.append(f"  {e.engine} rank {e.rank}: {format_size(e.bytes)} {e.seconds:.3f} s {e.gbps:.2f} GB/s {e.state}"
+                         + (f" ({e.error})" if e.error else ""))
+        return "\n".join(lines)
+
+
+def stage_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_size: int) -> list[str]:
+    """The HF names a trainer PP stage holds: its decoder layers; embeddings on the first stage;
+    the final norm, lm_head and any MTP layers (index >= num_layers) on the last."""
+    if pp_size == 1:
+        return list(hf_names)
+    start, end = stage_layers(num_layers, pp_size)[pp_stage]
+    out = []
+    for name in hf_names:
+        parts = name.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts) and parts[parts.index("layers") + 1].isdigit():
+            i = int(parts[parts.index("layers") + 1])
+            stage = pp_size - 1 if i >= num_layers else next(s for s, (a, b) in enumerate(stage_layers(num_layers, pp_size)) if a <= i < b)
+            if stage == pp_stage:
+                out.append(name)
+        elif "embed_tokens" in name:
+            if pp_stage == 0:
+                out.append(name)
+        elif pp_stage == pp_size - 1:
+            out.append(name)
+    return out
+
+
+class WeightSender:
+    """Writes a trainer rank's weights into the engine ranks the planner gives it.
+
+    model: the HF config (directory, config.json path or dict) the engines serve.
+    sender_index / num_senders: this rank among the data replicas of its PP stage.
+    pp_stage / pp_size: the trainer's pipeline stage; the sender pushes only that stage's tensors.
+    Other keywords override P2PW_ settings (see p2pweights.config).
+    """
+
+    def __init__(self, model: Any, *, sender_index: int = 0, num_senders: int = 1, pp_stage: int = 0,
+                 pp_size: int = 1, replicas: Any = None, **overrides: Any):
+        from .replica import ModelReplicas
+        from .replica.hf_checkpoint import load_config
+
+        if not 0 <= sender_index < num_senders:
+            raise ValueError(f"sender_index {sender_index} is not in [0, num_senders={num_senders})")
+        if not 0 <= pp_stage < pp_size:
+            raise ValueError(f"pp_stage {pp_stage} is not in [0, pp_size={pp_size})")
+        self.model = model
+        self.config = load_config(model)
+        self.sender_index, self.num_senders = sender_index, num_senders
+        self.pp_stage, self.pp_size = pp_stage, pp_size
+        self.settings: Settings = settings(**overrides)
+        self.replicas = replicas if replicas is not None else ModelReplicas()
+        self._transport = None
+        self._buffers: TransferBuffers | None = None
+        self._writer: PipelinedWriter | None = None
+        self._prepared: list[_Prepared] = []
+        self._engines: list[SglangEngine] = []
+        self._next_writer_id = 0
+        self._closed = False
+
+    # -- connect ---------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[SglangEngine]:
+        return list(self._engines)
+
+    def connect(self, engines: Sequence[SglangEngine | str]) -> None:
+        """Plan, build (or reuse) replicas, connect every target engine rank. Call again with a new
+        engine list (or after an engine restarted): replicas are reused, connections rebuilt."""
+        if self._closed:
+            raise P2PWeightsError("WeightSender is closed")
+        clients = [e if isinstance(e, SglangEngine) else SglangEngine(e) for e in engines]
+        from .replica.layout import EngineLayout
+
+        layouts = [EngineLayout.from_server_info(c.server_info()) for c in clients]
+        plan = assign_engine_ranks(self.num_senders, [PlanEngine(l.world_size, l.key) for l in layouts])
+        mine = [p for p in plan if p.sender == self.sender_index]
+        self._disconnect_all()
+        prepared: list[_Prepared] = []
+        for entry in mine:
+            layout = layouts[entry.engines[0]]
+            replica = self.replicas.get(self.model, layout, entry.engine_rank)
+            expected = stage_hf_names(replica.hf_specs, int(self.config["num_hidden_layers"]), self.pp_stage, self.pp_size)
+            stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs, expected,
+                                 where=f"{layout.describe()} rank {entry.engine_rank}")
+            prepared.append(_Prepared(layout.key, entry.engine_rank, replica, stager))
+        largest = max((max((g.nbytes for g in p.replica.groups), default=0) for p in prepared), default=0)
+        self._ensure_buffers(largest)
+        for p, entry in zip(prepared, mine):
+            for e in entry.engines:
+                client = clients[e]
+                pub = EnginePublication.from_json(client.transfer_engine_info(entry.engine_rank))
+                self._check_publication(p, client, pub)
+                target = _Target(client, entry.engine_rank, self._next_writer_id, pub)
+                self._next_writer_id += 1
+                transports.attach_engine(self._transport, self._writer, target.writer_id, target.name, pub)
+                p.targets.append(target)
+        self._prepared = prepared
+        self._engines = clients
+
+    def _check_publication(self, p: _Prepared, client: SglangEngine, pub: EnginePublication) -> None:
+        pub.check_transport(self.settings.transport, engine=client.name)
+        missing = [n for n in p.replica.param_specs if n not in pub.params]
+        if missing:
+            raise LayoutMismatch(
+                f"engine '{client.name}' rank {p.rank} published no region for {len(missing)} parameter(s) of its "
+                f"layout, e.g. {missing[0]!r}; is it serving the same model and flags ({client.base_url})?")
+        for name, spec in p.replica.param_specs.items():
+            pub.target(name, spec.nbytes, engine=f"{client.name} rank {p.rank}")
+
+    def _ensure_buffers(self, largest_group: int) -> None:
+        need = slot_size(self.settings.buffer_size, largest_group)
+        if self._buffers is not None and self._buffers.slot_bytes >= need:
+            return
+        if self._buffers is not None:
+            # Slots must grow: this only happens when a new, larger layout joins.
+            self._writer.close()
+            self._transport.deregister_memory(self._buffers.address)
+            self._buffers.close()
+        if self._transport is None:
+            self._transport = transports.make_sender_transport(self.settings.transport)
+        self._buffers = TransferBuffers(need, self.settings.num_slots, pin=self.settings.pin,
+                                        device=self.settings.buffer_device)
+        self._transport.register_memory(self._buffers.address, self._buffers.total_bytes, self._buffers.location)
+        self._writer = PipelinedWriter(self._transport, self._buffers, transfer_timeout=self.settings.transfer_timeout)
+
+    def _disconnect_all(self) -> None:
+        for p in self._prepared:
+            for t in p.targets:
+                try:
+                    transports.detach_engine(self._transport, self._writer, t.writer_id)
+                except P2PWeightsError:
+                    pass  # already gone
+        self._prepared = []
+
+    # -- update ----------------------------------------------------------------------------------
+    def update(self, version: Any, *, control: bool = True) -> "Update":
+        """An update as a context manager. control=True drives the engines' update session
+        (pause, begin; end, version, continue on success) — leave it to one coordinator when
+        several senders write to the same engines (control=False on the others)."""
+        if not self._prepared:
+            raise P2PWeightsError("connect(engines) before update()")
+        return Update(self, version, control)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._disconnect_all()
+        if self._writer is not None:
+            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
+        if self._buffers is not None:
+            self._buffers.close()
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn("WeightSender was not closed; call close()", ResourceWarning, stacklevel=2)
+
+
+class Update:
+    """One weight update in flight: push() every HF tensor of this sender's stage, then finish()."""
+
+    def __init__(self, sender: WeightSender, version: Any, control: bool):
+        self._s = sender
+        self.version = str(version)
+        self._control = control
+        self._session: UpdateSession | None = None
+        self.report: UpdateReport | None = None
+        self._slot: int | None = None
+        self._slot_tensor = None
+        self._cursor = 0
+        self._rows: list[tuple[int, int, int, int]] = []
+        self._groups = self._slots = 0
+        self._t_stage = self._t_load = self._t_wait = self._t_control = 0.0
+        self._finished = False
+        for p in sender._prepared:
+            p.stager.reset()
+        if control:
+            t0 = time.perf_counter()
+            self._session = UpdateSession(sender.engines, self.version)
+            self._session.open()  # pause + begin; the measured time starts when this returns
+            self._t_control += time.perf_counter() - t0
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> "Update":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        elif not self._finished:
+            self._abort(f"{exc_type.__name__}: {exc}")
+
+    def push(self, hf_name: str, tensor: Any) -> None:
+        """Stage one full HF tensor (CPU or GPU, any order); complete groups are loaded at once."""
+        t0 = time.perf_counter()
+        completed = []
+        for p in self._s._prepared:
+            done = p.stager.push(hf_name, tensor)
+            if done is not None:
+                completed.append((p, done))
+        self._t_stage += time.perf_counter() - t0
+        for p, (group_index, tensors) in completed:
+            self._load(p, p.replica.groups[group_index], tensors)
+
+    def push_many(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        for name, t in named_tensors:
+            self.push(name, t)
+
+    def _load(self, p: _Prepared, group: Any, tensors: dict[str, Any]) -> None:
+        w = self._s._writer
+        if self._slot is not None and self._cursor + group.nbytes > w.buffers.slot_bytes:
+            self._submit()
+        if self._slot is None:
+            t0 = time.perf_counter()
+            self._slot = w.acquire()
+            self._t_wait += time.perf_counter() - t0
+            self._slot_tensor = w.buffers.slot_tensor(self._slot)
+            self._cursor = 0
+        t0 = time.perf_counter()
+        regions = p.replica.load_group(group, tensors, self._slot_tensor, self._cursor)
+        self._t_load += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
+        for t in p.targets:
+            self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
+        self._cursor = -(-(self._cursor + group.nbytes) // 256) * 256
+        self._groups += 1
+        self._t_stage += time.perf_counter() - t0
+
+    def _submit(self) -> None:
+        if self._slot is None:
+            return
+        w = self._s._writer
+        if self._slot_tensor is not None and self._slot_tensor.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(self._slot_tensor.device).synchronize()  # loaders' copies land before the NIC reads
+        if self._rows:
+            w.submit(self._slot, self._rows)
+            self._slots += 1
+        else:
+            w.release_slot(self._slot)
+        self._slot, self._slot_tensor, self._rows = None, None, []
+
+    def finish(self) -> UpdateReport:
+        """Waits for every write; then (with control) ends the update and bumps the version on every
+        engine. Raises MissingTensors or UpdateFailed (naming each failed engine) otherwise."""
+        if self._finished:
+            if self.report is None:
+                raise P2PWeightsError("this update already failed")
+            return self.report
+        w = self._s._writer
+        try:
+            for p in self._s._prepared:
+                p.stager.check_complete()
+            self._submit()
+        except BaseException as e:
+            self._abort(str(e))
+            raise
+        t0 = time.perf_counter()
+        rep: WriteReport = w.finish(raise_on_failure=False)
+        self._t_wait += time.perf_counter() - t0
+        if rep.failures:
+            self._abort("; ".join(f"{n}: {why}" for n, why in rep.failures.items()))
+            raise UpdateFailed(rep.failures, rep)
+        write_seconds = max((e.seconds for e in rep.engines), default=0.0)
+        if self._session is not None:
+            t0 = time.perf_counter()
+            self._session.commit()  # end_weight_update, update_weight_version, continue_generation
+            self._t_control += time.perf_counter() - t0
+        seconds = time.perf_counter() - self._t0
+        self._finished = True
+        by_id = {e.engine: e for e in rep.engines}
+        engines = []
+        for p in self._s._prepared:
+            for t in p.targets:
+                e = by_id[t.writer_id]
+                engines.append(EngineRankReport(t.engine.name, t.rank, e.bytes, e.seconds, e.gbps, e.state, e.error))
+        self.report = UpdateReport(self.version, seconds, rep.bytes, self._groups, self._slots, self._t_stage,
+                                   self._t_load, write_seconds, self._t_wait, self._t_control, engines)
+        return self.report
+
+    def _abort(self, reason: str) -> None:
+        self._finished = True
+        w = self._s._writer
+        if self._slot is not None:
+            w.release_slot(self._slot)
+            self._slot = None
+        w.finish(raise_on_failure=False)  # every write returned before the slots are reused
+        if self._session is not None:
+            self._session.abort(reason)
