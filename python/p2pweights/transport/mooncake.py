@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Busy, NotFound, RemoteDisconnected, TransportError
@@ -122,7 +122,6 @@ class _Request:
 @dataclass
 class _Peer:
     session: str
-    abandoned: list[int] = field(default_factory=list)  # released while in flight
 
 
 class MooncakeBackend:
@@ -224,26 +223,24 @@ class MooncakeBackend:
         if req.error:
             return req.error
         still = []
-        for bid in req.pending:
+        for i, bid in enumerate(req.pending):
             rc = self.engine.transfer_check_status(bid)  # frees the batch on 1 (done) and -1 (failed)
             if rc == 1:
                 continue
             if rc == 0:
                 still.append(bid)
-            elif rc == -1:
-                # The rest of this request cannot succeed; its other writes are abandoned.
-                self._abandon(req.session, [b for b in req.pending if b != bid and b not in still] + still)
-                req.pending = []
-                if _peer_alive(req.session):
-                    req.error = (TRANSPORT_ERROR, f"a Mooncake write to {req.session} failed")
-                else:
-                    req.error = (REMOTE_DISCONNECTED, f"Mooncake peer {req.session} is gone (connection lost)")
-                return req.error
-            else:  # -2: Mooncake's own timeout (slice deadline), if configured
-                self._abandon(req.session, [b for b in req.pending if b != bid and b not in still] + still + [bid])
-                req.pending = []
+                continue
+            # The rest of this request cannot succeed; its other writes are abandoned (reaped later).
+            rest = still + req.pending[i + 1:] + ([bid] if rc != -1 else [])
+            self._abandon(req.session, rest)
+            req.pending = []
+            if rc != -1:  # -2: Mooncake's own timeout, where one is configured
                 req.error = (TIMEOUT, f"Mooncake reported a timeout writing to {req.session}")
-                return req.error
+            elif _peer_alive(req.session):
+                req.error = (TRANSPORT_ERROR, f"a Mooncake write to {req.session} failed")
+            else:
+                req.error = (REMOTE_DISCONNECTED, f"Mooncake peer {req.session} is gone (connection lost)")
+            return req.error
         req.pending = still
         return IN_PROGRESS if still else DONE
 

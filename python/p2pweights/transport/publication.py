@@ -142,6 +142,12 @@ class EnginePublication:
             d["location"] = self.location or "cpu"
         return d
 
+    def extra(self) -> dict[str, Any]:
+        """The keys served next to ``rank`` and ``remote_instance_transfer_engine_info`` (none for
+        Mooncake; ``transport``, ``agent_metadata``, ``location`` for NIXL): the ``extra`` of
+        ``ReceiverServer.register_transfer_engine_info``."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("rank", "remote_instance_transfer_engine_info")}
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 

@@ -1,0 +1,140 @@
+"""Transports: Mooncake Transfer Engine and NVIDIA NIXL behind the native pipelined writer.
+
+Sender side::
+
+    transport = make_sender_transport("mooncake")          # a _native.Transport
+    transport.register_memory(buffers.address, buffers.total_bytes, buffers.location)  # once per process
+    pub = EnginePublication.from_json(http_get(".../remote_instance_transfer_engine_info?rank=0"))
+    attach_engine(transport, writer, engine=0, name="engine0/rank0", publication=pub)
+    rows = param_writes(pub, 0, "engine0/rank0", [("model.norm.weight", slot_offset, nbytes), ...])
+    writer.submit(slot, rows)
+
+Receiver side (an engine rank)::
+
+    ep = make_receiver_endpoint("mooncake")
+    ep.register(region_addr, region_bytes, "cuda:0")
+    publish(ep.publication(params_table(model.named_parameters()), rank=tp_rank).to_json())
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol
+
+from .. import _native
+from ..config import TRANSPORTS, settings
+from .publication import (
+    EnginePublication,
+    ParamTarget,
+    merge_regions,
+    params_table,
+)
+
+__all__ = [
+    "EnginePublication",
+    "ParamTarget",
+    "ReceiverEndpoint",
+    "attach_engine",
+    "detach_engine",
+    "make_backend",
+    "make_receiver_endpoint",
+    "make_sender_transport",
+    "merge_regions",
+    "param_writes",
+    "params_table",
+]
+
+
+class ReceiverEndpoint(Protocol):
+    """What an engine rank uses: register its weight memory, then publish."""
+
+    name: str
+
+    @property
+    def peer(self) -> str: ...  # Mooncake session id "ip:rpc_port" / NIXL agent name
+
+    def register(self, addr: int, length: int, location: str = "cpu") -> None: ...
+
+    def deregister(self, addr: int) -> None: ...
+
+    def publication(self, params: dict[str, Any], rank: int | None = 0) -> EnginePublication: ...
+
+    def close(self) -> None: ...
+
+
+def _check_name(name: str) -> str:
+    if name not in TRANSPORTS and name != "loopback":
+        raise ValueError(f"unknown transport {name!r}; expected one of {', '.join(TRANSPORTS)} (or loopback for tests)")
+    return name
+
+
+def make_backend(name: str, **opts: Any):
+    """The Python backend object (the protocol PyTransport calls) for mooncake or nixl."""
+    if _check_name(name) == "mooncake":
+        from .mooncake import MooncakeBackend
+
+        return MooncakeBackend(**opts)
+    if name == "nixl":
+        from .nixl import NixlBackend
+
+        if opts.get("backend") is None:
+            opts["backend"] = settings().nixl_backend
+        return NixlBackend(**opts)
+    raise ValueError(f"{name} has no Python backend")
+
+
+def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Transport":
+    """A native Transport for the sender: loopback (in-process, tests), mooncake or nixl.
+
+    name defaults to P2PW_TRANSPORT (mooncake). Options go to the backend:
+    mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin), agent_name.
+    """
+    name = _check_name(name or settings().transport)
+    if name == "loopback":
+        return _native.LoopbackTransport()
+    return _native.PyTransport(make_backend(name, **opts))
+
+
+def make_receiver_endpoint(name: str | None = None, **opts: Any) -> ReceiverEndpoint:
+    """The engine rank's endpoint for mooncake or nixl (same options as the sender's backend)."""
+    name = _check_name(name or settings().transport)
+    if name == "mooncake":
+        from .mooncake import MooncakeReceiver
+
+        return MooncakeReceiver(**opts)
+    if name == "nixl":
+        from .nixl import NixlReceiver
+
+        return NixlReceiver(**opts)
+    raise ValueError("the loopback transport has no receiver endpoint")
+
+
+def attach_engine(transport: "_native.Transport", writer: Any, engine: int, name: str,
+                  publication: EnginePublication) -> None:
+    """Connect an engine rank from its publication and add it to the writer with its regions.
+
+    Rejects a publication for another transport (WrongTransport) before connecting.
+    """
+    publication.check_transport(transport.name, engine=name)
+    transport.connect(int(engine), publication.descriptor)
+    try:
+        writer.add_engine(int(engine), name, publication.regions)
+    except BaseException:
+        transport.disconnect(int(engine))
+        raise
+
+
+def detach_engine(transport: "_native.Transport", writer: Any, engine: int) -> None:
+    """Remove the engine from the writer (refused while writes are in flight) and disconnect it."""
+    writer.remove_engine(int(engine))
+    transport.disconnect(int(engine))
+
+
+def param_writes(publication: EnginePublication, engine: int, engine_name: str,
+                 entries: Iterable[tuple[str, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Writer rows (slot offset, length, engine, remote address) for (param name, slot offset, source
+    bytes) entries, each checked first: the source byte count must equal the engine's numel x
+    element size (LayoutMismatch naming the engine and parameter otherwise)."""
+    rows = []
+    for param, offset, nbytes in entries:
+        t = publication.target(param, nbytes, engine=engine_name)
+        rows.append((int(offset), int(nbytes), int(engine), t.data_ptr))
+    return rows
