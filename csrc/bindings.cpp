@@ -170,14 +170,17 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("backend", &PyTransport::backend);
 
   py::class_<PipelinedWriter, std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>>(m, "PipelinedWriter")
-      .def(py::init([](Transport* t, TransferBuffer* b, double timeout_s) {
+      .def(py::init([](Transport* t, TransferBuffer* b, double timeout_s, int max_inflight) {
              if (b->closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
              if (!(timeout_s > 0)) check(Status(Code::kInvalidArgument, "transfer timeout must be positive"));
+             if (max_inflight < 1) check(Status(Code::kInvalidArgument, "max_inflight_batches must be at least 1"));
              WriterOptions o;
              o.transfer_timeout_s = timeout_s;
+             o.max_inflight_batches = max_inflight;
              return std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>(new PipelinedWriter(t, b, o));
            }),
            py::arg("transport"), py::arg("buffer"), py::arg("transfer_timeout") = 30.0,
+           py::arg("max_inflight_batches") = 2,
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def_property_readonly("transfer_timeout", &PipelinedWriter::transfer_timeout_s)
       .def("add_engine", [](PipelinedWriter& w, int engine, const std::string& name,

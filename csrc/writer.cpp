@@ -139,60 +139,102 @@ Status PipelinedWriter::submit(int slot, const std::vector<Write>& writes) {
   return Status::Ok();
 }
 
-Status PipelinedWriter::run_batch(Engine* e, const Batch& b) {
-  RequestId req = 0;
-  Status s = transport_->post(e->id, b.writes, &req);
-  if (!s.ok()) return s;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(options_.transfer_timeout_s);
-  double sleep_s = options_.poll_min_sleep_s;
-  for (;;) {
-    s = transport_->poll(req);
-    if (!s.in_progress()) break;
-    if (Clock::now() >= deadline) {
-      transport_->release(req);  // cancels the in-flight write; the slot may be reused after this
-      return Status(Code::kTimeout, "a write of " + std::to_string(b.bytes) + " bytes was still running after " +
-                                        std::to_string(options_.transfer_timeout_s) + " s (transfer timeout); cancelled");
-    }
-    std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
-    sleep_s = std::min(sleep_s * 2, options_.poll_max_sleep_s);
+void PipelinedWriter::batch_returned(Engine* e, const Batch& b, const Status& s) {
+  EngineReport& r = e->report;
+  e->last_done = Clock::now();
+  r.batches += 1;
+  if (s.ok()) {
+    r.bytes += b.bytes;
+    r.writes += b.writes.size();
+    if (r.state != "failed") r.state = "ok";
+  } else if (r.state != "failed") {
+    r.state = "failed";
+    r.code = s.code();
+    r.error = s.message().empty() ? code_name(s.code()) : s.message();
   }
-  transport_->release(req);
-  return s;
+  slot_pending_[b.slot] -= 1;
+  slot_cv_.notify_all();
 }
 
 void PipelinedWriter::run_engine(Engine* e) {
+  const size_t max_inflight = static_cast<size_t>(std::max(1, options_.max_inflight_batches));
+  std::deque<InFlight> inflight;  // posted, oldest first; touched by this thread only
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    e->cv.wait(lk, [&] { return e->stop || !e->queue.empty(); });
-    if (e->queue.empty() && e->stop) return;
-    Batch b = std::move(e->queue.front());
-    e->queue.pop_front();
+    if (inflight.empty()) {
+      e->busy = false;
+      slot_cv_.notify_all();
+      e->cv.wait(lk, [&] { return e->stop || !e->queue.empty(); });
+      if (e->queue.empty() && e->stop) return;
+    }
     e->busy = true;
-    EngineReport& r = e->report;
-    if (r.state == "failed" || e->stop) {
-      // A failed engine gets no more writes this update (nor a closing writer); its slots come
-      // free at once.
-      r.skipped_batches += 1;
-    } else {
+    // Post while there is room: a failed (or closing) engine's batches are skipped, so its slots
+    // come free at once and a lost engine costs at most one timeout.
+    while (!e->queue.empty() && inflight.size() < max_inflight) {
+      Batch b = std::move(e->queue.front());
+      e->queue.pop_front();
+      if (e->report.state == "failed" || e->stop) {
+        e->report.skipped_batches += 1;
+        slot_pending_[b.slot] -= 1;
+        slot_cv_.notify_all();
+        continue;
+      }
       if (!e->started) { e->started = true; e->first_post = Clock::now(); }
       lk.unlock();
-      Status s = run_batch(e, b);
+      // The deadline starts before post: some transports (NIXL over cma) copy inside post itself.
+      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(options_.transfer_timeout_s));
+      RequestId req = 0;
+      Status s = transport_->post(e->id, b.writes, &req);
       lk.lock();
-      e->last_done = Clock::now();
-      r.batches += 1;
       if (s.ok()) {
-        r.bytes += b.bytes;
-        r.writes += b.writes.size();
-        r.state = "ok";
+        inflight.push_back(InFlight{std::move(b), req, deadline});
       } else {
-        r.state = "failed";
-        r.code = s.code();
-        r.error = s.message().empty() ? code_name(s.code()) : s.message();
+        batch_returned(e, b, s);
       }
     }
-    slot_pending_[b.slot] -= 1;
-    e->busy = false;
-    slot_cv_.notify_all();
+    if (inflight.empty()) continue;
+    // Poll the oldest first, backing off while nothing changes (no busy waiting on 2 cores).
+    lk.unlock();
+    double sleep_s = options_.poll_min_sleep_s;
+    std::vector<std::pair<size_t, Status>> returned;
+    for (;;) {
+      for (size_t i = 0; i < inflight.size(); ++i) {
+        Status s = transport_->poll(inflight[i].request);
+        if (s.in_progress() && Clock::now() >= inflight[i].deadline) {
+          s = Status(Code::kTimeout, "a write of " + std::to_string(inflight[i].batch.bytes) +
+                                         " bytes was still running after " +
+                                         std::to_string(options_.transfer_timeout_s) +
+                                         " s (transfer timeout); cancelled");
+        }
+        if (!s.in_progress()) {
+          transport_->release(inflight[i].request);  // cancels a timed-out write before the slot is reused
+          returned.emplace_back(i, s);
+        }
+      }
+      if (!returned.empty()) break;
+      std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
+      sleep_s = std::min(sleep_s * 2, options_.poll_max_sleep_s);
+    }
+    lk.lock();
+    bool failed = false;
+    for (auto it = returned.rbegin(); it != returned.rend(); ++it) {
+      batch_returned(e, inflight[it->first].batch, it->second);
+      failed |= !it->second.ok();
+      inflight.erase(inflight.begin() + static_cast<long>(it->first));
+    }
+    if (failed) {
+      // The engine failed: cancel what is still in flight rather than wait for its deadline.
+      lk.unlock();
+      for (auto& f : inflight) transport_->release(f.request);
+      lk.lock();
+      for (auto& f : inflight) {
+        e->report.skipped_batches += 1;
+        slot_pending_[f.batch.slot] -= 1;
+      }
+      inflight.clear();
+      slot_cv_.notify_all();
+    }
   }
 }
 

@@ -40,6 +40,9 @@ struct WriterOptions {
   // Poller backoff (no busy waiting: these machines have 2 cores).
   double poll_min_sleep_s = 20e-6;
   double poll_max_sleep_s = 2e-3;
+  // Batches one engine may have posted and not yet completed. Two hide a transport's fixed cost
+  // per transfer (NIXL's request setup, Mooncake's gaps) behind the previous slot's bytes.
+  int max_inflight_batches = 2;
 };
 
 enum class EngineState { kIdle, kOk, kFailed };
@@ -104,9 +107,14 @@ class PipelinedWriter {
     bool started = false;
     std::chrono::steady_clock::time_point first_post, last_done;
   };
+  struct InFlight {
+    Batch batch;
+    RequestId request;
+    std::chrono::steady_clock::time_point deadline;
+  };
   void run_engine(Engine* e);
   Status check_write(const Write& w) const;  // mu_ held
-  Status run_batch(Engine* e, const Batch& b);  // no lock held
+  void batch_returned(Engine* e, const Batch& b, const Status& s);  // mu_ held
 
   Transport* transport_;
   TransferBuffer* buffer_;

@@ -57,10 +57,12 @@ class PipelinedWriter:
     ``finish()`` waits for every write and raises :class:`UpdateFailed` naming every failed engine.
     """
 
-    def __init__(self, transport: "_native.Transport", buffers: TransferBuffers, *, transfer_timeout: float = 30.0):
+    def __init__(self, transport: "_native.Transport", buffers: TransferBuffers, *, transfer_timeout: float = 30.0,
+                 max_inflight_batches: int = 2):
         self._buffers = buffers
         self._transport = transport
-        self._native = _native.PipelinedWriter(transport, buffers.native, float(transfer_timeout))
+        self._native = _native.PipelinedWriter(transport, buffers.native, float(transfer_timeout),
+                                               int(max_inflight_batches))
         self._engines: dict[int, str] = {}
         self._closed = False
 

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -44,6 +45,11 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
     "update_weight_version": ("POST", "/update_weight_version", "UpdateWeightVersionReqInput"),
     "weights_checker": ("POST", "/weights_checker", "CheckWeightsReqInput"),
     "get_weights_by_name": ("POST", "/get_weights_by_name", "GetWeightsByNameReqInput"),
+    # the broadcast path (what RL frameworks use today; p2pweights.broadcast drives it)
+    "init_weights_update_group": ("POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput"),
+    "update_weights_from_distributed": ("POST", "/update_weights_from_distributed",
+                                        "UpdateWeightsFromDistributedReqInput"),
+    "destroy_weights_update_group": ("POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput"),
 }
 #: the engine-info bootstrap server's route (``--engine-info-bootstrap-port``, default 6789).
 BOOTSTRAP_ROUTES: dict[str, tuple[str, str, str | None]] = {
@@ -169,15 +175,43 @@ class SglangEngine:
                           body={"new_version": str(version), "abort_all_requests": False})
 
     def weights_checker(self, action: str = "checksum", allow_quant_error: bool = False,
-                        skip_tensor_list: Sequence[str] | None = None, selector: str = "all") -> dict:
+                        skip_tensor_list: Sequence[str] | None = None, selector: str = "all",
+                        **extra: Any) -> dict:
         """``POST /weights_checker`` (sglang's CheckWeightsReqInput); answers ``success``, ``message``
-        and, for checksums, ``ranks`` and ``per_engine_checksum``."""
+        and, for checksums, ``ranks`` and ``per_engine_checksum``. ``extra`` fields are sent as they
+        are (sglang ignores them; a p2pweights receiver reads ``hf_seed`` for action ``p2pw_compare``)."""
         if selector not in SELECTORS:
             raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got {selector!r}")
-        body: dict[str, Any] = {"action": action, "allow_quant_error": bool(allow_quant_error), "selector": selector}
+        body: dict[str, Any] = {**extra, "action": action, "allow_quant_error": bool(allow_quant_error),
+                                "selector": selector}
         if skip_tensor_list is not None:
             body["skip_tensor_list"] = list(skip_tensor_list)
         return self._json("weights_checker", body=body)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """``POST /init_weights_update_group`` (InitWeightsUpdateGroupReqInput): the engine's ranks join a
+        torch.distributed group as ranks ``rank_offset + tp_rank``; answers once every member joined."""
+        return self._json("init_weights_update_group", body={
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group",
+                                        flush_cache: bool = True, weight_version: str | None = None) -> dict:
+        """``POST /update_weights_from_distributed`` (UpdateWeightsFromDistributedReqInput): the engine
+        receives each tensor by broadcast from group rank 0 and loads it. sglang 0.5.23 requires an open
+        weight-update session (begin_weight_update)."""
+        body: dict[str, Any] = {"names": list(names), "dtypes": [str(d) for d in dtypes],
+                                "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
+                                "flush_cache": bool(flush_cache)}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._json("update_weights_from_distributed", body=body)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """``POST /destroy_weights_update_group`` (DestroyWeightsUpdateGroupReqInput)."""
+        return self._json("destroy_weights_update_group", body={"group_name": group_name})
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         """``POST /get_weights_by_name {"name", "truncate_size"}``: the parameter's first
@@ -421,6 +455,7 @@ class UpdateSession:
         self.errors: dict[str, BaseException] = {}
         self.resumed: set[str] = set()   # engines whose session a previous update had left open
         self._state = "new"              # new -> open -> committed | aborted
+        self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         self._lock = threading.Lock()
 
     def __enter__(self) -> "UpdateSession":
@@ -446,6 +481,7 @@ class UpdateSession:
                 raise RuntimeError(f"UpdateSession.open() called twice (state {self._state})")
             self._state = "opening"
         paused = call_engines(self.engines, "pause_generation", self.pause_mode)
+        self.paused_at = time.perf_counter()  # the update's measured time starts here
         self.errors.update(paused.errors)
         begun: EngineCalls | None = None
         if paused.ok:
