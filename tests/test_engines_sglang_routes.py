@@ -119,6 +119,10 @@ def _every_verb(engine: SglangEngine) -> None:
     engine.continue_generation()
     engine.weights_checker(action="compare", skip_tensor_list=["rotary_emb"])
     engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=5)
+    engine.init_weights_update_group("10.0.0.1", 29500, 1, 5, group_name="g", backend="gloo")
+    engine.update_weights_from_distributed(["model.norm.weight"], ["bfloat16"], [[64]], group_name="g",
+                                           weight_version="3")
+    engine.destroy_weights_update_group("g")
 
 
 def test_client_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):

@@ -20,6 +20,13 @@ State: ``generating`` -> ``pause_generation`` -> ``paused`` -> ``begin_weight_up
 ``{"success": false, "message": ...}``. Stricter than sglang, because one-sided writes land in live
 parameter memory: ``begin_weight_update`` needs the engine paused, and ``update_weight_version``
 is refused while an update session is open (the version is bumped only after the update ended).
+
+Also served, for the broadcast baseline (``p2pweights.broadcast``): sglang's
+``/init_weights_update_group``, ``/update_weights_from_distributed`` (only inside an update session,
+as in sglang 0.5.23) and ``/destroy_weights_update_group``, through the hooks of the same names.
+A registration may carry extra publication keys (NIXL's ``transport``, ``agent_metadata``,
+``location``), served next to ``remote_instance_transfer_engine_info``; keys starting with ``p2pw_``
+only reach the ``on_register_transfer_engine_info`` hook. docs/receiver.md has the details.
 """
 from __future__ import annotations
 
@@ -88,6 +95,27 @@ class ReceiverHooks:
         """The parameter's first ``truncate_size`` rows (a tensor or nested lists); None if unknown."""
         return None
 
+    def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
+        """A rank registered its regions (``PUT /register_transfer_engine_info``); ``info`` is the whole
+        ``transfer_engine_info`` object, extra keys included (keys starting with ``p2pw_`` are for the
+        engine only and are not published)."""
+
+    # the broadcast path (sglang's update_weights_from_distributed), for the baseline -------------
+    def init_weights_update_group(self, request: dict) -> None:
+        """``POST /init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address,
+        master_port, rank_offset, world_size, group_name, backend): every rank joins the group.
+        Raise to answer 400 with the error's text."""
+        raise NotImplementedError("this engine does not implement init_weights_update_group")
+
+    def update_weights_from_distributed(self, request: dict) -> None:
+        """``POST /update_weights_from_distributed`` (UpdateWeightsFromDistributedReqInput: names, dtypes,
+        shapes, group_name, ...): receive each tensor by broadcast from group rank 0 and load it."""
+        raise NotImplementedError("this engine does not implement update_weights_from_distributed")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """``POST /destroy_weights_update_group``: leave the group."""
+        raise NotImplementedError("this engine does not implement destroy_weights_update_group")
+
 
 class _BadRequest(Exception):
     pass
@@ -118,6 +146,7 @@ class ReceiverServer:
         self.updating = False
         self.update_selector: str | None = None
         self._registered: dict[int, list] = {}   # tp rank -> [session_id, weights_info_dict]
+        self._registered_extra: dict[int, dict] = {}  # tp rank -> extra published keys (NIXL: transport, ...)
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -171,19 +200,27 @@ class ReceiverServer:
 
     # ---- transfer-engine info registry (sglang's bootstrap-server role) ------------------------
 
-    def register_transfer_engine_info(self, rank: int, session_id: str, weights_info: dict) -> None:
-        """In-process form of ``PUT /register_transfer_engine_info``."""
+    def register_transfer_engine_info(self, rank: int, session_id: str, weights_info: dict,
+                                      extra: dict | None = None) -> None:
+        """In-process form of ``PUT /register_transfer_engine_info``. ``extra``: more keys of the
+        rank's publication, served next to ``remote_instance_transfer_engine_info`` (NIXL's
+        ``transport``, ``agent_metadata``, ``location``); keys starting with ``p2pw_`` go only to the
+        ``on_register_transfer_engine_info`` hook."""
         if int(rank) < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
+        extra = dict(extra or {})
+        self.hooks.on_register_transfer_engine_info(
+            int(rank), {"session_id": session_id, "weights_info_dict": weights_info, **extra})
         with self._state_lock:
             self._registered[int(rank)] = [session_id, weights_info]
+            self._registered_extra[int(rank)] = {k: v for k, v in extra.items() if not k.startswith("p2pw_")}
 
-    def _transfer_engine_info(self, rank: int) -> Any:
+    def _transfer_engine_info(self, rank: int) -> tuple[Any, dict]:
         info = self.hooks.transfer_engine_info(rank)
-        if info is None:
-            with self._state_lock:
-                info = self._registered.get(rank)
-        return info
+        if info is not None:
+            return info, {}
+        with self._state_lock:
+            return self._registered.get(rank), dict(self._registered_extra.get(rank, {}))
 
     # ---- control verbs (called by the handler) -------------------------------------------------
 
@@ -247,6 +284,8 @@ class ReceiverServer:
             "skip_tensor_list": _field(body, "skip_tensor_list", list, None),
             "selector": _field(body, "selector", str, "all", choices=SELECTORS),
         }
+        # fields sglang does not define (e.g. p2pweights' hf_seed) go to the hook as they are
+        request.update({k: v for k, v in body.items() if k not in request})
         answer = dict(self.hooks.weights_checker(request))
         answer.setdefault("success", False)
         answer.setdefault("message", "")
@@ -261,6 +300,59 @@ class ReceiverServer:
         if hasattr(value, "tolist"):
             value = value.tolist()
         return 200, value
+
+    def _init_weights_update_group(self, body: dict) -> tuple[int, dict]:
+        request = {
+            "master_address": _field(body, "master_address", str, required=True),
+            "master_port": _field(body, "master_port", int, required=True),
+            "rank_offset": _field(body, "rank_offset", int, required=True),
+            "world_size": _field(body, "world_size", int, required=True),
+            "group_name": _field(body, "group_name", str, "weight_update_group"),
+            "backend": _field(body, "backend", str, "nccl"),
+        }
+        try:  # not under the control lock: joining waits for every member, the sender included
+            self.hooks.init_weights_update_group(request)
+        except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
+            logger.error("init_weights_update_group failed: %s", e)
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def _destroy_weights_update_group(self, body: dict) -> tuple[int, dict]:
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        try:
+            self.hooks.destroy_weights_update_group(group_name)
+        except Exception as e:  # noqa: BLE001
+            return 400, {"success": False, "message": f"Failed to destroy custom process group: {e}."}
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _update_weights_from_distributed(self, body: dict) -> tuple[int, dict]:
+        names = _field(body, "names", list, required=True)
+        request = {
+            "names": names,
+            "dtypes": _field(body, "dtypes", list, required=True),
+            "shapes": _field(body, "shapes", list, required=True),
+            "group_name": _field(body, "group_name", str, "weight_update_group"),
+            "flush_cache": _field(body, "flush_cache", bool, True),
+            "abort_all_requests": _field(body, "abort_all_requests", bool, False),
+            "weight_version": _field(body, "weight_version", str, None),
+            "load_format": _field(body, "load_format", str, None),
+            "selector": _field(body, "selector", str, "all", choices=SELECTORS),
+            "torch_empty_cache": _field(body, "torch_empty_cache", bool, False),
+        }
+        if not len(names) == len(request["dtypes"]) == len(request["shapes"]):
+            raise _BadRequest("names, dtypes and shapes must have the same length")
+        with self._control_lock:
+            if not self.updating:  # sglang 0.5.23's rule and message
+                return 400, {"success": False, "message": "update_weights_from_distributed must run between "
+                                                          "begin_weight_update() and end_weight_update()"}
+            try:
+                self.hooks.update_weights_from_distributed(request)
+            except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
+                logger.error("update_weights_from_distributed failed:\n%s", traceback.format_exc())
+                return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
+            if request["weight_version"] is not None:
+                self.weight_version = request["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     def _model_info(self) -> dict:
         info = dict(self.hooks.model_info())
@@ -301,6 +393,10 @@ ROUTES: dict[str, tuple[tuple[str, ...], str]] = {
     "/update_weight_version": (_POST, "update_weight_version"),
     "/weights_checker": (_GET_POST, "weights_checker"),
     "/get_weights_by_name": (_GET_POST, "get_weights_by_name"),
+    # the broadcast path (sglang's update_weights_from_distributed), served for the baseline
+    "/init_weights_update_group": (_POST, "init_weights_update_group"),
+    "/update_weights_from_distributed": (_POST, "update_weights_from_distributed"),
+    "/destroy_weights_update_group": (_POST, "destroy_weights_update_group"),
 }
 # sglang's engine-info bootstrap server routes (--engine-info-bootstrap-port), served on the same port
 BOOTSTRAP_ROUTES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -388,19 +484,19 @@ class _Handler(BaseHTTPRequestHandler):
         rank = _rank(query)
         if rank is None:
             return 400, {"error": {"message": "Missing or invalid rank parameter"}}
-        info = self.receiver._transfer_engine_info(rank)
+        info, extra = self.receiver._transfer_engine_info(rank)
         if info is None:
             return 400, {"error": {"message": f"Failed to get transfer engine info for rank {rank}"}}
-        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info}
+        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info, **extra}
 
     def _do_get_transfer_engine_info(self, body: dict, query: dict) -> tuple[int, Any]:
         rank = _rank(query)
         if rank is None:
             return 400, {"detail": "Invalid rank parameter"}
-        info = self.receiver._transfer_engine_info(rank)
+        info, extra = self.receiver._transfer_engine_info(rank)
         if info is None:
             return 404, {"detail": f"No transfer engine info for rank {rank}"}
-        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info}
+        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info, **extra}
 
     def _do_register_transfer_engine_info(self, body: dict, query: dict) -> tuple[int, Any]:
         try:
@@ -412,7 +508,8 @@ class _Handler(BaseHTTPRequestHandler):
                                    f"'weights_info_dict'}}}}, missing {e}"}
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             return 400, {"detail": f"tp_rank must be an integer >= 0, got {rank!r}"}
-        self.receiver.register_transfer_engine_info(rank, session_id, weights_info)
+        extra = {k: v for k, v in info.items() if k not in ("session_id", "weights_info_dict")}
+        self.receiver.register_transfer_engine_info(rank, session_id, weights_info, extra)
         return 200, "OK"
 
     def _do_pause_generation(self, body: dict, query: dict) -> tuple[int, Any]:
@@ -436,6 +533,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _do_get_weights_by_name(self, body: dict, query: dict) -> tuple[int, Any]:
         return self.receiver._get_weights_by_name(body)
 
+    def _do_init_weights_update_group(self, body: dict, query: dict) -> tuple[int, Any]:
+        return self.receiver._init_weights_update_group(body)
+
+    def _do_update_weights_from_distributed(self, body: dict, query: dict) -> tuple[int, Any]:
+        return self.receiver._update_weights_from_distributed(body)
+
+    def _do_destroy_weights_update_group(self, body: dict, query: dict) -> tuple[int, Any]:
+        return self.receiver._destroy_weights_update_group(body)
+
 
 def _rank(query: dict) -> int | None:
     try:
@@ -446,16 +552,18 @@ def _rank(query: dict) -> int | None:
 
 
 def register_transfer_engine_info(url: str, rank: int, session_id: str, weights_info: dict,
-                                  timeout: float = 10.0) -> None:
+                                  timeout: float = 10.0, *, extra: dict | None = None) -> None:
     """Publish one rank's regions to an engine's server (a ReceiverServer, or sglang's bootstrap
     server on --engine-info-bootstrap-port): ``PUT /register_transfer_engine_info`` with sglang's body
-    ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}``."""
+    ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}``. ``extra`` keys go
+    into ``transfer_engine_info`` too (a ReceiverServer publishes them; sglang ignores them)."""
     import http.client
 
     parts = urlsplit(url if "://" in url else "http://" + url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     body = json.dumps({"tp_rank": int(rank),
-                       "transfer_engine_info": {"session_id": session_id, "weights_info_dict": weights_info}})
+                       "transfer_engine_info": {**(extra or {}), "session_id": session_id,
+                                                "weights_info_dict": weights_info}})
     try:
         conn.request("PUT", "/register_transfer_engine_info", body=body,
                      headers={"Content-Type": "application/json"})

@@ -24,6 +24,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import pkgutil
 import sys
 import tempfile
 import threading
@@ -121,12 +122,60 @@ def prepare() -> None:
             rotary_base._is_cpu = True
             _rope_buffers_on_cpu_without_accelerator()
             import sglang.srt.model_loader.loader  # noqa: F401  (the heavy imports, once)
-            # The model registry imports every model module on first use (≈3 s): pay it here,
-            # once per process, rather than inside the first replica's connect.
-            import sglang.srt.models.registry  # noqa: F401
+            _import_registry_empty()
         for name in ("sglang", "sglang.srt"):
             logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         _prepared = True
+
+
+def _model_modules() -> list[str]:
+    import sglang.srt.models as models
+
+    return sorted(m.name for m in pkgutil.iter_modules(models.__path__) if not m.ispkg)
+
+
+def _import_registry_empty() -> None:
+    """Import sglang's model registry without importing its ~200 model modules (≈4 s of every
+    process's start-up): each replica registers only its own architecture (:func:`_register_architecture`)."""
+    key = "SGLANG_DISABLED_MODEL_ARCHS"
+    saved = os.environ.get(key)
+    if saved is None:
+        os.environ[key] = ",".join(_model_modules())
+    try:
+        import sglang.srt.models.registry  # noqa: F401
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+
+
+def _register_architecture(architectures: list[str]) -> None:
+    """Import the sglang model module(s) defining these architectures into the registry."""
+    import importlib
+
+    import sglang.srt.models as models
+    from sglang.srt.models.registry import ModelRegistry
+
+    missing = [a for a in architectures if a not in ModelRegistry.models]
+    if not missing:
+        return
+    root = models.__path__[0]
+    for name in _model_modules():
+        path = os.path.join(root, name + ".py")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if "EntryClass" not in text or not any(f"class {a}(" in text or a in text.split("EntryClass", 1)[1]
+                                               for a in missing):
+            continue
+        module = importlib.import_module(f"sglang.srt.models.{name}")
+        entries = getattr(module, "EntryClass", [])
+        for cls in entries if isinstance(entries, list) else [entries]:
+            ModelRegistry.models.setdefault(cls.__name__, cls)
+        missing = [a for a in missing if a not in ModelRegistry.models]
+        if not missing:
+            return
 
 
 def _rope_buffers_on_cpu_without_accelerator() -> None:
@@ -296,6 +345,7 @@ def build_model(config: Any, engine: EngineLayout, rank: int, device: str = "met
             context = rank_context(server_args, rank)
             with rc.use_context(context):
                 model_config = ModelConfig.from_server_args(server_args)
+                _register_architecture(list(model_config.hf_config.architectures or []))
                 load_config = LoadConfig()
                 quant_config = _get_quantization_config(model_config, load_config)
                 target = torch.device("meta") if device == "meta" else torch.device(device)
