@@ -187,12 +187,9 @@ class BroadcastSender:
         ``seconds`` runs from pause returning to this call returning."""
         if self.group is None:
             self.init_group()
-        call_engines(self.engines, "pause_generation").raise_for_errors()
-        t0 = time.perf_counter()
-        with UpdateSession(self.engines, version) as session:  # its pause is a no-op now
+        with UpdateSession(self.engines, version) as session:
             nbytes, tensors, buckets = self.push(named_tensors)
-        del session
-        return BroadcastReport(version=str(version), seconds=time.perf_counter() - t0, bytes=nbytes,
+        return BroadcastReport(version=str(version), seconds=time.perf_counter() - session.paused_at, bytes=nbytes,
                                tensors=tensors, buckets=buckets, engines=[e.name for e in self.engines])
 
     def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[int, int, int]:

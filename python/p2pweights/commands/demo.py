@@ -1,15 +1,64 @@
-"""`p2pweights demo`: the main job. Until the end-to-end path lands, it runs the writer benchmark."""
+"""`p2pweights demo`: engines and senders on this machine; K updates with P2P and with broadcast."""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
-from ..bench import writer
+from ..config import format_size, parse_size, settings
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    writer.add_arguments(parser)
-    parser.set_defaults(slot_sizes="16MiB,64MiB", total="256MiB", repeat=2)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-0.6b",
+                   help="built-in shape (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3) or a config dir; "
+                        "random weights, no download (default: %(default)s)")
+    p.add_argument("--engines", type=int, default=2, help="engines to start (default: %(default)s)")
+    p.add_argument("--engine", default="tp=2",
+                   help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>] (default: %(default)s)")
+    p.add_argument("--senders", type=int, default=2, help="sender processes, the trainer's data replicas (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
+    p.add_argument("--transport", choices=("mooncake", "nixl"), default=None,
+                   help="P2P transport (default: P2PW_TRANSPORT, else mooncake)")
+    p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
+    p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
+    p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
+    p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
 def run(args: argparse.Namespace) -> int:
-    return writer.run(args)
+    from ..demo import results_json, run_demo
+    from ..models import resolve_model
+
+    model = resolve_model(args.model)
+    transport = args.transport or settings().transport
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - {"p2p", "broadcast"}
+    if unknown:
+        raise SystemExit(f"--modes: unknown mode(s) {', '.join(sorted(unknown))}; use p2p and/or broadcast")
+    overrides = {"buffer_size": parse_size(args.buffer_size)} if args.buffer_size else {}
+    out = sys.stderr if args.json else sys.stdout
+
+    def progress(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    progress(f"p2pweights demo: model {args.model}, {args.engines} engine(s) x {args.engine}, "
+             f"{args.senders} sender(s), {args.steps} step(s), transport {transport}, modes {','.join(modes)}")
+    results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
+                       transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
+                       progress=progress)
+    if args.json:
+        print(json.dumps(results_json(results), indent=2))
+    else:
+        print()
+        print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal")
+        for r in results:
+            eq = {True: "yes", False: "NO", None: "-"}[r.equal]
+            print(f"{r.mode:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  {r.gbps:6.2f}  {eq}")
+        by_mode = {}
+        for r in results:
+            by_mode.setdefault(r.mode, []).append(r.seconds)
+        if "p2p" in by_mode and "broadcast" in by_mode:
+            p2p, bc = min(by_mode["p2p"]), min(by_mode["broadcast"])
+            print(f"\nbest p2p {p2p:.3f} s vs best broadcast {bc:.3f} s: p2p takes {p2p / bc:.2f}x the broadcast time")
+    ok = all(r.equal is not False for r in results)
+    return 0 if ok else 1

@@ -1,0 +1,217 @@
+"""The demo, the main job: engines and senders on one machine, K updates with P2P and broadcast.
+
+E engines of T ranks each run as receiver processes (real sglang model classes of their ranks, real
+Mooncake or NIXL registration). S sender processes each run a WeightSender (the planner picks the
+engine ranks each one prepares). Per step: every sender makes the step's full HF tensors (random
+weights, outside the timed part), the coordinator pauses and opens the update on every engine, the
+senders push, the coordinator ends the update and bumps the version; seconds run from
+pause_generation returning to the update returning. Then every engine rank checks, byte for byte,
+that its weights equal what sglang's own load_weights makes of the same HF tensors.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from .config import format_size
+
+
+@dataclass
+class StepResult:
+    mode: str          # "p2p" | "broadcast"
+    transport: str     # mooncake | nixl | gloo | nccl
+    step: int
+    seconds: float     # pause returned -> update returned
+    bytes: int         # bytes per engine rank (the largest)
+    gbps: float
+    equal: bool | None  # None when the check was skipped
+    detail: str = ""
+
+
+# -- sender processes ------------------------------------------------------------------------------
+def _sender_main(conn: Any, model: str, index: int, count: int, urls: Sequence[str], names: Sequence[str],
+                 overrides: dict) -> None:
+    """A sender process: connect once, then per step make the tensors, wait for "go", push, report."""
+    try:
+        from .engines import SglangEngine
+        from .replica.hf_checkpoint import random_checkpoint
+        from .sender import WeightSender
+
+        sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
+        sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
+        specs = {n: s for p in sender._prepared for n, s in p.replica.hf_specs.items()}
+        conn.send(("connected", None))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "close":
+                break
+            if cmd == "prepare":
+                tensors = list(random_checkpoint(specs, seed=arg))
+                conn.send(("ready", None))
+            elif cmd == "go":
+                try:
+                    with sender.update(arg, control=False) as update:
+                        for name, t in tensors:
+                            update.push(name, t)
+                    r = update.report
+                    conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
+                                        "report": str(r)}))
+                except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
+                    conn.send(("failed", f"{type(e).__name__}: {e}"))
+                tensors = None
+        sender.close()
+    except Exception as e:  # noqa: BLE001
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class SenderPool:
+    """S sender processes driven in lock step by the coordinator."""
+
+    def __init__(self, model: str, count: int, urls: Sequence[str], names: Sequence[str], overrides: dict):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(count):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_sender_main, args=(child, model, i, count, list(urls), list(names), overrides),
+                            name=f"p2pw-sender-{i}", daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._expect("connected", timeout=600)
+
+    def _expect(self, what: str, timeout: float) -> list[Any]:
+        out = []
+        for i, c in enumerate(self.conns):
+            if not c.poll(timeout):
+                raise TimeoutError(f"sender {i} did not answer {what!r} within {timeout:.0f} s")
+            kind, payload = c.recv()
+            if kind == "error":
+                raise RuntimeError(f"sender {i} failed:\n{payload}")
+            out.append((kind, payload))
+        return out
+
+    def prepare(self, step: int) -> None:
+        for c in self.conns:
+            c.send(("prepare", step))
+        self._expect("ready", timeout=600)
+
+    def go(self, version: str, timeout: float) -> list[tuple[str, Any]]:
+        for c in self.conns:
+            c.send(("go", version))
+        return self._expect("done", timeout=timeout)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+# -- the two modes ---------------------------------------------------------------------------------
+def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | None, str]:
+    if not enabled:
+        return None, ""
+    from .receiver.engine import check_weights_equal
+
+    results = [check_weights_equal(e.url, hf_seed=seed) for e in engines]
+    bad = [r["message"] for r in results if not r.get("success")]
+    return not bad, "; ".join(bad)
+
+
+def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
+            overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600) -> list[StepResult]:
+    from .engines import SglangEngine, UpdateSession
+
+    clients = [SglangEngine(e.url, name=e.name) for e in engines]
+    progress(f"p2p: starting {senders} sender process(es) ({transport}); each builds its replicas and connects")
+    t0 = time.perf_counter()
+    pool = SenderPool(model, senders, [e.url for e in engines], [e.name for e in engines],
+                      {"transport": transport, **overrides})
+    progress(f"p2p: senders connected in {time.perf_counter() - t0:.1f} s")
+    results = []
+    try:
+        for step in range(1, steps + 1):
+            seed = seed_base + step
+            pool.prepare(seed)  # the step's HF tensors, made before the clock starts
+            session = UpdateSession(clients, f"p2p-{step}")
+            session.open()
+            replies = pool.go(f"p2p-{step}", timeout)
+            failed = [p for k, p in replies if k == "failed"]
+            if failed:
+                session.abort("; ".join(failed))
+            else:
+                session.commit()
+            seconds = time.perf_counter() - session.paused_at
+            nbytes = max((p["bytes_max"] for k, p in replies if k == "done"), default=0)
+            equal, why = _check(engines, seed, check) if not failed else (False, "; ".join(failed))
+            results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
+                                      equal, why))
+            progress(_row_text(results[-1]))
+            if failed:
+                raise RuntimeError(f"p2p step {step} failed: {'; '.join(failed)}")
+    finally:
+        pool.close()
+    return results
+
+
+def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool, progress: Callable[[str], None],
+                  seed_base: int = 1000, backend: str = "gloo") -> list[StepResult]:
+    from .broadcast import BroadcastSender
+    from .engines import SglangEngine
+    from .replica.hf_checkpoint import checkpoint_tensors, random_checkpoint
+
+    clients = [SglangEngine(e.url, name=e.name) for e in engines]
+    specs = checkpoint_tensors(model)
+    progress(f"broadcast: one sender joins a {backend} group with every engine rank")
+    results = []
+    with BroadcastSender(clients, backend=backend) as bcast:
+        for step in range(1, steps + 1):
+            seed = seed_base + step
+            tensors = list(random_checkpoint(specs, seed=seed))
+            report = bcast.update(tensors, version=f"broadcast-{step}")
+            seconds = report.seconds
+            nbytes = sum(int(t.numel()) * t.element_size() for _, t in tensors)  # every rank receives every byte
+            equal, why = _check(engines, seed, check)
+            results.append(StepResult("broadcast", backend, step, seconds, nbytes, nbytes / seconds / 1e9, equal, why))
+            progress(_row_text(results[-1]))
+    return results
+
+
+def _row_text(r: StepResult) -> str:
+    eq = {True: "yes", False: "NO", None: "-"}[r.equal]
+    return (f"{r.mode:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank  "
+            f"{r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  equal: {eq}" + (f"  ({r.detail})" if r.detail and not r.equal else ""))
+
+
+def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int = 2, steps: int = 2,
+             transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
+             overrides: dict | None = None, progress: Callable[[str], None] = print) -> list[StepResult]:
+    from .receiver.engine import start_engines
+
+    t0 = time.perf_counter()
+    progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")
+    running = start_engines(model, engine, engines, transport=transport)
+    progress(f"engines up in {time.perf_counter() - t0:.1f} s: " + ", ".join(f"{e.name} {e.url}" for e in running))
+    results: list[StepResult] = []
+    try:
+        if "p2p" in modes:
+            results += run_p2p(model, running, senders=senders, steps=steps, transport=transport, check=check,
+                               overrides=overrides or {}, progress=progress)
+        if "broadcast" in modes:
+            results += run_broadcast(model, running, steps=steps, check=check, progress=progress)
+    finally:
+        for e in running:
+            e.close()
+    return results
+
+
+def results_json(results: Sequence[StepResult]) -> dict:
+    return {"steps": [asdict(r) for r in results]}
