@@ -39,10 +39,12 @@ class GroupStager:
             for n in names:
                 self._group_of[n] = g
         self._inputs = [list(names) for names in groups]
-        exp = set(self._group_of) if expected is None else set(expected)
-        unknown = sorted(exp - set(self._group_of))
+        unknown = sorted(set(expected or ()) - set(specs))
         if unknown:
             raise UnknownParameter(self._unknown_message(unknown[0], len(unknown)))
+        # Checkpoint names no group reads (another EP rank's experts, layers this engine rank does
+        # not hold) are accepted and dropped: the trainer pushes the whole checkpoint.
+        exp = set(self._group_of) if expected is None else set(expected) & set(self._group_of)
         self._active = sorted({self._group_of[n] for n in exp})
         for g in self._active:
             outside = [n for n in self._inputs[g] if n not in exp]
@@ -68,7 +70,7 @@ class GroupStager:
         return list(self._inputs[group])
 
     def _unknown_message(self, name: str, count: int = 1) -> str:
-        close = difflib.get_close_matches(name, list(self._group_of), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(name, list(self._specs), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
         more = f" (and {count - 1} more)" if count > 1 else ""
         return (f"HF tensor {name!r}{more} is loaded by no parameter of the target layout{self._where}{hint} "
@@ -76,15 +78,17 @@ class GroupStager:
 
     def push(self, name: str, tensor: Any) -> tuple[int, dict[str, Any]] | None:
         """Stages one tensor; returns (group, {hf name: tensor}) when that completes its group."""
-        g = self._group_of.get(name)
-        if g is None:
+        spec = self._specs.get(name)
+        if spec is None:
             raise UnknownParameter(self._unknown_message(name))
-        spec = self._specs[name]
         if tuple(tensor.shape) != tuple(spec.shape) or _dtype_name(tensor) != spec.dtype:
             raise LayoutMismatch(
                 f"HF tensor {name!r}{self._where}: got shape {tuple(tensor.shape)} dtype {_dtype_name(tensor)}, "
                 f"the engine's model expects shape {tuple(spec.shape)} dtype {spec.dtype} (push the full, "
                 f"gathered tensor in the checkpoint's dtype)")
+        g = self._group_of.get(name)
+        if g is None:
+            return None  # this engine rank loads nothing from it
         if g in self._done or name in self._staged.get(g, {}):
             raise P2PWeightsError(f"HF tensor {name!r}{self._where} was pushed twice in one update")
         if g not in self._active:
