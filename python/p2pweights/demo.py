@@ -29,6 +29,17 @@ class StepResult:
     gbps: float
     equal: bool | None  # None when the check was skipped
     detail: str = ""
+    # P2P only, the slowest sender's split of its part of the step (see UpdateReport):
+    loading_seconds: float = 0.0  # the replica's loaders filling slots
+    waiting_seconds: float = 0.0  # blocked on a free slot or on the last writes
+
+    @property
+    def outside_fraction(self) -> float:
+        """Share of the step spent neither loading nor waiting for writes (control plane, staging,
+        checks, Python): the pipeline's own overhead."""
+        if self.mode != "p2p" or self.seconds <= 0:
+            return 0.0
+        return max(0.0, self.seconds - self.loading_seconds - self.waiting_seconds) / self.seconds
 
 
 # -- sender processes ------------------------------------------------------------------------------
@@ -58,6 +69,7 @@ def _sender_main(conn: Any, model: str, index: int, count: int, urls: Sequence[s
                             update.push(name, t)
                     r = update.report
                     conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
+                                        "loading": r.loading_seconds, "waiting": r.waiting_seconds,
                                         "report": str(r)}))
                 except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
                     conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -152,8 +164,10 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             seconds = time.perf_counter() - session.paused_at
             nbytes = max((p["bytes_max"] for k, p in replies if k == "done"), default=0)
             equal, why = _check(engines, seed, check) if not failed else (False, "; ".join(failed))
+            done = [p for k, p in replies if k == "done"]
+            slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
-                                      equal, why))
+                                      equal, why, slowest["loading"], slowest["waiting"]))
             progress(_row_text(results[-1]))
             if failed:
                 raise RuntimeError(f"p2p step {step} failed: {'; '.join(failed)}")
@@ -214,4 +228,4 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
 
 
 def results_json(results: Sequence[StepResult]) -> dict:
-    return {"steps": [asdict(r) for r in results]}
+    return {"steps": [{**asdict(r), "outside_fraction": r.outside_fraction} for r in results]}
