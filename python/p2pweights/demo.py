@@ -43,15 +43,16 @@ class StepResult:
 
 
 # -- sender processes ------------------------------------------------------------------------------
-def _sender_main(conn: Any, model: str, index: int, count: int, urls: Sequence[str], names: Sequence[str],
-                 overrides: dict) -> None:
-    """A sender process: connect once, then per step make the tensors, wait for "go", push, report."""
+def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict) -> None:
+    """A sender process: wait for the engines, connect once, then per step make the tensors, wait
+    for "go", push, report."""
     try:
         from .engines import SglangEngine
         from .replica.hf_checkpoint import random_checkpoint
         from .sender import WeightSender
 
         sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
+        _, (urls, names) = conn.recv()  # ("connect", (urls, names))
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
         specs = {n: s for p in sender._prepared for n, s in p.replica.hf_specs.items()}
         conn.send(("connected", None))
@@ -80,19 +81,29 @@ def _sender_main(conn: Any, model: str, index: int, count: int, urls: Sequence[s
 
 
 class SenderPool:
-    """S sender processes driven in lock step by the coordinator."""
+    """S sender processes driven in lock step by the coordinator.
 
-    def __init__(self, model: str, count: int, urls: Sequence[str], names: Sequence[str], overrides: dict):
-        ctx = mp.get_context("spawn")
+    When this process has already imported sglang (``sglang_env.prepare()``), the senders are
+    forked from it and skip the ~10 s import each; otherwise they start as fresh interpreters.
+    """
+
+    def __init__(self, model: str, count: int, overrides: dict):
+        from .replica import sglang_env
+
+        ctx = mp.get_context("fork" if sglang_env.is_prepared() else "spawn")
         self.conns, self.procs = [], []
         for i in range(count):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_sender_main, args=(child, model, i, count, list(urls), list(names), overrides),
+            p = ctx.Process(target=_sender_main, args=(child, model, i, count, overrides),
                             name=f"p2pw-sender-{i}", daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
-        self._expect("connected", timeout=600)
+
+    def connect(self, urls: Sequence[str], names: Sequence[str], timeout: float = 600) -> None:
+        for c in self.conns:
+            c.send(("connect", (list(urls), list(names))))
+        self._expect("connected", timeout=timeout)
 
     def _expect(self, what: str, timeout: float) -> list[Any]:
         out = []
@@ -139,14 +150,16 @@ def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | Non
 
 
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
-            overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600) -> list[StepResult]:
+            overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600,
+            pool: "SenderPool | None" = None, verbose: bool = False) -> list[StepResult]:
     from .engines import SglangEngine, UpdateSession
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
-    progress(f"p2p: starting {senders} sender process(es) ({transport}); each builds its replicas and connects")
     t0 = time.perf_counter()
-    pool = SenderPool(model, senders, [e.url for e in engines], [e.name for e in engines],
-                      {"transport": transport, **overrides})
+    if pool is None:
+        pool = SenderPool(model, senders, {"transport": transport, **overrides})
+    progress(f"p2p: {senders} sender process(es) ({transport}) build their replicas and connect")
+    pool.connect([e.url for e in engines], [e.name for e in engines])
     progress(f"p2p: senders connected in {time.perf_counter() - t0:.1f} s")
     results = []
     try:
@@ -169,6 +182,9 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
                                       equal, why, slowest["loading"], slowest["waiting"]))
             progress(_row_text(results[-1]))
+            if verbose:
+                for i, p in enumerate(done):
+                    progress(f"    sender {i}: " + p["report"].replace("\n", "\n    "))
             if failed:
                 raise RuntimeError(f"p2p step {step} failed: {'; '.join(failed)}")
     finally:
@@ -207,18 +223,36 @@ def _row_text(r: StepResult) -> str:
 
 def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int = 2, steps: int = 2,
              transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
-             overrides: dict | None = None, progress: Callable[[str], None] = print) -> list[StepResult]:
-    from .receiver.engine import start_engines
+             overrides: dict | None = None, progress: Callable[[str], None] = print,
+             verbose: bool = False) -> list[StepResult]:
+    from .receiver.engine import LocalEngine
+    from .replica import sglang_env
 
     t0 = time.perf_counter()
     progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")
-    running = start_engines(model, engine, engines, transport=transport)
+    running = [LocalEngine(model, engine, name=f"engine{i}", transport=transport) for i in range(engines)]
+    pool = None
+    try:
+        for e in running:
+            e.start(wait=False)
+        if "p2p" in modes:
+            # Import sglang here once, while the engines start, and fork the senders from it.
+            sglang_env.prepare()
+            pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})})
+        for e in running:
+            e.wait_ready()
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        for e in running:
+            e.close()
+        raise
     progress(f"engines up in {time.perf_counter() - t0:.1f} s: " + ", ".join(f"{e.name} {e.url}" for e in running))
     results: list[StepResult] = []
     try:
         if "p2p" in modes:
             results += run_p2p(model, running, senders=senders, steps=steps, transport=transport, check=check,
-                               overrides=overrides or {}, progress=progress)
+                               overrides=overrides or {}, progress=progress, pool=pool, verbose=verbose)
         if "broadcast" in modes:
             results += run_broadcast(model, running, steps=steps, check=check, progress=progress)
     finally:

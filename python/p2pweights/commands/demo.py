@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
     p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
     p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
+    p.add_argument("--verbose", action="store_true", help="print every sender's update report (stage times, per engine rank)")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
              f"{args.senders} sender(s), {args.steps} step(s), transport {transport}, modes {','.join(modes)}")
     results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
-                       progress=progress)
+                       progress=progress, verbose=args.verbose)
     if args.json:
         print(json.dumps(results_json(results), indent=2))
     else:

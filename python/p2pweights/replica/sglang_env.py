@@ -96,6 +96,11 @@ def _torchvision_importable() -> bool:
         return False
 
 
+def is_prepared() -> bool:
+    """Whether this process has imported sglang through :func:`prepare` (children forked from it inherit it)."""
+    return _prepared
+
+
 def prepare() -> None:
     """Make sglang's model classes and loaders importable and buildable here. Idempotent."""
     global _prepared
