@@ -72,10 +72,10 @@ class WeightRegion:
     offsets: dict[str, tuple[int, int]]
 
 
-def _aligned_bytes(nbytes: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+def _aligned_bytes(nbytes: int, device: str = "cpu") -> tuple["torch.Tensor", "torch.Tensor"]:
     import torch
 
-    raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8)
+    raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8, device=device)
     skip = (-raw.data_ptr()) % PAGE
     return raw, raw[skip:skip + nbytes]
 
@@ -116,8 +116,9 @@ def _materialize_rest(model: "torch.nn.Module") -> None:
                 setattr(module, key, torch.zeros(value.shape, dtype=value.dtype))
 
 
-def place_parameters(model: "torch.nn.Module", alignment: int = PARAM_ALIGNMENT) -> WeightRegion:
-    """Put every parameter of a meta-built model into one zeroed, page-aligned host allocation, in
+def place_parameters(model: "torch.nn.Module", alignment: int = PARAM_ALIGNMENT, device: str = "cpu") -> WeightRegion:
+    """Put every parameter of a meta-built model into one zeroed, page-aligned allocation (host, or
+    GPU memory with ``device="cuda:N"``), in
     ``named_parameters`` order, each on an ``alignment`` boundary; materialize the rest."""
     offsets: dict[str, tuple[int, int]] = {}
     total = 0
@@ -125,7 +126,7 @@ def place_parameters(model: "torch.nn.Module", alignment: int = PARAM_ALIGNMENT)
         n = p.numel() * p.element_size()
         offsets[name] = (total, n)
         total += (n + alignment - 1) // alignment * alignment
-    raw, region = _aligned_bytes(max(total, 1))
+    raw, region = _aligned_bytes(max(total, 1), device)
 
     def make(name: str, old: "torch.nn.Parameter") -> "torch.Tensor":
         off, n = offsets[name]
@@ -164,10 +165,14 @@ class EngineRank:
         self.transport = transport
         if not 0 <= self.rank < self.engine.world_size:
             raise ValueError(f"rank {rank} is not a rank of an engine of {self.engine.world_size} ranks")
+        # P2PW_RECEIVER_DEVICE=cuda[:N]: parameters in GPU memory (VRAM registration), as on a real engine.
+        self.device = os.environ.get("P2PW_RECEIVER_DEVICE", "cpu")
+        if self.device == "cuda":
+            self.device = "cuda:0"
         self.model = sglang_env.build_model(self.config, self.engine, self.rank, device="meta")
-        self.region = place_parameters(self.model)
+        self.region = place_parameters(self.model, device=self.device)
         self.endpoint = make_receiver_endpoint(transport)
-        self.endpoint.register(self.region.address, self.region.nbytes, "cpu")
+        self.endpoint.register(self.region.address, self.region.nbytes, self.device)
         self.publication = self.endpoint.publication(params_table(self.model.named_parameters()), rank=self.rank)
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
@@ -191,7 +196,7 @@ class EngineRank:
         from ..replica import sglang_env
 
         with self._lock, sglang_env.activate(self.model):
-            DefaultModelLoader.restore_weights_before_loading(self.model, torch.device("cpu"))
+            DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
             self.loaded_weights = False
 
     def end(self) -> None:
@@ -205,7 +210,7 @@ class EngineRank:
         with self._lock, sglang_env.activate(self.model):
             if not self.loaded_weights:
                 post_load_weights(self.model)
-            DefaultModelLoader.postprocess_weights(self.model, torch.device("cpu"))
+            DefaultModelLoader.postprocess_weights(self.model, torch.device(self.device))
             self.loaded_weights = False
 
     # -- checks ------------------------------------------------------------------------------------

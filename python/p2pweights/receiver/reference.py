@@ -103,6 +103,8 @@ def compare_models(live: "torch.nn.Module", reference: "torch.nn.Module", *, ran
             result.mismatches.append(Mismatch(name, "sglang's loader made no such tensor; the engine has one"))
             continue
         a, b = got[name], want[name]
+        if a.device != b.device:  # a VRAM engine against the CPU reference
+            a = a.detach().to(b.device)
         result.compared += 1
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             result.mismatches.append(Mismatch(name, f"engine holds {tuple(a.shape)} {a.dtype}, sglang's loader "

@@ -118,19 +118,35 @@ def prepare() -> None:
 
         if not _torchvision_importable():
             sys.meta_path.insert(0, _TorchvisionStub())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import sglang.srt.layers.rotary_embedding.base as rotary_base
+        # P2PW_SGLANG_IMPORT_AS_CPU=1: import sglang as on a host without CUDA (the code path the
+        # byte-exact tests cover) even where a GPU exists; its GPU-only kernels are never called
+        # by model construction or the loaders. For a sender on a GPU host without sgl_kernel.
+        hide_cuda = os.environ.get("P2PW_SGLANG_IMPORT_AS_CPU") == "1"
+        import torch
 
-            # Rotary embeddings hold no parameters; the CPU path avoids CUDA-only kernels
-            # (DeepSeek's rope asserts otherwise) without changing any parameter's layout.
-            rotary_base._is_cpu = True
-            _rope_buffers_on_cpu_without_accelerator()
-            import sglang.srt.model_loader.loader  # noqa: F401  (the heavy imports, once)
-            _import_registry_empty()
+        real_is_available = torch.cuda.is_available
+        if hide_cuda:
+            torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+        try:
+            _import_sglang()
+        finally:
+            torch.cuda.is_available = real_is_available  # type: ignore[assignment]
         for name in ("sglang", "sglang.srt"):
             logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         _prepared = True
+
+
+def _import_sglang() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sglang.srt.layers.rotary_embedding.base as rotary_base
+
+        # Rotary embeddings hold no parameters; the CPU path avoids CUDA-only kernels
+        # (DeepSeek's rope asserts otherwise) without changing any parameter's layout.
+        rotary_base._is_cpu = True
+        _rope_buffers_on_cpu_without_accelerator()
+        import sglang.srt.model_loader.loader  # noqa: F401  (the heavy imports, once)
+        _import_registry_empty()
 
 
 def _model_modules() -> list[str]:

@@ -1,0 +1,249 @@
+"""The GPU path on one H200: pinned bandwidth, slot production, write paths, full updates into VRAM.
+
+    source scripts/gpu_env.sh && python benchmarks/gpu/bench_gpu.py [--sections ...] [--out FILE]
+
+Sections (each isolated: a failure is recorded and the next one runs):
+  bandwidth   pinned (cudaHostRegister'ed transfer slots) and pageable D2H / H2D, 1 GiB copies
+  production  the replica's loaders filling slots from GPU HF tensors: host slots and GPU slots,
+              Qwen3-0.6B (TP1) and Qwen3-4B (TP2 rank 0) shapes; bytes of loaded slots per second
+  writes      our pipelined writer into a VRAM region of another process: NIXL (GPU slots, host
+              slots) and Mooncake (host slots, GPU slots); every byte checked
+  update      full WeightSender updates into a VRAM receiver (Qwen3-4B shapes, TP2 engine on the same
+              GPU, GPU slots, NIXL); last step checked byte for byte against sglang's loader
+Prints one table per section and writes all rows as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+GiB = 1 << 30
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def timed(fn, repeat: int = 5) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- sections ----------------------------------------------------------------------------------------
+def section_bandwidth() -> list[dict]:
+    import torch
+
+    from p2pweights.buffers import TransferBuffers
+
+    rows = []
+    dev = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
+    with TransferBuffers(GiB, 1, pin="auto") as b:
+        host = b.slot_tensor(0)
+        pin = b.pin_mode
+        d2h = timed(lambda: host.copy_(dev, non_blocking=True))
+        h2d = timed(lambda: dev.copy_(host, non_blocking=True))
+        ok = bool(torch.equal(host[:1 << 20].cuda(), dev[:1 << 20]))
+        rows.append({"path": f"D2H into a transfer slot ({pin})", "bytes": GiB, "seconds": d2h, "gbps": gbps(GiB, d2h), "ok": ok})
+        rows.append({"path": f"H2D from a transfer slot ({pin})", "bytes": GiB, "seconds": h2d, "gbps": gbps(GiB, h2d), "ok": ok})
+    pageable = torch.empty(GiB, dtype=torch.uint8)
+    d2h = timed(lambda: pageable.copy_(dev), repeat=3)
+    rows.append({"path": "D2H pageable", "bytes": GiB, "seconds": d2h, "gbps": gbps(GiB, d2h), "ok": True})
+    return rows
+
+
+def _replica_and_inputs(model: str, spec: str, rank: int):
+    import torch
+
+    from p2pweights.models import resolve_model
+    from p2pweights.replica import EngineLayout, model_replicas
+    from p2pweights.replica.hf_checkpoint import random_tensor
+
+    cfg = resolve_model(model)
+    rep = model_replicas().get(cfg, EngineLayout.parse(spec), rank)
+    needed = {n for g in rep.groups for n in g.hf_names}
+    inputs = {n: random_tensor(n, s, 1).to("cuda") for n, s in rep.hf_specs.items() if n in needed}
+    torch.cuda.synchronize()
+    return rep, inputs
+
+
+def section_production() -> list[dict]:
+    import torch
+
+    from p2pweights.buffers import TransferBuffers, slot_size
+
+    rows = []
+    for model, spec in (("qwen3-0.6b", "tp=1"), ("qwen3-4b", "tp=2")):
+        rep, inputs = _replica_and_inputs(model, spec, 0)
+        total = sum(g.nbytes for g in rep.groups)
+        for device in ("cpu", "cuda"):
+            with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device=device) as b:
+                slots = [b.slot_tensor(i) for i in range(2)]
+
+                def fill_all() -> None:
+                    s, off = 0, 0
+                    for g in rep.groups:
+                        if off + g.nbytes > b.slot_bytes:
+                            s, off = 1 - s, 0
+                        rep.load_group(g, {n: inputs[n] for n in g.hf_names}, slots[s], off)
+                        off = -(-(off + g.nbytes) // 256) * 256
+
+                sec = timed(fill_all, repeat=3)
+            rows.append({"model": model, "engine": spec, "slots": device, "bytes": total, "groups": len(rep.groups),
+                         "seconds": sec, "gbps": gbps(total, sec)})
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
+    import torch
+
+    from p2pweights.buffers import TransferBuffers
+    from p2pweights.transport import make_sender_transport
+    from p2pweights.transport.publication import EnginePublication
+    from p2pweights.writer import PipelinedWriter
+
+    sys.path.insert(0, HERE)
+    from vram_peer import pattern
+
+    rows = []
+    for transport in ("nixl", "mooncake"):
+        try:
+            peer = subprocess.Popen([sys.executable, os.path.join(HERE, "vram_peer.py"), "--transport", transport,
+                                     "--size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            pub = EnginePublication.from_json(peer.stdout.readline())
+            remote = pub.params["region"].data_ptr
+            tr = make_sender_transport(transport)
+            for device in ("cuda", "cpu"):
+                with TransferBuffers(slot, 2, device=device) as b:
+                    tr.register_memory(b.address, b.total_bytes, b.location)
+                    tr.connect(0, pub.descriptor)
+                    w = PipelinedWriter(tr, b, transfer_timeout=60)
+                    w.add_engine(0, "vram-peer", pub.regions)
+                    src = pattern(size, 7)
+                    slots = [b.slot_tensor(i) for i in range(2)]
+
+                    def run() -> float:
+                        t0 = time.perf_counter()
+                        for c in range(size // slot):
+                            s = w.acquire()
+                            slots[s].copy_(src[c * slot:(c + 1) * slot], non_blocking=False)
+                            w.submit(s, [(0, slot, 0, remote + c * slot)])
+                        w.finish()
+                        return time.perf_counter() - t0
+
+                    run()
+                    sec = min(run() for _ in range(3))
+                    peer.stdin.write("check 7\n")
+                    peer.stdin.flush()
+                    wrong = json.loads(peer.stdout.readline())["wrong_bytes"]
+                    peer.stdin.write("zero\n")
+                    peer.stdin.flush()
+                    peer.stdout.readline()
+                    w.close()
+                    tr.disconnect(0)
+                    tr.deregister_memory(b.address)
+                rows.append({"transport": transport, "path": f"{'VRAM' if device == 'cuda' else 'pinned DRAM'} -> VRAM",
+                             "bytes": size, "slot": slot, "seconds": sec, "gbps": gbps(size, sec), "wrong_bytes": wrong})
+            tr.close()
+            peer.stdin.write("exit\n")
+            peer.stdin.flush()
+            peer.wait(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"transport": transport, "error": f"{type(e).__name__}: {e}"})
+    return rows
+
+
+def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3) -> list[dict]:
+    import torch
+
+    from p2pweights.engines import SglangEngine
+    from p2pweights.models import resolve_model
+    from p2pweights.receiver.engine import check_weights_equal, start_engine
+    from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.sender import WeightSender
+
+    cfg = resolve_model(model)
+    rows = []
+    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+    try:
+        specs = checkpoint_tensors(cfg)
+        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
+        t0 = time.perf_counter()
+        sender.connect([SglangEngine(engine.url, name="vram-engine")])
+        connect_s = time.perf_counter() - t0
+        for step in range(1, steps + 1):
+            tensors = [(n, random_tensor(n, s, step).to("cuda")) for n, s in specs.items()]
+            torch.cuda.synchronize()
+            with sender.update(step) as u:
+                for n, t in tensors:
+                    u.push(n, t)
+            r = u.report
+            equal = None
+            if step == steps:
+                equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
+            rows.append({"model": model, "engine": spec, "step": step, "bytes": r.bytes, "seconds": r.seconds,
+                         "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
+                         "waiting_s": r.waiting_seconds, "control_s": r.control_seconds, "connect_s": connect_s,
+                         "equal": equal})
+            del tensors
+        sender.close()
+    finally:
+        engine.close()
+    return rows
+
+
+SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
+            "update": section_update}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_results.json"))
+    p.add_argument("--one", help=argparse.SUPPRESS)  # run one section in this process, print JSON
+    a = p.parse_args()
+    if a.one:
+        rows = SECTIONS[a.one]()
+        print("P2PW_ROWS " + json.dumps(rows), flush=True)
+        return 0
+    results = {}
+    for name in a.sections.split(","):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=900)
+        rows = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("P2PW_ROWS "):
+                rows = json.loads(line[len("P2PW_ROWS "):])
+        results[name] = rows if rows is not None else {"error": (proc.stderr or proc.stdout)[-3000:]}
+        print(f"== {name} ({time.perf_counter() - t0:.0f} s)")
+        if isinstance(results[name], list):
+            for r in results[name]:
+                print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        else:
+            print(results[name]["error"])
+        sys.stdout.flush()
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repository root (one call): build the extension there, check the
+# carried bundles, print doctor, run the GPU benchmark. Carry: .carry/gpu-sglang .carry/gpu-nixl .carry/gpu-mooncake
+set -uo pipefail
+SECTIONS=${1:-bandwidth,production,writes,update}
+source scripts/gpu_env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m pip wheel -q --no-build-isolation --no-deps --no-index . -w /tmp/p2pw-wheel >/tmp/build.log 2>&1 \
+  || { tail -30 /tmp/build.log; exit 1; }
+python3 -m pip install -q --no-deps --no-index --target /tmp/p2pw-site /tmp/p2pw-wheel/p2pweights-*.whl
+export PYTHONPATH=/tmp/p2pw-site:${PYTHONPATH:-}
+export PATH=/tmp/p2pw-site/bin:$PATH
+p2pw_gpu_check || echo "gpu check reported a problem"
+python3 -m p2pweights doctor
+python3 benchmarks/gpu/bench_gpu.py --sections "$SECTIONS" --out "${OUT:-.}/gpu_results.json"
