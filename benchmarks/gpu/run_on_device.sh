@@ -4,6 +4,9 @@
 set -uo pipefail
 SECTIONS=${1:-bandwidth,production,writes,update}
 source scripts/gpu_env.sh
+# sglang's CUDA import path needs sgl_kernel/cutlass (not carried) and initializes CUDA in the
+# receiver's fork launcher: import it as on a CPU host (the byte-exact path) and spawn rank processes.
+export P2PW_SGLANG_IMPORT_AS_CPU=1 P2PW_RECEIVER_LAUNCH=spawn
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pip wheel -q --no-build-isolation --no-deps --no-index . -w /tmp/p2pw-wheel >/tmp/build.log 2>&1 \
   || { tail -30 /tmp/build.log; exit 1; }

@@ -83,14 +83,13 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict)
 class SenderPool:
     """S sender processes driven in lock step by the coordinator.
 
-    When this process has already imported sglang (``sglang_env.prepare()``), the senders are
-    forked from it and skip the ~10 s import each; otherwise they start as fresh interpreters.
+    The senders fork from a forkserver that imported sglang once (``p2pweights.replica.preload``),
+    so each skips the ~10 s import; the server starts at once, while the engines start.
     """
 
     def __init__(self, model: str, count: int, overrides: dict):
-        from .replica import sglang_env
-
-        ctx = mp.get_context("fork" if sglang_env.is_prepared() else "spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["p2pweights.replica.preload"])
         self.conns, self.procs = [], []
         for i in range(count):
             parent, child = ctx.Pipe()
@@ -226,7 +225,6 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
              overrides: dict | None = None, progress: Callable[[str], None] = print,
              verbose: bool = False) -> list[StepResult]:
     from .receiver.engine import LocalEngine
-    from .replica import sglang_env
 
     t0 = time.perf_counter()
     progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")
@@ -236,8 +234,6 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
         for e in running:
             e.start(wait=False)
         if "p2p" in modes:
-            # Import sglang here once, while the engines start, and fork the senders from it.
-            sglang_env.prepare()
             pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})})
         for e in running:
             e.wait_ready()

@@ -270,6 +270,8 @@ class Update:
         self._slot_tensor = None
         self._cursor = 0
         self._rows: list[tuple[int, int, int, int]] = []
+        self._placed: list[tuple[_Prepared, Any, int, dict[str, Any]]] = []  # groups placed, not yet loaded
+        self._placed_input_bytes = 0
         self._groups = self._slots = 0
         self._t_stage = self._t_load = self._t_wait = self._t_control = 0.0
         self._finished = False
@@ -278,9 +280,10 @@ class Update:
         if control:
             t0 = time.perf_counter()
             self._session = UpdateSession(sender.engines, self.version)
-            self._session.open()  # pause + begin; the measured time starts when this returns
+            self._session.open()  # pause + begin
             self._t_control += time.perf_counter() - t0
-        self._t0 = time.perf_counter()
+        # The time users care about runs from pause_generation returning to the update returning.
+        self._t0 = self._session.paused_at if self._session is not None else time.perf_counter()
 
     def __enter__(self) -> "Update":
         return self
@@ -308,6 +311,9 @@ class Update:
             self.push(name, t)
 
     def _load(self, p: _Prepared, group: Any, tensors: dict[str, Any]) -> None:
+        """Place a complete group in the current slot. Its loaders run later, together with the
+        slot's other groups (one load_weights call per batch: sglang's loaders pay a fixed cost
+        per call); a batch is loaded when the slot is full or its HF inputs reach a slot's size."""
         w = self._s._writer
         if self._slot is not None and self._cursor + group.nbytes > w.buffers.slot_bytes:
             self._submit()
@@ -317,20 +323,38 @@ class Update:
             self._t_wait += time.perf_counter() - t0
             self._slot_tensor = w.buffers.slot_tensor(self._slot)
             self._cursor = 0
-        t0 = time.perf_counter()
-        regions = p.replica.load_group(group, tensors, self._slot_tensor, self._cursor)
-        self._t_load += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
-        for t in p.targets:
-            self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
+        self._placed.append((p, group, self._cursor, tensors))
+        self._placed_input_bytes += sum(int(t.numel()) * t.element_size() for t in tensors.values())
         self._cursor = -(-(self._cursor + group.nbytes) // 256) * 256
         self._groups += 1
+        if self._placed_input_bytes >= w.buffers.slot_bytes:
+            self._load_placed()
+
+    def _load_placed(self) -> None:
+        """Run the loaders of every placed group (one call per prepared engine rank) and queue
+        their writes to every engine of that rank."""
+        if not self._placed:
+            return
+        t0 = time.perf_counter()
+        by_rank: dict[int, tuple[_Prepared, list, dict]] = {}
+        for p, group, offset, tensors in self._placed:
+            entry = by_rank.setdefault(id(p), (p, [], {}))
+            entry[1].append((group, offset))
+            entry[2].update(tensors)
+        loaded = [(p, p.replica.load_groups(placed, tensors, self._slot_tensor)) for p, placed, tensors in by_rank.values()]
+        self._t_load += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p, regions in loaded:
+            entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
+            for t in p.targets:
+                self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
+        self._placed, self._placed_input_bytes = [], 0
         self._t_stage += time.perf_counter() - t0
 
     def _submit(self) -> None:
         if self._slot is None:
             return
+        self._load_placed()
         w = self._s._writer
         if self._slot_tensor is not None and self._slot_tensor.is_cuda:
             import torch
@@ -384,6 +408,7 @@ class Update:
     def _abort(self, reason: str) -> None:
         self._finished = True
         w = self._s._writer
+        self._placed, self._placed_input_bytes = [], 0
         if self._slot is not None:
             w.release_slot(self._slot)
             self._slot = None

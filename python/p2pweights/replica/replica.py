@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from . import sglang_env
@@ -169,25 +169,39 @@ class ModelReplica:
         parameters point into the slot only while the loaders run; they keep their class and
         attributes, and are meta again afterwards. HF tensors may be on the CPU or the slot's device.
         """
+        return self.materialize_groups([(group, offset)], hf_tensors, slot)
+
+    def materialize_groups(
+        self, placed: Sequence[tuple[ParameterGroup, int]], hf_tensors: Mapping[str, "torch.Tensor"],
+        slot: "torch.Tensor",
+    ) -> list[SlotRegion]:
+        """:meth:`materialize_group` for several complete groups at (group, offset) in one slot,
+        with ONE call of the model's ``load_weights``: sglang's loaders pay a fixed cost per call
+        (they rebuild the parameter table), which dominates when a GPU does the copies."""
         import torch
 
-        missing = [n for n in group.hf_names if n not in hf_tensors]
+        want = [n for g, _ in placed for n in g.hf_names]
+        missing = [n for n in want if n not in hf_tensors]
         if missing:
-            raise MissingTensors(f"parameter group {group.index} ({group.params[0]}, ...) still misses {missing}")
-        extra = [n for n in hf_tensors if n not in group.hf_names]
+            raise MissingTensors(f"parameter groups {[g.index for g, _ in placed]} still miss {missing[:8]}")
+        extra = [n for n in hf_tensors if n not in set(want)]
         if extra:
-            raise UnknownParameter(f"HF tensors {extra} do not belong to parameter group {group.index}")
-        if slot.dtype != torch.uint8 or slot.dim() != 1 or slot.numel() < offset + group.nbytes:
-            raise LayoutMismatch(
-                f"slot must be 1-D uint8 with {group.nbytes} bytes free from offset {offset}, "
-                f"got {slot.dtype} {tuple(slot.shape)}")
-        if offset % SLOT_ALIGNMENT:
-            raise LayoutMismatch(f"group offset {offset} in the slot is not a multiple of {SLOT_ALIGNMENT}")
-        regions = [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in group.regions]
+            raise UnknownParameter(f"HF tensors {extra[:8]} do not belong to parameter groups {[g.index for g, _ in placed]}")
+        if slot.dtype != torch.uint8 or slot.dim() != 1:
+            raise LayoutMismatch(f"slot must be a 1-D uint8 tensor, got {slot.dtype} {tuple(slot.shape)}")
+        regions = []
+        for group, offset in placed:
+            if offset % SLOT_ALIGNMENT:
+                raise LayoutMismatch(f"group offset {offset} in the slot is not a multiple of {SLOT_ALIGNMENT}")
+            if slot.numel() < offset + group.nbytes:
+                raise LayoutMismatch(f"slot of {slot.numel()} bytes has no room for group {group.index} "
+                                     f"({group.nbytes} bytes) at offset {offset}")
+            regions += [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in group.regions]
         model = self.model
         if self._sites is None:
             self._sites = sglang_env.parameter_sites(model)
-        params = dict(model.named_parameters())
+            self._params = dict(model.named_parameters())  # the meta parameters, restored after every load
+        params = self._params
         views, installed = [], []
         for region in regions:
             old = params[region.param_name]
@@ -198,10 +212,10 @@ class ModelReplica:
             sglang_env.install_parameter(self._sites[region.param_name], new)
             views.append(view)
             installed.append((region.param_name, old, new))
-        derived = _DerivedState(model, group.params)
+        derived = _DerivedState(model, [p for g, _ in placed for p in g.params])
         try:
             with sglang_env.activate(model):
-                model.load_weights(iter([(n, hf_tensors[n]) for n in group.hf_names]))
+                model.load_weights(iter([(n, hf_tensors[n]) for n in want]))
             for region, view in zip(regions, views):
                 # a loader may have rebound .data (or replaced the parameter): copy it back
                 module, attr = self._sites[region.param_name][0]
@@ -220,6 +234,7 @@ class ModelReplica:
         return regions
 
     load_group = materialize_group  # the sender's word for it
+    load_groups = materialize_groups
 
 
 class _DerivedState:

@@ -121,19 +121,27 @@ def prepare() -> None:
         # P2PW_SGLANG_IMPORT_AS_CPU=1: import sglang as on a host without CUDA (the code path the
         # byte-exact tests cover) even where a GPU exists; its GPU-only kernels are never called
         # by model construction or the loaders. For a sender on a GPU host without sgl_kernel.
-        hide_cuda = os.environ.get("P2PW_SGLANG_IMPORT_AS_CPU") == "1"
-        import torch
-
-        real_is_available = torch.cuda.is_available
-        if hide_cuda:
-            torch.cuda.is_available = lambda: False  # type: ignore[assignment]
-        try:
+        with _sglang_imports():
             _import_sglang()
-        finally:
-            torch.cuda.is_available = real_is_available  # type: ignore[assignment]
         for name in ("sglang", "sglang.srt"):
             logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         _prepared = True
+
+
+@contextlib.contextmanager
+def _sglang_imports() -> Iterator[None]:
+    """Where sglang modules get imported. With P2PW_SGLANG_IMPORT_AS_CPU=1 they see no CUDA."""
+    import torch
+
+    if os.environ.get("P2PW_SGLANG_IMPORT_AS_CPU") != "1":
+        yield
+        return
+    real_is_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = real_is_available  # type: ignore[assignment]
 
 
 def _import_sglang() -> None:
@@ -190,7 +198,8 @@ def _register_architecture(architectures: list[str]) -> None:
         if "EntryClass" not in text or not any(f"class {a}(" in text or a in text.split("EntryClass", 1)[1]
                                                for a in missing):
             continue
-        module = importlib.import_module(f"sglang.srt.models.{name}")
+        with _sglang_imports():
+            module = importlib.import_module(f"sglang.srt.models.{name}")
         entries = getattr(module, "EntryClass", [])
         for cls in entries if isinstance(entries, list) else [entries]:
             ModelRegistry.models.setdefault(cls.__name__, cls)
