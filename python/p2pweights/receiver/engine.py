@@ -169,6 +169,13 @@ class EngineRank:
         self.device = os.environ.get("P2PW_RECEIVER_DEVICE", "cpu")
         if self.device == "cuda":
             self.device = "cuda:0"
+        gpus = os.environ.get("P2PW_RECEIVER_GPUS")  # "1,2,3,4": engine rank r on GPU gpus[r]
+        if gpus:
+            self.device = f"cuda:{gpus.split(',')[self.rank]}"
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
         self.model = sglang_env.build_model(self.config, self.engine, self.rank, device="meta")
         self.region = place_parameters(self.model, device=self.device)
         self.endpoint = make_receiver_endpoint(transport)
@@ -177,6 +184,7 @@ class EngineRank:
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._groups: dict[str, Any] = {}
+        self._group_devices: dict[str, str] = {}  # where a group's broadcast tensors land (nccl: this GPU)
         self._lock = threading.RLock()
         self.startup_seconds = time.perf_counter() - t0
 
@@ -243,6 +251,7 @@ class EngineRank:
         name = request["group_name"]
         if name in self._groups:
             raise RuntimeError(f"group {name!r} already exists on rank {self.rank}")
+        self._group_devices[name] = self.device if request["backend"] == "nccl" else "cpu"
         self._groups[name] = join_weight_update_group(
             request["backend"], request["master_address"], request["master_port"], request["world_size"],
             request["rank_offset"] + self.rank, name, timeout=float(request.get("timeout", 120.0)))
@@ -259,7 +268,8 @@ class EngineRank:
                                f"call init_weights_update_group first")
         weights = []
         for name, dtype, shape in zip(request["names"], request["dtypes"], request["shapes"]):
-            t = torch.empty([int(s) for s in shape], dtype=getattr(torch, str(dtype).removeprefix("torch.")))
+            t = torch.empty([int(s) for s in shape], dtype=getattr(torch, str(dtype).removeprefix("torch.")),
+                            device=self._group_devices.get(request["group_name"], "cpu"))
             dist.broadcast(t, src=0, group=group)
             weights.append((name, t))
         with self._lock, sglang_env.activate(self.model):
