@@ -113,6 +113,29 @@ def section_production() -> list[dict]:
                 sec = timed(fill_all, repeat=3)
             rows.append({"model": model, "engine": spec, "slots": device, "bytes": total, "groups": len(rep.groups),
                          "seconds": sec, "gbps": gbps(total, sec)})
+        # host slots through a GPU staging slot: the loaders write on the GPU, one D2H per slot (the sender's path)
+        with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device="cpu") as b:
+            staging = torch.empty(b.slot_bytes, dtype=torch.uint8, device="cuda")
+            slots = [b.slot_tensor(i) for i in range(2)]
+
+            def fill_staged() -> None:
+                s, off, placed = 0, 0, []
+
+                def load() -> None:
+                    rep.load_groups(placed, {n: inputs[n] for g, _ in placed for n in g.hf_names}, staging)
+                    slots[s][:off].copy_(staging[:off])
+
+                for g in rep.groups:
+                    if off + g.nbytes > b.slot_bytes:
+                        load()
+                        s, off, placed = 1 - s, 0, []
+                    placed.append((g, off))
+                    off = -(-(off + g.nbytes) // 256) * 256
+                load()
+
+            sec = timed(fill_staged, repeat=3)
+        rows.append({"model": model, "engine": spec, "slots": "cpu via GPU staging", "bytes": total,
+                     "groups": len(rep.groups), "seconds": sec, "gbps": gbps(total, sec)})
         del inputs
         torch.cuda.empty_cache()
     return rows
@@ -177,7 +200,14 @@ def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
     return rows
 
 
-def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3) -> list[dict]:
+def section_tests() -> list[dict]:
+    """tests/test_gpu.py under pytest, here."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gpu.py")],
+                          capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"), timeout=600)
+    return [{"pytest": (proc.stdout or proc.stderr).strip().splitlines()[-1], "rc": proc.returncode}]
+
+
+def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, buffer_device: str = "cuda") -> list[dict]:
     import torch
 
     from p2pweights.engines import SglangEngine
@@ -192,7 +222,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3) 
                           env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
     try:
         specs = checkpoint_tensors(cfg)
-        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
+        sender = WeightSender(cfg, transport="nixl", buffer_device=buffer_device)
         t0 = time.perf_counter()
         sender.connect([SglangEngine(engine.url, name="vram-engine")])
         connect_s = time.perf_counter() - t0
@@ -206,7 +236,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3) 
             equal = None
             if step == steps:
                 equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
-            rows.append({"model": model, "engine": spec, "step": step, "bytes": r.bytes, "seconds": r.seconds,
+            rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes, "seconds": r.seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
                          "waiting_s": r.waiting_seconds, "control_s": r.control_seconds, "connect_s": connect_s,
                          "equal": equal})
@@ -218,7 +248,8 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3) 
 
 
 SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
-            "update": section_update}
+            "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
+            "tests": section_tests}
 
 
 def main() -> int:

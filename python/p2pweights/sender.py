@@ -146,6 +146,7 @@ class WeightSender:
         self._transport = None
         self._buffers: TransferBuffers | None = None
         self._writer: PipelinedWriter | None = None
+        self._staging = None  # GPU staging slot for host slots fed from GPU tensors (made on first use)
         self._prepared: list[_Prepared] = []
         self._engines: list[SglangEngine] = []
         self._next_writer_id = 0
@@ -245,6 +246,7 @@ class WeightSender:
             self._transport.close()
         if self._buffers is not None:
             self._buffers.close()
+        self._staging = None
 
     def __enter__(self) -> "WeightSender":
         return self
@@ -272,6 +274,8 @@ class Update:
         self._rows: list[tuple[int, int, int, int]] = []
         self._placed: list[tuple[_Prepared, Any, int, dict[str, Any]]] = []  # groups placed, not yet loaded
         self._placed_input_bytes = 0
+        self._staging_used, self._staged_extent = False, 0  # host slot loaded through the GPU staging slot
+        self._target = None  # the tensor this slot's loaders write into
         self._groups = self._slots = 0
         self._t_stage = self._t_load = self._t_wait = self._t_control = 0.0
         self._finished = False
@@ -341,7 +345,9 @@ class Update:
             entry = by_rank.setdefault(id(p), (p, [], {}))
             entry[1].append((group, offset))
             entry[2].update(tensors)
-        loaded = [(p, p.replica.load_groups(placed, tensors, self._slot_tensor)) for p, placed, tensors in by_rank.values()]
+        target = self._load_target(self._placed[0][3])
+        loaded = [(p, p.replica.load_groups(placed, tensors, target)) for p, placed, tensors in by_rank.values()]
+        self._staged_extent = max(self._staged_extent, max(r.offset + r.nbytes for _, regs in loaded for r in regs))
         self._t_load += time.perf_counter() - t0
         t0 = time.perf_counter()
         for p, regions in loaded:
@@ -351,12 +357,36 @@ class Update:
         self._placed, self._placed_input_bytes = [], 0
         self._t_stage += time.perf_counter() - t0
 
+    def _load_target(self, some_inputs: dict[str, Any]) -> Any:
+        """Where the loaders write: the slot itself, or, for host slots fed from GPU tensors, a GPU
+        staging slot copied out in one D2H per slot (hundreds of small synchronous D2H copies by
+        the loaders run at a third of the pinned bandwidth)."""
+        if self._target is not None:  # decided by the slot's first load: never mix the two
+            return self._target
+        first = next(iter(some_inputs.values()))
+        if self._slot_tensor.is_cuda or not getattr(first, "is_cuda", False):
+            self._target = self._slot_tensor
+            return self._target
+        s = self._s
+        if s._staging is None or s._staging.numel() < self._slot_tensor.numel() or s._staging.device != first.device:
+            import torch
+
+            s._staging = torch.empty(self._slot_tensor.numel(), dtype=torch.uint8, device=first.device)
+        self._staging_used = True
+        self._target = s._staging
+        return self._target
+
     def _submit(self) -> None:
         if self._slot is None:
             return
         self._load_placed()
         w = self._s._writer
-        if self._slot_tensor is not None and self._slot_tensor.is_cuda:
+        if self._staging_used:
+            t0 = time.perf_counter()
+            n = self._staged_extent
+            self._slot_tensor[:n].copy_(self._s._staging[:n])  # one D2H into the pinned slot
+            self._t_load += time.perf_counter() - t0
+        elif self._slot_tensor is not None and self._slot_tensor.is_cuda:
             import torch
 
             torch.cuda.current_stream(self._slot_tensor.device).synchronize()  # loaders' copies land before the NIC reads
@@ -366,6 +396,7 @@ class Update:
         else:
             w.release_slot(self._slot)
         self._slot, self._slot_tensor, self._rows = None, None, []
+        self._staging_used, self._staged_extent, self._target = False, 0, None
 
     def finish(self) -> UpdateReport:
         """Waits for every write; then (with control) ends the update and bumps the version on every
