@@ -158,3 +158,16 @@ def test_broadcast_baseline_is_byte_exact(configs):
     finally:
         for e in engines:
             e.close()
+
+
+def test_demo_runs_p2p_and_broadcast_with_sender_processes(configs):
+    """The main job's path: engines, forked sender processes, both modes, the equality check."""
+    from p2pweights.demo import results_json, run_demo
+
+    lines = []
+    results = run_demo(configs["moe"], engines=2, engine="tp=2", senders=2, steps=1, transport="nixl",
+                       modes=("p2p", "broadcast"), progress=lines.append)
+    steps = results_json(results)["steps"]
+    assert [(s["mode"], s["step"]) for s in steps] == [("p2p", 1), ("broadcast", 1)]
+    assert all(s["equal"] is True and s["seconds"] > 0 and s["bytes"] > 0 for s in steps)
+    assert any("senders connected" in line for line in lines)

@@ -11,6 +11,8 @@ that its weights equal what sglang's own load_weights makes of the same HF tenso
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -43,9 +45,15 @@ class StepResult:
 
 
 # -- sender processes ------------------------------------------------------------------------------
-def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict) -> None:
+def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict, log_path: str | None) -> None:
     """A sender process: wait for the engines, connect once, then per step make the tensors, wait
     for "go", push, report."""
+    if log_path:
+        # The transports' native logs (Mooncake's glog) go to a file, not over the demo's rows;
+        # failures still reach the coordinator through the pipe, with the traceback.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         from .engines import SglangEngine
         from .replica.hf_checkpoint import random_checkpoint
@@ -87,13 +95,15 @@ class SenderPool:
     so each skips the ~10 s import; the server starts at once, while the engines start.
     """
 
-    def __init__(self, model: str, count: int, overrides: dict):
+    def __init__(self, model: str, count: int, overrides: dict, log_dir: str | None = None):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["p2pweights.replica.preload"])
         self.conns, self.procs = [], []
+        self.log_dir = log_dir
         for i in range(count):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_sender_main, args=(child, model, i, count, overrides),
+            log = os.path.join(log_dir, f"sender{i}.log") if log_dir else None
+            p = ctx.Process(target=_sender_main, args=(child, model, i, count, overrides, log),
                             name=f"p2pw-sender-{i}", daemon=True)
             p.start()
             self.conns.append(parent)
@@ -111,7 +121,8 @@ class SenderPool:
                 raise TimeoutError(f"sender {i} did not answer {what!r} within {timeout:.0f} s")
             kind, payload = c.recv()
             if kind == "error":
-                raise RuntimeError(f"sender {i} failed:\n{payload}")
+                where = f" (its log: {self.log_dir}/sender{i}.log)" if self.log_dir else ""
+                raise RuntimeError(f"sender {i} failed{where}:\n{payload}")
             out.append((kind, payload))
         return out
 
@@ -234,7 +245,8 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
         for e in running:
             e.start(wait=False)
         if "p2p" in modes:
-            pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})})
+            log_dir = None if verbose else tempfile.mkdtemp(prefix="p2pw-demo-")
+            pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})}, log_dir)
         for e in running:
             e.wait_ready()
     except BaseException:

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
     p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
     p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
-    p.add_argument("--verbose", action="store_true", help="print every sender's update report (stage times, per engine rank)")
+    p.add_argument("--verbose", action="store_true", help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
