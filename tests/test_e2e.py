@@ -171,3 +171,38 @@ def test_demo_runs_p2p_and_broadcast_with_sender_processes(configs):
     assert [(s["mode"], s["step"]) for s in steps] == [("p2p", 1), ("broadcast", 1)]
     assert all(s["equal"] is True and s["seconds"] > 0 and s["bytes"] > 0 for s in steps)
     assert any("senders connected" in line for line in lines)
+
+
+def test_each_pp_stage_pushes_only_its_own_parameters(configs):
+    """A trainer with PP 2: stage 0 pushes embeddings and the first layers, stage 1 the rest; together
+    they produce sglang's exact bytes, and a stage refuses another stage's tensors."""
+    from p2pweights.engines import UpdateSession
+    from p2pweights.errors import P2PWeightsError
+    from p2pweights.sender import stage_hf_names
+
+    cfg = configs["dense"]
+    engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="pp")
+    try:
+        specs = checkpoint_tensors(cfg)
+        stages = [WeightSender(cfg, pp_stage=s, pp_size=2, transport="mooncake", buffer_size=1 << 20) for s in (0, 1)]
+        for s in stages:
+            s.connect(_clients(engines))
+        names = [set(stage_hf_names(specs, 2, s, 2)) for s in (0, 1)]
+        assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(specs)
+        assert any("embed_tokens" in n for n in names[0]) and any(n.startswith("model.norm") for n in names[1])
+        tensors = dict(random_checkpoint(specs, 4))
+        with UpdateSession(_clients(engines), "pp-4"):
+            for stage, sender in enumerate(stages):
+                with sender.update("pp-4", control=False) as u:
+                    for n in sorted(names[stage]):
+                        u.push(n, tensors[n])
+        assert check_weights_equal(engines[0].url, hf_seed=4)["success"]
+        other = next(iter(names[1]))
+        update = stages[0].update("pp-5", control=False)
+        with pytest.raises(P2PWeightsError, match="another sender"):
+            update.push(other, tensors[other])
+        for s in stages:
+            s.close()
+    finally:
+        for e in engines:
+            e.close()
