@@ -82,6 +82,25 @@ def _replica_and_inputs(model: str, spec: str, rank: int):
     return rep, inputs
 
 
+def pack_and_load(rep, inputs, slot_bytes: int, target, after=None) -> None:
+    """As the sender does it: groups packed into slots in order, one loader call per slot.
+    ``target(slot)`` is the tensor the loaders write; ``after(slot, used_bytes)`` runs per slot."""
+    s, off, placed = 0, 0, []
+
+    def load() -> None:
+        rep.load_groups(placed, {n: inputs[n] for g, _ in placed for n in g.hf_names}, target(s))
+        if after is not None:
+            after(s, off)
+
+    for g in rep.groups:
+        if off + g.nbytes > slot_bytes:
+            load()
+            s, off, placed = 1 - s, 0, []
+        placed.append((g, off))
+        off = -(-(off + g.nbytes) // 256) * 256
+    load()
+
+
 def section_production() -> list[dict]:
     import torch
 
@@ -96,19 +115,7 @@ def section_production() -> list[dict]:
                 slots = [b.slot_tensor(i) for i in range(2)]
 
                 def fill_all() -> None:
-                    # as the sender does it: groups packed into a slot, one loader call per slot
-                    s, off, placed = 0, 0, []
-
-                    def load() -> None:
-                        rep.load_groups(placed, {n: inputs[n] for g, _ in placed for n in g.hf_names}, slots[s])
-
-                    for g in rep.groups:
-                        if off + g.nbytes > b.slot_bytes:
-                            load()
-                            s, off, placed = 1 - s, 0, []
-                        placed.append((g, off))
-                        off = -(-(off + g.nbytes) // 256) * 256
-                    load()
+                    pack_and_load(rep, inputs, b.slot_bytes, lambda s: slots[s])
 
                 sec = timed(fill_all, repeat=3)
             rows.append({"model": model, "engine": spec, "slots": device, "bytes": total, "groups": len(rep.groups),
@@ -119,19 +126,8 @@ def section_production() -> list[dict]:
             slots = [b.slot_tensor(i) for i in range(2)]
 
             def fill_staged() -> None:
-                s, off, placed = 0, 0, []
-
-                def load() -> None:
-                    rep.load_groups(placed, {n: inputs[n] for g, _ in placed for n in g.hf_names}, staging)
-                    slots[s][:off].copy_(staging[:off])
-
-                for g in rep.groups:
-                    if off + g.nbytes > b.slot_bytes:
-                        load()
-                        s, off, placed = 1 - s, 0, []
-                    placed.append((g, off))
-                    off = -(-(off + g.nbytes) // 256) * 256
-                load()
+                pack_and_load(rep, inputs, b.slot_bytes, lambda s: staging,
+                              after=lambda s, used: slots[s][:used].copy_(staging[:used]))
 
             sec = timed(fill_staged, repeat=3)
         rows.append({"model": model, "engine": spec, "slots": "cpu via GPU staging", "bytes": total,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from ..errors import EngineError
-from .server import ReceiverHooks, ReceiverServer, register_transfer_engine_info
+from .server import ReceiverHooks, ReceiverServer, register_transfer_engine_info, send_json
 
 if TYPE_CHECKING:
     import torch
@@ -361,15 +361,7 @@ class _RankHandler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - reported to the leader
             logger.exception("rank %d: %s failed", self.rank.rank, verb)
             status, payload = 500, {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        data = json.dumps(payload).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            pass
+        send_json(self, status, payload)
 
 
 def _rank_server(rank: EngineRank, host: str, port: int) -> ThreadingHTTPServer:

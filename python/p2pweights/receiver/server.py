@@ -406,6 +406,20 @@ BOOTSTRAP_ROUTES: dict[str, tuple[tuple[str, ...], str]] = {
 _ALL_ROUTES = {**ROUTES, **BOOTSTRAP_ROUTES}
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    """Answer an HTTP request with a JSON body (none for ``payload=None``); a client that already
+    gave up (its timeout) is not our error."""
+    data = b"" if payload is None else json.dumps(payload).encode()
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+        logger.debug("client left before the answer to %s", handler.path)
+
+
 class _Handler(BaseHTTPRequestHandler):
     receiver: ReceiverServer  # set on the bound subclass
     server_version = "p2pweights-receiver"
@@ -459,15 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _send(self, status: int, payload: Any) -> None:
-        data = b"" if payload is None else json.dumps(payload).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout); not our error
-            logger.debug("client left before the answer to %s", self.path)
+        send_json(self, status, payload)
 
     # ---- one method per verb: (body, query) -> (status, payload) -----------------------------
 
