@@ -205,3 +205,31 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path, capsys):
 def test_errors_are_value_errors_for_library_callers():
     with pytest.raises(ValueError, match="--trainer: gpus=0"):
         make_plan(TrainerLayout(gpus=0), engines_of([2]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(cluster, st.booleans())
+def test_balanced_rule_writes_each_engine_rank_once_and_caps_every_sender(c, mixed):
+    senders, sizes = c
+    engines = [Engine(g, ShardLayout(tp=g, ep=g if (mixed and i % 2) else 1)) for i, g in enumerate(sizes)]
+    entries = assign_engine_ranks(senders, engines, balanced=True)
+    written = Counter((engine, e.engine_rank) for e in entries for engine in e.engines)
+    assert set(written) == {(i, r) for i, g in enumerate(sizes) for r in range(g)}
+    assert all(n == 1 for n in written.values())
+    per_sender = Counter()
+    for e in entries:
+        per_sender[e.sender] += len(e.engines)
+    limit = -(-sum(sizes) // senders)
+    assert max(per_sender.values()) <= limit
+
+
+def test_balanced_rule_fixes_the_pile_up_of_mixed_layouts():
+    engines = [Engine(4, ShardLayout(tp=4, ep=1))] * 100 + [Engine(8, ShardLayout(tp=8, ep=8))] * 75
+    plain = Counter()
+    for e in assign_engine_ranks(200, engines):
+        plain[e.sender] += len(e.engines)
+    balanced = Counter()
+    for e in assign_engine_ranks(200, engines, balanced=True):
+        balanced[e.sender] += len(e.engines)
+    assert max(plain.values()) > 50  # the plain rule piles writes on a few senders
+    assert max(balanced.values()) <= -(-(100 * 4 + 75 * 8) // 200)

@@ -67,7 +67,7 @@ class SenderTargets:
     engines: list[int] = field(default_factory=list)
 
 
-def assign_engine_ranks(senders: int, engines: Sequence[Engine]) -> list[SenderTargets]:
+def assign_engine_ranks(senders: int, engines: Sequence[Engine], *, balanced: bool = False) -> list[SenderTargets]:
     """Give every (engine, engine rank) exactly one of ``senders`` senders.
 
     1. Every sender first gets one target, in order (engine 0 rank 0, rank 1, ..., engine 1 ...),
@@ -80,6 +80,11 @@ def assign_engine_ranks(senders: int, engines: Sequence[Engine]) -> list[SenderT
     Engine ranks of different shard layouts hold different bytes, so "the same engine rank" means
     the same rank index *and* layout. Returns one entry per (sender, engine rank, layout), ordered
     by sender, then by when the sender first got that engine rank.
+
+    ``balanced=True`` (opt-in; ``p2pweights plan --balanced``) caps rule 2: a sender is reused only
+    while it writes to fewer than ⌈targets / senders⌉ engines, and rule 3 then picks the sender
+    writing the fewest (instead of round robin). With mixed shard layouts the plain rule can pile
+    hundreds of writes on a few senders; the cap trades that for more engine ranks prepared per sender.
     """
     if senders < 1:
         raise PlanError("--trainer: no senders; gpus must be at least the number of PP stages")
@@ -90,6 +95,8 @@ def assign_engine_ranks(senders: int, engines: Sequence[Engine]) -> list[SenderT
     preparing: dict[tuple[ShardLayout, int], list[tuple[int, int, SenderTargets]]] = {}
     next_first = 0
     round_robin = 0
+    limit = -(-sum(e.gpus for e in engines) // senders)  # ⌈targets / senders⌉
+    least: list[tuple[int, int]] = [(0, i) for i in range(senders)]  # (writes when pushed, sender), lazily refreshed
 
     def give(sender: int, engine: int, rank: int, layout: ShardLayout) -> None:
         entry = SenderTargets(sender, rank, layout, [engine])
@@ -108,10 +115,19 @@ def assign_engine_ranks(senders: int, engines: Sequence[Engine]) -> list[SenderT
                 while heap[0][0] != writes[heap[0][1]]:
                     _, sender, entry = heapq.heappop(heap)
                     heapq.heappush(heap, (writes[sender], sender, entry))
-                _, sender, entry = heapq.heappop(heap)
-                entry.engines.append(engine)
-                writes[sender] += 1
-                heapq.heappush(heap, (writes[sender], sender, entry))
+                if not balanced or heap[0][0] < limit:
+                    _, sender, entry = heapq.heappop(heap)
+                    entry.engines.append(engine)
+                    writes[sender] += 1
+                    heapq.heappush(heap, (writes[sender], sender, entry))
+                    continue
+            if balanced:  # 3'. the sender writing to the fewest engines so far
+                while least[0][0] != writes[least[0][1]]:
+                    _, sender = heapq.heappop(least)
+                    heapq.heappush(least, (writes[sender], sender))
+                _, sender = heapq.heappop(least)
+                give(sender, engine, rank, layout)
+                heapq.heappush(least, (writes[sender], sender))
                 continue
             give(round_robin, engine, rank, layout)  # 3. round robin
             round_robin = (round_robin + 1) % senders
@@ -185,6 +201,8 @@ def make_plan(
     trainer: TrainerLayout,
     engines: Sequence[Engine],
     shape: ModelShape | None = None,
+    *,
+    balanced: bool = False,
 ) -> Plan:
     """Check the cluster description and assign engine ranks for every PP stage."""
     _check_trainer(trainer, shape)
@@ -202,7 +220,7 @@ def make_plan(
             check_layout(shape, engine.layout)
     layers = shape.layers if shape is not None else max(trainer.pp, 1)
     bounds = stage_layers(layers, trainer.stages)
-    per_stage = assign_engine_ranks(trainer.senders_per_stage, engines)
+    per_stage = assign_engine_ranks(trainer.senders_per_stage, engines, balanced=balanced)
     return Plan(trainer=trainer, engines=list(engines), per_stage=per_stage, stage_bounds=bounds)
 
 

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="", metavar="tp=T,ep=E,dp=D,...",
                         help="shard layout of every engine: tp (default: the engine's GPU count), "
                              "ep (a number or 'tp'), dp (attention DP), dp_lm_head, fused_shared_experts")
+    parser.add_argument("--balanced", action="store_true",
+                        help="cap the reuse of a sender at ceil(engine ranks / senders) writes, so mixed shard "
+                             "layouts do not pile writes on a few senders (default: the plain rule)")
     parser.add_argument("--pp-gathered", action="store_true",
                         help="the trainer gathers PP too: every trainer rank is a sender of the whole model")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES),
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         engines = parse_engines(args.engines, args.engine, shape)
         if args.nic_gbps <= 0 or args.host_device_gbps <= 0:
             raise PlanError("--nic-gbps / --host-device-gbps: bandwidths must be positive")
-        plan = make_plan(trainer, engines, shape)
+        plan = make_plan(trainer, engines, shape, balanced=args.balanced)
         links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
                       host_slots=args.slots == "host")
         cost = predict(plan, shape, links, args.dtype)
