@@ -206,3 +206,40 @@ def test_each_pp_stage_pushes_only_its_own_parameters(configs):
     finally:
         for e in engines:
             e.close()
+
+
+def test_sender_memory_stays_bounded_by_slots_and_incomplete_groups(tmp_path):
+    """Invariant 6: besides its slots, a sender holds only the HF inputs of groups still incomplete
+    and at most a slot's worth of inputs of groups placed in the current slot; never the model."""
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       vocab_size=4096)
+    engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="mem")
+    try:
+        specs = checkpoint_tensors(cfg)
+        sender = WeightSender(cfg, transport="mooncake", buffer_size=1 << 20)  # slots of 2 MiB
+        sender.connect(_clients(engines))
+        slot_bytes = sender._buffers.slot_bytes
+        largest_inputs = max(sum(specs[n].nbytes for n in g.hf_names)
+                             for p in sender._prepared for g in p.replica.groups)
+        model_bytes = sum(s.nbytes for s in specs.values())
+        update = sender.update("m1")
+        # every layer's q_proj first: those groups (q/k/v -> qkv_proj) stay incomplete for a while
+        items = sorted(random_checkpoint(specs, 6), key=lambda kv: ("q_proj" not in kv[0], kv[0]))
+        peak = 0
+        for name, t in items:
+            update.push(name, t)
+            # distinct tensors the sender still references (two engine ranks share the same inputs)
+            refs = {t.data_ptr(): t.numel() * t.element_size()
+                    for p in sender._prepared for g in p.stager._staged.values() for t in g.values()}
+            refs.update({t.data_ptr(): t.numel() * t.element_size() for *_, ts in update._placed for t in ts.values()})
+            held = sum(refs.values())
+            peak = max(peak, held)
+            assert update._placed_input_bytes <= slot_bytes + largest_inputs
+        update.finish()
+        assert update._placed_input_bytes == 0 and all(p.stager.staged_bytes == 0 for p in sender._prepared)
+        assert peak < 0.75 * model_bytes  # never a full copy of the model's inputs
+        assert check_weights_equal(engines[0].url, hf_seed=6)["success"]
+        sender.close()
+    finally:
+        for e in engines:
+            e.close()
