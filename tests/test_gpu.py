@@ -53,3 +53,32 @@ def test_loaders_from_gpu_tensors_into_gpu_slots_match_host_slots(tmp_path):
     rep.load_groups(placed, {n: tensors[n].cuda() for n in need}, gpu)
     torch.cuda.synchronize()
     assert torch.equal(gpu.cpu(), host)
+
+
+@pytest.mark.parametrize("buffer_device,num_slots", [("cpu", 2), ("cpu", 1), ("cuda", 2)])
+def test_updates_from_gpu_tensors_are_byte_exact(tmp_path, buffer_device, num_slots):
+    # host slots fed from GPU tensors go through the GPU staging buffers with their D2H deferred by
+    # one slot (staging.py); small slots make many of them, and one slot checks the no-deadlock path
+    from p2pweights.engines import SglangEngine
+    from p2pweights.receiver.engine import check_weights_equal, start_engines
+    from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+    from replica_configs import write_config
+
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=2048)
+    (engine,) = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix=f"gpu-{buffer_device}-")
+    try:
+        specs = checkpoint_tensors(cfg)
+        with WeightSender(cfg, transport="mooncake", buffer_size=256 << 10, num_slots=num_slots,
+                          buffer_device=buffer_device) as sender:
+            sender.connect([SglangEngine(engine.url, name=engine.name)])
+            for step in (1, 2):
+                with sender.update(f"v{step}") as u:
+                    for name, t in random_checkpoint(specs, step):
+                        u.push(name, t.cuda())
+                assert u.report.slots > 4
+                result = check_weights_equal(engine.url, hf_seed=step)
+                assert result["success"], result["message"]
+    finally:
+        engine.close()

@@ -180,6 +180,67 @@ def test_two_groups_share_a_slot_at_their_offsets(configs):
         replica.materialize_group(a, {n: random_tensor(n, replica.hf_specs[n]) for n in a.hf_names}, slot, 8)
 
 
+def test_stale_slot_bytes_never_leak_and_bytes_between_groups_stay_untouched(configs):
+    # vocab 250 at TP 4: the last rank's embedding has padding rows the loader never writes
+    engine = EngineLayout.parse("tp=4")
+    replica = ModelReplicas(cache_dir="").get(configs("qwen2"), engine, 3)
+    reference = dict(reference_model(configs("qwen2"), engine, 3).named_parameters())
+    gap = 4 * SLOT_ALIGNMENT  # another engine rank's bytes would sit here
+    placed, off = [], 0
+    for i, g in enumerate(replica.groups):
+        placed.append((g, off))
+        off = -(-(off + g.nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT + (gap if i == 1 else 0)
+    slot = torch.full((off + gap,), 0xAB, dtype=torch.uint8)
+    inputs = {n: random_tensor(n, replica.hf_specs[n]) for g, _ in placed for n in g.hf_names}
+    regions = replica.load_groups(placed, inputs, slot)
+    for r in regions:
+        want = reference[r.param_name].detach().reshape(-1).view(torch.uint8)
+        assert torch.equal(slot[r.offset:r.offset + r.nbytes], want), r.param_name
+    g1, o1 = placed[1]
+    after_g1 = -(-(o1 + g1.nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+    assert bool((slot[after_g1:after_g1 + gap] == 0xAB).all())
+    assert bool((slot[off:] == 0xAB).all())
+
+
+def test_the_probe_records_which_bytes_of_a_parameter_the_loaders_overwrite():
+    from p2pweights.replica.probe import _covers, _DataFlow
+
+    flow = _DataFlow()
+    full, rows, cols, rmw = (torch.empty(8, 4, dtype=torch.bfloat16, device="meta") for _ in range(4))
+    src = torch.empty(8, 4, dtype=torch.bfloat16, device="meta")
+    for p in (full, rows, cols, rmw):
+        flow.watch(p)
+    with flow:
+        full.narrow(0, 0, 5).copy_(src[:5])
+        full[5:].fill_(0)  # padding rows written by the loader itself
+        rows.narrow(0, 0, 6).copy_(src[:6])  # rows 6, 7 never written
+        cols[:, :2].copy_(src[:, :2])  # a strided view: every row, half the columns
+        rmw.add_(1)  # reads old bytes: does not count as written
+    nbytes = 8 * 4 * 2
+    assert _covers(flow.written_bytes(full), nbytes)
+    assert flow.written_bytes(rows) == [(0, 48)] and not _covers(flow.written_bytes(rows), nbytes)
+    assert flow.written_bytes(cols) == [(i * 8, i * 8 + 4) for i in range(8)]
+    assert not _covers(flow.written_bytes(cols), nbytes)
+    assert not _covers(flow.written_bytes(rmw), nbytes)
+
+
+def test_a_partly_written_parameter_is_zeroed_before_each_load(configs):
+    engine = EngineLayout.parse("tp=2")
+    fresh = ModelReplicas(cache_dir="").get(configs("qwen3"), engine, 0)
+    assert fresh.mapping.partial == []  # sglang's loaders write every byte here, padding included
+    # pretend the embedding's loader left rows unwritten: it must be zeroed in the slot first
+    mapping = fresh.mapping
+    mapping = type(mapping)(mapping.sources, mapping.param_specs, mapping.hf_specs, mapping.ignored,
+                            partial=["model.embed_tokens.weight"])
+    replica = ModelReplica(configs("qwen3"), engine, 0, mapping)
+    group = replica.group_of("model.embed_tokens.weight")
+    slot = torch.full((group.nbytes,), 0xAB, dtype=torch.uint8)
+    empty = {n: torch.zeros(replica.hf_specs[n].shape, dtype=torch.bfloat16)[:0] for n in group.hf_names}
+    with pytest.raises(Exception):
+        replica.materialize_group(group, empty, slot)  # wrong shapes fail in the loader...
+    assert bool((slot[:group.regions[0].nbytes] == 0).all())  # ...after the parameter was zeroed
+
+
 def test_parameters_keep_class_and_loader_and_go_back_to_meta(configs):
     replica = ModelReplicas(cache_dir="").get(configs("deepseek_v3"), EngineLayout.parse("tp=2"), 0)
     model = replica.model
@@ -187,8 +248,9 @@ def test_parameters_keep_class_and_loader_and_go_back_to_meta(configs):
     attn = model.model.layers[1].self_attn
     derived_before = {k: v for k, v in vars(attn).items() if isinstance(v, torch.Tensor)}
     slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
-    for group in replica.groups:
-        replica.materialize_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
+    for _ in range(2):  # the first load learns which modules get derived tensors, the second uses that
+        for group in replica.groups:
+            replica.materialize_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
     after = dict(model.named_parameters())
     assert all(p.device.type == "meta" for p in after.values())
     assert {n: (type(p), p.__dict__.get("weight_loader")) for n, p in after.items()} == before
@@ -196,6 +258,35 @@ def test_parameters_keep_class_and_loader_and_go_back_to_meta(configs):
     for k, v in vars(attn).items():
         if isinstance(v, torch.Tensor):
             assert v is derived_before.get(k), k
+
+
+def test_derived_tensors_a_loader_hangs_on_modules_never_outlive_the_load(configs):
+    # a loader that re-derives w_kc from kv_b_proj during load_weights (pointing into the slot)
+    replica = ModelReplicas(cache_dir="").get(configs("deepseek_v3"), EngineLayout.parse("tp=2"), 0)
+    model = replica.model
+    attn = model.model.layers[1].self_attn
+    original = model.load_weights
+
+    def load_weights(weights):
+        original(weights)
+        w = attn.kv_b_proj.weight
+        if w.device.type != "meta":
+            attn.w_kc = w.data[:4]
+
+    model.load_weights = load_weights
+    try:
+        group = replica.group_of("model.layers.1.self_attn.kv_b_proj.weight")
+        slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
+        before = vars(attn).get("w_kc")
+        for _ in range(2):  # the first load learns that self_attn gets derived tensors, the second uses it
+            replica.materialize_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
+            assert vars(attn).get("w_kc") is before
+        assert attn in replica._derived_modules[group.index]
+        other = replica.group_of("model.layers.1.self_attn.o_proj.weight")
+        replica.materialize_group(other, {n: random_tensor(n, replica.hf_specs[n]) for n in other.hf_names}, slot)
+        assert replica._derived_modules[other.index] == []  # o_proj's loads hang nothing on self_attn
+    finally:
+        del model.load_weights
 
 
 def test_materialize_keeps_loaders_and_ties(configs):

@@ -10,6 +10,7 @@ Sections (each isolated: a failure is recorded and the next one runs):
               slots) and Mooncake (host slots, GPU slots); every byte checked
   update      full WeightSender updates into a VRAM receiver (Qwen3-4B shapes, TP2 engine on the same
               GPU, GPU slots, NIXL); last step checked byte for byte against sglang's loader
+  profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
 Prints one table per section and writes all rows as JSON.
 """
 from __future__ import annotations
@@ -105,6 +106,7 @@ def section_production() -> list[dict]:
     import torch
 
     from p2pweights.buffers import TransferBuffers, slot_size
+    from p2pweights.staging import GpuStaging
 
     rows = []
     for model, spec in (("qwen3-0.6b", "tp=1"), ("qwen3-4b", "tp=2")):
@@ -120,21 +122,52 @@ def section_production() -> list[dict]:
                 sec = timed(fill_all, repeat=3)
             rows.append({"model": model, "engine": spec, "slots": device, "bytes": total, "groups": len(rep.groups),
                          "seconds": sec, "gbps": gbps(total, sec)})
-        # host slots through a GPU staging slot: the loaders write on the GPU, one D2H per slot (the sender's path)
+        # host slots through the sender's GPU staging (staging.py): the loaders write a GPU buffer,
+        # one asynchronous D2H per slot overlaps the next slot's loaders
         with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device="cpu") as b:
-            staging = torch.empty(b.slot_bytes, dtype=torch.uint8, device="cuda")
+            staging = GpuStaging(b.slot_bytes, "cuda")
             slots = [b.slot_tensor(i) for i in range(2)]
 
             def fill_staged() -> None:
-                pack_and_load(rep, inputs, b.slot_bytes, lambda s: staging,
-                              after=lambda s, used: slots[s][:used].copy_(staging[:used]))
+                pack_and_load(rep, inputs, b.slot_bytes, lambda s: staging.target(),
+                              after=lambda s, used: staging.copy_out(slots[s], used))
+                staging.synchronize()
 
             sec = timed(fill_staged, repeat=3)
+            del staging
         rows.append({"model": model, "engine": spec, "slots": "cpu via GPU staging", "bytes": total,
                      "groups": len(rep.groups), "seconds": sec, "gbps": gbps(total, sec)})
         del inputs
         torch.cuda.empty_cache()
     return rows
+
+
+def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) -> list[dict]:
+    """Where GPU-slot production spends its CPU time (cProfile of one fill, sorted by own time)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from p2pweights.buffers import TransferBuffers, slot_size
+
+    rep, inputs = _replica_and_inputs(model, spec, 0)
+    with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device="cuda") as b:
+        slots = [b.slot_tensor(i) for i in range(2)]
+        pack_and_load(rep, inputs, b.slot_bytes, lambda s: slots[s])
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        pack_and_load(rep, inputs, b.slot_bytes, lambda s: slots[s])
+        torch.cuda.synchronize()
+        prof.disable()
+        wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "tottime": tt, "cumtime": ct}
+            for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+    rows.sort(key=lambda r: -r["tottime"])
+    return [{"wall_s": wall}] + rows[:top]
 
 
 def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
@@ -245,7 +278,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, 
 
 SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
             "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
-            "tests": section_tests}
+            "tests": section_tests, "profile": section_profile}
 
 
 def main() -> int:

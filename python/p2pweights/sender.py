@@ -27,6 +27,7 @@ from .errors import LayoutMismatch, P2PWeightsError, UpdateFailed
 from .plan import Engine as PlanEngine
 from .plan import assign_engine_ranks, stage_layers
 from .stager import GroupStager
+from .staging import GpuStaging
 from .transport.publication import EnginePublication
 from .writer import PipelinedWriter, WriteReport
 
@@ -146,7 +147,7 @@ class WeightSender:
         self._transport = None
         self._buffers: TransferBuffers | None = None
         self._writer: PipelinedWriter | None = None
-        self._staging = None  # GPU staging slot for host slots fed from GPU tensors (made on first use)
+        self._staging: GpuStaging | None = None  # for host slots fed from GPU tensors (made on first use)
         self._prepared: list[_Prepared] = []
         self._engines: list[SglangEngine] = []
         self._next_writer_id = 0
@@ -217,6 +218,13 @@ class WeightSender:
         self._transport.register_memory(self._buffers.address, self._buffers.total_bytes, self._buffers.location)
         self._writer = PipelinedWriter(self._transport, self._buffers, transfer_timeout=self.settings.transfer_timeout)
 
+    def _staging_for(self, device: Any) -> GpuStaging:
+        if self._staging is None or not self._staging.fits(self._buffers.slot_bytes, device):
+            if self._staging is not None:
+                self._staging.synchronize()
+            self._staging = GpuStaging(self._buffers.slot_bytes, device)
+        return self._staging
+
     def _disconnect_all(self) -> None:
         for p in self._prepared:
             for t in p.targets:
@@ -268,14 +276,18 @@ class Update:
         self._control = control
         self._session: UpdateSession | None = None
         self.report: UpdateReport | None = None
-        self._slot: int | None = None
-        self._slot_tensor = None
+        # the slot being filled: a host or GPU transfer slot, or (host slots fed from GPU tensors)
+        # a GPU staging buffer that gets a host slot only when it is copied out
+        self._open = False
+        self._staged = False
+        self._slot: int | None = None  # the transfer slot, when not staged
+        self._target = None  # the tensor this slot's loaders write into
         self._cursor = 0
         self._rows: list[tuple[int, int, int, int]] = []
         self._placed: list[tuple[_Prepared, Any, int, dict[str, Any]]] = []  # groups placed, not yet loaded
         self._placed_input_bytes = 0
-        self._staging_used, self._staged_extent = False, 0  # host slot loaded through the GPU staging slot
-        self._target = None  # the tensor this slot's loaders write into
+        self._staged_extent = 0
+        self._pending: tuple[int, list, Any] | None = None  # (slot, writes, copy event): D2H in flight
         self._groups = self._slots = 0
         self._t_stage = self._t_load = self._t_wait = self._t_control = 0.0
         self._finished = False
@@ -319,20 +331,33 @@ class Update:
         slot's other groups (one load_weights call per batch: sglang's loaders pay a fixed cost
         per call); a batch is loaded when the slot is full or its HF inputs reach a slot's size."""
         w = self._s._writer
-        if self._slot is not None and self._cursor + group.nbytes > w.buffers.slot_bytes:
+        if self._open and self._cursor + group.nbytes > w.buffers.slot_bytes:
             self._submit()
-        if self._slot is None:
-            t0 = time.perf_counter()
-            self._slot = w.acquire()
-            self._t_wait += time.perf_counter() - t0
-            self._slot_tensor = w.buffers.slot_tensor(self._slot)
-            self._cursor = 0
+        if not self._open:
+            self._open_slot(tensors)
         self._placed.append((p, group, self._cursor, tensors))
         self._placed_input_bytes += sum(int(t.numel()) * t.element_size() for t in tensors.values())
         self._cursor = -(-(self._cursor + group.nbytes) // 256) * 256
         self._groups += 1
         if self._placed_input_bytes >= w.buffers.slot_bytes:
             self._load_placed()
+
+    def _open_slot(self, some_inputs: dict[str, Any]) -> None:
+        """Pick where this slot's loaders write: the transfer slot itself, or, for host slots fed
+        from GPU tensors, a GPU staging buffer (staging.py) copied out asynchronously in one D2H."""
+        s = self._s
+        w = s._writer
+        first = next(iter(some_inputs.values()))
+        self._staged = w.buffers.device == "cpu" and bool(getattr(first, "is_cuda", False))
+        t0 = time.perf_counter()
+        if self._staged:
+            self._target = s._staging_for(first.device).target()
+            self._t_load += time.perf_counter() - t0
+        else:
+            self._slot = w.acquire()
+            self._t_wait += time.perf_counter() - t0
+            self._target = w.buffers.slot_tensor(self._slot)
+        self._open, self._cursor, self._staged_extent = True, 0, 0
 
     def _load_placed(self) -> None:
         """Run the loaders of every placed group (one call per prepared engine rank) and queue
@@ -345,8 +370,7 @@ class Update:
             entry = by_rank.setdefault(id(p), (p, [], {}))
             entry[1].append((group, offset))
             entry[2].update(tensors)
-        target = self._load_target(self._placed[0][3])
-        loaded = [(p, p.replica.load_groups(placed, tensors, target)) for p, placed, tensors in by_rank.values()]
+        loaded = [(p, p.replica.load_groups(placed, tensors, self._target)) for p, placed, tensors in by_rank.values()]
         self._staged_extent = max(self._staged_extent, max(r.offset + r.nbytes for _, regs in loaded for r in regs))
         self._t_load += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -357,46 +381,54 @@ class Update:
         self._placed, self._placed_input_bytes = [], 0
         self._t_stage += time.perf_counter() - t0
 
-    def _load_target(self, some_inputs: dict[str, Any]) -> Any:
-        """Where the loaders write: the slot itself, or, for host slots fed from GPU tensors, a GPU
-        staging slot copied out in one D2H per slot (hundreds of small synchronous D2H copies by
-        the loaders run at a third of the pinned bandwidth)."""
-        if self._target is not None:  # decided by the slot's first load: never mix the two
-            return self._target
-        first = next(iter(some_inputs.values()))
-        if self._slot_tensor.is_cuda or not getattr(first, "is_cuda", False):
-            self._target = self._slot_tensor
-            return self._target
-        s = self._s
-        if s._staging is None or s._staging.numel() < self._slot_tensor.numel() or s._staging.device != first.device:
-            import torch
-
-            s._staging = torch.empty(self._slot_tensor.numel(), dtype=torch.uint8, device=first.device)
-        self._staging_used = True
-        self._target = s._staging
-        return self._target
-
     def _submit(self) -> None:
-        if self._slot is None:
+        """Close the current slot: load what is placed, hand the slot to the writer (staged: queue
+        its D2H and hand over the previous staged slot, whose copy ran during this slot's loaders)."""
+        if not self._open:
             return
         self._load_placed()
         w = self._s._writer
-        if self._staging_used:
-            t0 = time.perf_counter()
-            n = self._staged_extent
-            self._slot_tensor[:n].copy_(self._s._staging[:n])  # one D2H into the pinned slot
-            self._t_load += time.perf_counter() - t0
-        elif self._slot_tensor is not None and self._slot_tensor.is_cuda:
-            import torch
-
-            torch.cuda.current_stream(self._slot_tensor.device).synchronize()  # loaders' copies land before the NIC reads
-        if self._rows:
-            w.submit(self._slot, self._rows)
-            self._slots += 1
+        rows, self._rows = self._rows, []
+        if self._staged:
+            if rows:
+                if self._pending is not None and w.buffers.num_slots < 2:
+                    self._flush_pending()  # one slot only: the pending copy holds it
+                t0 = time.perf_counter()
+                slot = w.acquire()
+                t1 = time.perf_counter()
+                done = self._s._staging.copy_out(w.buffers.slot_tensor(slot), self._staged_extent)
+                self._t_wait += t1 - t0
+                self._t_load += time.perf_counter() - t1
+                self._flush_pending()
+                self._pending = (slot, rows, done)
         else:
-            w.release_slot(self._slot)
-        self._slot, self._slot_tensor, self._rows = None, None, []
-        self._staging_used, self._staged_extent, self._target = False, 0, None
+            target = self._target
+            if target is not None and target.is_cuda:
+                import torch
+
+                torch.cuda.current_stream(target.device).synchronize()  # loaders' copies land before the NIC reads
+            if rows:
+                w.submit(self._slot, rows)
+                self._slots += 1
+            else:
+                w.release_slot(self._slot)
+        self._open, self._staged, self._slot, self._target = False, False, None, None
+
+    def _flush_pending(self) -> None:
+        """Hand the staged slot whose D2H is in flight to the writer once the copy landed."""
+        if self._pending is None:
+            return
+        slot, rows, done = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        try:
+            done.synchronize()
+        except BaseException:
+            self._s._writer.release_slot(slot)
+            raise
+        self._t_load += time.perf_counter() - t0
+        self._s._writer.submit(slot, rows)
+        self._slots += 1
 
     def finish(self) -> UpdateReport:
         """Waits for every write; then (with control) ends the update and bumps the version on every
@@ -410,6 +442,7 @@ class Update:
             for p in self._s._prepared:
                 p.stager.check_complete()
             self._submit()
+            self._flush_pending()
         except BaseException as e:
             self._abort(str(e))
             raise
@@ -440,9 +473,16 @@ class Update:
         self._finished = True
         w = self._s._writer
         self._placed, self._placed_input_bytes = [], 0
-        if self._slot is not None:
+        if self._open and not self._staged and self._slot is not None:
             w.release_slot(self._slot)
-            self._slot = None
+        self._open, self._slot = False, None
+        if self._pending is not None:
+            slot, _, done = self._pending
+            self._pending = None
+            try:
+                done.synchronize()  # the D2H must not land in a slot the writer hands out again
+            finally:
+                w.release_slot(slot)
         w.finish(raise_on_failure=False)  # every write returned before the slots are reused
         if self._session is not None:
             self._session.abort(reason)

@@ -103,7 +103,7 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
     result = RankCheck(replica.rank, groups=len(replica.groups), largest_group_bytes=replica.largest_group_nbytes)
     specs = replica.mapping.hf_specs
     expected = dict(reference.named_parameters())
-    slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
+    slot = torch.full((replica.largest_group_nbytes,), 0xAB, dtype=torch.uint8)  # stale bytes must never leak
     covered: set[str] = set()
     for group in replica.groups:
         inputs = {n: random_tensor(n, specs[n], seed) for n in group.hf_names}

@@ -26,7 +26,7 @@ from .probe import LoaderMapping, probe_loaders
 if TYPE_CHECKING:
     import torch
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,14 @@ class ModelReplica:
         self._model = model
         self._model_lock = threading.Lock()
         self._sites: dict[str, list[tuple[Any, str]]] | None = None
+        self._derived_modules: dict[int, list[Any]] = {}  # group index -> modules its loaders add tensors to
         self.groups: list[ParameterGroup] = build_groups(mapping.sources, mapping.param_specs)
         self._group_of_hf: dict[str, ParameterGroup] = {}
         for g in self.groups:
             for hf in g.hf_names:
                 self._group_of_hf[hf] = g
         self._ignored = frozenset(mapping.ignored)
+        self._partial = None if mapping.partial is None else frozenset(mapping.partial)
 
     # -- connect-time facts -------------------------------------------------------------------
     @property
@@ -202,17 +204,35 @@ class ModelReplica:
             self._sites = sglang_env.parameter_sites(model)
             self._params = dict(model.named_parameters())  # the meta parameters, restored after every load
         params = self._params
+        # padding rows some loaders leave untouched must not carry old bytes: the probe knows
+        # which parameters those are; without that knowledge, one fill per run of adjacent groups
+        partial = self._partial
+        if partial is None:
+            for start, end in _adjacent_spans(placed):
+                slot[start:end].zero_()
         views, installed = [], []
         for region in regions:
             old = params[region.param_name]
             spec = self.mapping.param_specs[region.param_name]
             view = slot[region.offset:region.offset + region.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
-            view.zero_()  # padding rows some loaders leave untouched must not carry old bytes
+            if partial is not None and region.param_name in partial:
+                view.zero_()
             new = sglang_env.rebuild_parameter(old, view)
             sglang_env.install_parameter(self._sites[region.param_name], new)
             views.append(view)
             installed.append((region.param_name, old, new))
-        derived = _DerivedState(model, [p for g, _ in placed for p in g.params])
+        # Which modules a group's loaders hang derived tensors on is learned on its first load (a
+        # scan of every module under its parameters); later loads save and restore only those.
+        learning = [g for g, _ in placed if g.index not in self._derived_modules]
+        watched: dict[int, Any] = {}
+        for g, _ in placed:
+            for m in self._derived_modules.get(g.index, ()):
+                watched.setdefault(id(m), m)
+        scanned = {g.index: _DerivedState.candidates(model, g.params) for g in learning}
+        for modules in scanned.values():
+            for m in modules:
+                watched.setdefault(id(m), m)
+        derived = _DerivedState(watched.values())
         try:
             with sglang_env.activate(model):
                 model.load_weights(iter([(n, hf_tensors[n]) for n in want]))
@@ -227,6 +247,10 @@ class ModelReplica:
                             f"the engine holds {tuple(view.shape)} {view.dtype}"
                         )
                     view.copy_(current.data)
+            if learning:
+                changed = {id(m) for m in derived.changed()}
+                for index, modules in scanned.items():
+                    self._derived_modules[index] = [m for m in modules if id(m) in changed]
         finally:
             for name, old, _ in installed:
                 sglang_env.install_parameter(self._sites[name], old)
@@ -237,35 +261,69 @@ class ModelReplica:
     load_groups = materialize_groups
 
 
+def _adjacent_spans(placed: Sequence[tuple[ParameterGroup, int]]) -> list[tuple[int, int]]:
+    """[start, end) byte spans covering the placed groups, merged where one group's aligned end is
+    the next one's offset. Nothing outside the groups is touched (another engine rank's groups
+    may share the slot)."""
+    spans: list[list[int]] = []
+    for group, offset in sorted(placed, key=lambda x: x[1]):
+        end = offset + group.nbytes
+        if spans and -(-spans[-1][1] // SLOT_ALIGNMENT) * SLOT_ALIGNMENT == offset:
+            spans[-1][1] = end
+        else:
+            spans.append([offset, end])
+    return [(a, b) for a, b in spans]
+
+
 class _DerivedState:
     """Loaders also compute derived tensors (DeepSeek's w_kc/w_vc from kv_b_proj) as plain module
     attributes. The engine recomputes those itself at end_weight_update; the replica must not keep
-    them pointing into a slot, so they are put back after each group."""
+    them pointing into a slot, so they are put back after each load."""
 
-    def __init__(self, model: "torch.nn.Module", params: Iterable[str]):
-        import torch
+    def __init__(self, modules: Iterable[Any]):
+        self.saved: list[tuple[Any, dict[str, Any]]] = [(m, _tensor_attrs(m)) for m in modules]
 
-        # the owning module's parent (self_attn for kv_b_proj.weight), never the whole model
+    @staticmethod
+    def candidates(model: "torch.nn.Module", params: Iterable[str]) -> list[Any]:
+        """Every module a group's loaders could hang derived tensors on: the owning module's
+        parent (self_attn for kv_b_proj.weight) and everything under it, never the whole model."""
         prefixes = {p.rsplit(".", 2)[0] if p.count(".") >= 3 else p.rsplit(".", 1)[0] for p in params}
-        self.saved: list[tuple[Any, dict[str, Any]]] = []
+        found: dict[int, Any] = {}
         for prefix in prefixes:
             try:
                 module = model.get_submodule(prefix)
             except AttributeError:
                 continue
             for sub in module.modules():
-                state = {k: v for k, v in vars(sub).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
-                self.saved.append((sub, state))
+                found.setdefault(id(sub), sub)
+        return list(found.values())
+
+    def changed(self) -> list[Any]:
+        """The modules whose tensor attributes the loaders added or replaced."""
+        out = []
+        for module, state in self.saved:
+            now = _tensor_attrs(module)
+            if now.keys() != state.keys() or any(now[k] is not v for k, v in state.items()):
+                out.append(module)
+        return out
 
     def restore(self) -> None:
-        import torch
-
         for module, state in self.saved:
             for k, v in list(vars(module).items()):
-                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and k not in state:
+                if k not in state and _is_plain_tensor(v):
                     delattr(module, k)
             for k, v in state.items():
                 object.__setattr__(module, k, v)
+
+
+def _is_plain_tensor(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)
+
+
+def _tensor_attrs(module: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if _is_plain_tensor(v)}
 
 
 class ModelReplicas:
