@@ -11,6 +11,7 @@ Sections (each isolated: a failure is recorded and the next one runs):
   update      full WeightSender updates into a VRAM receiver (Qwen3-4B shapes, TP2 engine on the same
               GPU, GPU slots, NIXL); last step checked byte for byte against sglang's loader
   profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
+  update_profile  the update section with its last step under cProfile (top functions by own time)
 Prints one table per section and writes all rows as JSON.
 """
 from __future__ import annotations
@@ -83,23 +84,35 @@ def _replica_and_inputs(model: str, spec: str, rank: int):
     return rep, inputs
 
 
-def pack_and_load(rep, inputs, slot_bytes: int, target, after=None) -> None:
-    """As the sender does it: groups packed into slots in order, one loader call per slot.
-    ``target(slot)`` is the tensor the loaders write; ``after(slot, used_bytes)`` runs per slot."""
-    s, off, placed = 0, 0, []
+def pack_and_load(rep, inputs, slot_bytes: int, target, after=None, chunk: int | None = None, slot_done=None) -> None:
+    """As the sender does it: groups packed into slots in order, one loader call per slot (or, with
+    ``chunk``, per about that many bytes: the sender's staged slots). ``target(slot)`` is the tensor
+    the loaders write; ``after(slot, start, end)`` runs after each call with the range it filled;
+    ``slot_done(slot)`` when a slot is complete."""
+    s, off, start, placed = 0, 0, 0, []
 
     def load() -> None:
+        nonlocal placed, start
+        if not placed:
+            return
         rep.load_groups(placed, {n: inputs[n] for g, _ in placed for n in g.hf_names}, target(s))
         if after is not None:
-            after(s, off)
+            after(s, start, off)
+        placed, start = [], off
 
     for g in rep.groups:
         if off + g.nbytes > slot_bytes:
             load()
-            s, off, placed = 1 - s, 0, []
+            if slot_done is not None:
+                slot_done(s)
+            s, off, start = 1 - s, 0, 0
         placed.append((g, off))
         off = -(-(off + g.nbytes) // 256) * 256
+        if chunk is not None and off - start >= chunk:
+            load()
     load()
+    if slot_done is not None:
+        slot_done(s)
 
 
 def section_production() -> list[dict]:
@@ -122,15 +135,26 @@ def section_production() -> list[dict]:
                 sec = timed(fill_all, repeat=3)
             rows.append({"model": model, "engine": spec, "slots": device, "bytes": total, "groups": len(rep.groups),
                          "seconds": sec, "gbps": gbps(total, sec)})
-        # host slots through the sender's GPU staging (staging.py): the loaders write a GPU buffer,
-        # one asynchronous D2H per slot overlaps the next slot's loaders
+        # host slots through the sender's GPU staging (staging.py): the loaders write a GPU buffer in
+        # quarter-slot batches, the asynchronous D2H of each overlaps the next batch's loaders
         with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device="cpu") as b:
             staging = GpuStaging(b.slot_bytes, "cuda")
             slots = [b.slot_tensor(i) for i in range(2)]
 
             def fill_staged() -> None:
-                pack_and_load(rep, inputs, b.slot_bytes, lambda s: staging.target(),
-                              after=lambda s, used: staging.copy_out(slots[s], used))
+                current = {}
+
+                def target(s):
+                    if s not in current:
+                        current[s] = staging.target()
+                    return current[s]
+
+                def slot_done(s):
+                    staging.advance()
+                    current.pop(s, None)
+
+                pack_and_load(rep, inputs, b.slot_bytes, target, chunk=b.slot_bytes // 4, slot_done=slot_done,
+                              after=lambda s, start, end: staging.copy_out(slots[s], start, end))
                 staging.synchronize()
 
             sec = timed(fill_staged, repeat=3)
@@ -236,7 +260,8 @@ def section_tests() -> list[dict]:
     return [{"pytest": (proc.stdout or proc.stderr).strip().splitlines()[-1], "rc": proc.returncode}]
 
 
-def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, buffer_device: str = "cuda") -> list[dict]:
+def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, buffer_device: str = "cuda",
+                   profile: bool = False) -> list[dict]:
     import torch
 
     from p2pweights.engines import SglangEngine
@@ -258,19 +283,35 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, 
         for step in range(1, steps + 1):
             tensors = [(n, random_tensor(n, s, step).to("cuda")) for n, s in specs.items()]
             torch.cuda.synchronize()
+            prof = None
+            if profile and step == steps:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             with sender.update(step) as u:
                 for n, t in tensors:
                     u.push(n, t)
+            if prof is not None:
+                prof.disable()
             r = u.report
             equal = None
             if step == steps:
                 equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
             rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes, "seconds": r.seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
-                         "waiting_s": r.waiting_seconds, "control_s": r.control_seconds, "connect_s": connect_s,
+                         "waiting_s": r.waiting_seconds, "staging_s": r.staging_seconds, "control_s": r.control_seconds,
+                         "n_slots": r.slots, "connect_s": connect_s,
                          "equal": equal})
             del tensors
         sender.close()
+        if profile:
+            import pstats
+
+            stats = pstats.Stats(prof).stats
+            top = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "tottime": tt, "cumtime": ct}
+                   for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+            rows += sorted(top, key=lambda r: -r["tottime"])[:25]
     finally:
         engine.close()
     return rows
@@ -278,6 +319,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, 
 
 SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
             "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
+            "update_profile": lambda: section_update(profile=True),
             "tests": section_tests, "profile": section_profile}
 
 

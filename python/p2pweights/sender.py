@@ -285,9 +285,13 @@ class Update:
         self._cursor = 0
         self._rows: list[tuple[int, int, int, int]] = []
         self._placed: list[tuple[_Prepared, Any, int, dict[str, Any]]] = []  # groups placed, not yet loaded
-        self._placed_input_bytes = 0
-        self._staged_extent = 0
-        self._pending: tuple[int, list, Any] | None = None  # (slot, writes, copy event): D2H in flight
+        self._placed_input_bytes = 0  # each placed HF tensor once, however many engine ranks read it
+        self._placed_inputs: set[int] = set()
+        self._staged_extent = 0  # bytes of the staging buffer loaded so far
+        self._copied = 0  # of which queued for copy-out into the host slot
+        self._last_copy = None  # the event of the slot's latest copy-out
+        # (slot, writes, CUDA event): a complete slot whose device work is still in flight
+        self._pending: tuple[int, list, Any] | None = None
         self._groups = self._slots = 0
         self._t_stage = self._t_load = self._t_wait = self._t_control = 0.0
         self._finished = False
@@ -336,15 +340,19 @@ class Update:
         if not self._open:
             self._open_slot(tensors)
         self._placed.append((p, group, self._cursor, tensors))
-        self._placed_input_bytes += sum(int(t.numel()) * t.element_size() for t in tensors.values())
+        for t in tensors.values():
+            if id(t) not in self._placed_inputs:
+                self._placed_inputs.add(id(t))
+                self._placed_input_bytes += int(t.numel()) * t.element_size()
         self._cursor = -(-(self._cursor + group.nbytes) // 256) * 256
         self._groups += 1
-        if self._placed_input_bytes >= w.buffers.slot_bytes:
+        # staged slots load (and copy out) in quarters, so the D2H of one batch overlaps the next
+        if self._placed_input_bytes >= (w.buffers.slot_bytes // 4 if self._staged else w.buffers.slot_bytes):
             self._load_placed()
 
     def _open_slot(self, some_inputs: dict[str, Any]) -> None:
         """Pick where this slot's loaders write: the transfer slot itself, or, for host slots fed
-        from GPU tensors, a GPU staging buffer (staging.py) copied out asynchronously in one D2H."""
+        from GPU tensors, a GPU staging buffer (staging.py) copied out asynchronously."""
         s = self._s
         w = s._writer
         first = next(iter(some_inputs.values()))
@@ -354,16 +362,21 @@ class Update:
             self._target = s._staging_for(first.device).target()
             self._t_load += time.perf_counter() - t0
         else:
+            if self._pending is not None and w.buffers.num_slots < 2:
+                self._flush_pending()  # one slot only: the pending slot holds it
+                t0 = time.perf_counter()
             self._slot = w.acquire()
             self._t_wait += time.perf_counter() - t0
             self._target = w.buffers.slot_tensor(self._slot)
-        self._open, self._cursor, self._staged_extent = True, 0, 0
+        self._open, self._cursor, self._staged_extent, self._copied = True, 0, 0, 0
 
     def _load_placed(self) -> None:
         """Run the loaders of every placed group (one call per prepared engine rank) and queue
         their writes to every engine of that rank."""
         if not self._placed:
             return
+        if self._pending is not None and self._pending[2].query():
+            self._flush_pending()  # its device work is done: the writer may start on it
         t0 = time.perf_counter()
         by_rank: dict[int, tuple[_Prepared, list, dict]] = {}
         for p, group, offset, tensors in self._placed:
@@ -378,8 +391,25 @@ class Update:
             entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
             for t in p.targets:
                 self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
-        self._placed, self._placed_input_bytes = [], 0
+        self._placed, self._placed_input_bytes, self._placed_inputs = [], 0, set()
         self._t_stage += time.perf_counter() - t0
+        if self._staged:
+            self._copy_out_staged()
+
+    def _copy_out_staged(self) -> None:
+        """Queue the D2H of what the loaders just wrote into the staging buffer; the host slot is
+        taken at the slot's first copy. A staged slot whose copies landed goes to the writer now."""
+        w = self._s._writer
+        if self._slot is None:
+            if self._pending is not None and w.buffers.num_slots < 2:
+                self._flush_pending()  # one slot only: the pending copy holds it
+            t0 = time.perf_counter()
+            self._slot = w.acquire()
+            self._t_wait += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._last_copy = self._s._staging.copy_out(w.buffers.slot_tensor(self._slot), self._copied, self._staged_extent)
+        self._copied = self._staged_extent
+        self._t_load += time.perf_counter() - t0
 
     def _submit(self) -> None:
         """Close the current slot: load what is placed, hand the slot to the writer (staged: queue
@@ -390,32 +420,34 @@ class Update:
         w = self._s._writer
         rows, self._rows = self._rows, []
         if self._staged:
-            if rows:
-                if self._pending is not None and w.buffers.num_slots < 2:
-                    self._flush_pending()  # one slot only: the pending copy holds it
-                t0 = time.perf_counter()
-                slot = w.acquire()
-                t1 = time.perf_counter()
-                done = self._s._staging.copy_out(w.buffers.slot_tensor(slot), self._staged_extent)
-                self._t_wait += t1 - t0
-                self._t_load += time.perf_counter() - t1
-                self._flush_pending()
-                self._pending = (slot, rows, done)
-        else:
-            target = self._target
-            if target is not None and target.is_cuda:
-                import torch
+            self._s._staging.advance()
+            if self._slot is not None:
+                self._flush_pending()  # the previous staged slot's copies ran during this slot's loaders
+                if rows:
+                    self._pending = (self._slot, rows, self._last_copy)
+                else:
+                    self._last_copy.synchronize()
+                    w.release_slot(self._slot)
+        elif self._target is not None and self._target.is_cuda and rows:
+            # GPU slot: the NIC may read it once the loaders' kernels ran; hand it over when they
+            # did (checked at the next load), not by blocking now, so the next slot's loaders
+            # (Python on the CPU) overlap this slot's copies on the GPU
+            import torch
 
-                torch.cuda.current_stream(target.device).synchronize()  # loaders' copies land before the NIC reads
-            if rows:
-                w.submit(self._slot, rows)
-                self._slots += 1
-            else:
-                w.release_slot(self._slot)
-        self._open, self._staged, self._slot, self._target = False, False, None, None
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._target.device))
+            self._flush_pending()
+            self._pending = (self._slot, rows, done)
+        elif rows:
+            w.submit(self._slot, rows)
+            self._slots += 1
+        else:
+            w.release_slot(self._slot)
+        self._open, self._staged, self._slot, self._target, self._last_copy = False, False, None, None, None
 
     def _flush_pending(self) -> None:
-        """Hand the staged slot whose D2H is in flight to the writer once the copy landed."""
+        """Hand the slot whose device work (staged D2H, or the loaders' kernels into a GPU slot)
+        is in flight to the writer, once it is done."""
         if self._pending is None:
             return
         slot, rows, done = self._pending
@@ -472,10 +504,12 @@ class Update:
     def _abort(self, reason: str) -> None:
         self._finished = True
         w = self._s._writer
-        self._placed, self._placed_input_bytes = [], 0
-        if self._open and not self._staged and self._slot is not None:
+        self._placed, self._placed_input_bytes, self._placed_inputs = [], 0, set()
+        if self._open and self._slot is not None:
+            if self._last_copy is not None:
+                self._last_copy.synchronize()  # a queued D2H must land before the slot is reused
             w.release_slot(self._slot)
-        self._open, self._slot = False, None
+        self._open, self._slot, self._last_copy = False, None, None
         if self._pending is not None:
             slot, _, done = self._pending
             self._pending = None

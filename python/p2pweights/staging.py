@@ -2,8 +2,9 @@
 
 sglang's loaders copy parameter by parameter; into a host slot that is hundreds of small
 synchronous D2H copies at a third of the pinned bandwidth. Instead the loaders write a GPU staging
-buffer, and one asynchronous D2H per slot, on a side stream, moves it into the pinned host slot
-while the loaders of the next slot fill the other staging buffer. So host-slot production runs at
+buffer, and asynchronous D2H copies on a side stream move it into the pinned host slot, one per
+batch of loaded groups (a quarter of a slot), while the loaders go on with the next batch or the
+next slot in the other staging buffer. So host-slot production runs at
 the pinned D2H rate as long as the loaders on the GPU are faster than it.
 """
 from __future__ import annotations
@@ -43,21 +44,24 @@ class GpuStaging:
             self._copies[self._next] = None
         return self.buffers[self._next]
 
-    def copy_out(self, host: Any, nbytes: int) -> Any:
-        """Queue ``buffer[:nbytes] → host[:nbytes]`` behind the loaders' work queued so far on the
-        current stream and move on to the next buffer. Returns the CUDA event that marks the copy
-        done: the slot may be written out only after it."""
+    def copy_out(self, host: Any, start: int, end: int) -> Any:
+        """Queue ``buffer[start:end] → host[start:end]`` behind the loaders' work queued so far on
+        the current stream. Returns the CUDA event that marks it (and every earlier copy) done:
+        the slot may be written out only after its last one."""
         import torch
 
         buf = self.buffers[self._next]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            host[:nbytes].copy_(buf[:nbytes], non_blocking=True)
+            host[start:end].copy_(buf[start:end], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._copies[self._next] = done
-        self._next = (self._next + 1) % len(self.buffers)
         return done
+
+    def advance(self) -> None:
+        """The current slot is complete: the next one's loaders take the next buffer."""
+        self._next = (self._next + 1) % len(self.buffers)
 
     def synchronize(self) -> None:
         """Every queued copy-out has landed."""

@@ -13,8 +13,9 @@ import json
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from . import sglang_env
@@ -234,7 +235,7 @@ class ModelReplica:
                 watched.setdefault(id(m), m)
         derived = _DerivedState(watched.values())
         try:
-            with sglang_env.activate(model):
+            with sglang_env.activate(model), _named_parameters_from_sites(model, self._sites):
                 model.load_weights(iter([(n, hf_tensors[n]) for n in want]))
             for region, view in zip(regions, views):
                 # a loader may have rebound .data (or replaced the parameter): copy it back
@@ -259,6 +260,27 @@ class ModelReplica:
 
     load_group = materialize_group  # the sender's word for it
     load_groups = materialize_groups
+
+
+@contextmanager
+def _named_parameters_from_sites(model: "torch.nn.Module", sites: Mapping[str, list[tuple[Any, str]]]) -> Iterator[None]:
+    """sglang's loaders start with ``dict(self.named_parameters())``: a walk of every module that
+    costs about a millisecond per call, most of a small batch's load. While they run, the model's
+    plain ``named_parameters()`` reads the same (name, parameter) pairs, in the same order, from
+    the sites known since the first load; any other form of the call goes to torch."""
+    walk = model.named_parameters
+    first = [(name, entries[0]) for name, entries in sites.items()]
+
+    def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        if args or kwargs:
+            return walk(*args, **kwargs)
+        return iter([(name, module._parameters[attr]) for name, (module, attr) in first])
+
+    model.__dict__["named_parameters"] = named_parameters
+    try:
+        yield
+    finally:
+        del model.__dict__["named_parameters"]
 
 
 def _adjacent_spans(placed: Sequence[tuple[ParameterGroup, int]]) -> list[tuple[int, int]]:
