@@ -260,7 +260,7 @@ def section_tests() -> list[dict]:
     return [{"pytest": (proc.stdout or proc.stderr).strip().splitlines()[-1], "rc": proc.returncode}]
 
 
-def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, buffer_device: str = "cuda",
+def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, buffer_device: str = "cuda",
                    profile: bool = False) -> list[dict]:
     import torch
 
@@ -298,7 +298,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 3, 
             equal = None
             if step == steps:
                 equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
-            rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes, "seconds": r.seconds,
+            rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes, "seconds": r.seconds, "data_s": r.data_seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
                          "waiting_s": r.waiting_seconds, "staging_s": r.staging_seconds, "control_s": r.control_seconds,
                          "n_slots": r.slots, "connect_s": connect_s,

@@ -81,6 +81,7 @@ class UpdateReport:
     waiting_seconds: float  # blocked on a free slot or on the last writes
     control_seconds: float  # engine control plane (begin/end/version/continue), outside `seconds`'s writes
     engines: list[EngineRankReport]
+    data_seconds: float = 0.0  # from the same start to the last write completed (before end_weight_update)
 
     @property
     def gbps(self) -> float:
@@ -88,7 +89,8 @@ class UpdateReport:
 
     def __str__(self) -> str:
         lines = [
-            f"update {self.version}: {format_size(self.bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s); "
+            f"update {self.version}: {format_size(self.bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s; "
+            f"every write done at {self.data_seconds:.3f} s); "
             f"{self.groups} groups in {self.slots} slots; loading {self.loading_seconds:.3f} s, writing "
             f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s"
         ]
@@ -485,6 +487,7 @@ class Update:
             self._abort("; ".join(f"{n}: {why}" for n, why in rep.failures.items()))
             raise UpdateFailed(rep.failures, rep)
         write_seconds = max((e.seconds for e in rep.engines), default=0.0)
+        data_seconds = time.perf_counter() - self._t0
         if self._session is not None:
             t0 = time.perf_counter()
             self._session.commit()  # end_weight_update, update_weight_version, continue_generation
@@ -498,7 +501,8 @@ class Update:
                 e = by_id[t.writer_id]
                 engines.append(EngineRankReport(t.engine.name, t.rank, e.bytes, e.seconds, e.gbps, e.state, e.error))
         self.report = UpdateReport(self.version, seconds, rep.bytes, self._groups, self._slots, self._t_stage,
-                                   self._t_load, write_seconds, self._t_wait, self._t_control, engines)
+                                   self._t_load, write_seconds, self._t_wait, self._t_control, engines,
+                                   data_seconds)
         return self.report
 
     def _abort(self, reason: str) -> None:
