@@ -6,8 +6,13 @@ rank's memory and publishes its agent metadata (the JSON is defined in publicati
 docs/transports.md).
 
 One posted batch = one NIXL transfer request (``initialize_xfer("WRITE", ...)`` + ``transfer``),
-polled with ``check_xfer_state``; ``release`` is ``release_xfer_handle`` (cancels in flight).
-NIXL has no timeout of its own: the native writer's deadline is the only one.
+polled with ``check_xfer_state``. A request that completed is kept, keyed by its engine and exact
+(local, remote, length) list, and re-posted by the next identical batch — the same slot packing
+recurs every update — which saves building descriptor lists, ``initialize_xfer`` and
+``release_xfer_handle`` (Python under the GIL that the loaders need). Failed, timed-out or
+cancelled requests are released (``release_xfer_handle`` cancels in flight), and so is every kept
+one of an engine that disconnects or reconnects. NIXL has no timeout of its own: the native
+writer's deadline is the only one.
 
 Environment set here before NIXL is imported (``os.environ.setdefault``, so your values win):
   UCX_MODULES=^efa      without it every NIXL process segfaults at exit where rdma-core is installed
@@ -28,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,8 +200,12 @@ class _Peer:
 class _Request:
     engine: int
     handle: Any
+    key: tuple = ()
     state: int = IN_PROGRESS
     error: tuple[int, str] | None = None
+
+
+MAX_KEPT_REQUESTS = 1024  # completed transfer requests kept for re-posting (least recently used go)
 
 
 class NixlBackend:
@@ -211,6 +221,7 @@ class NixlBackend:
         self._requests: dict[int, _Request] = {}
         self._registered: dict[int, tuple[int, str, int, Any]] = {}  # addr -> (length, mem, dev, reg descs)
         self._abandoned: list[Any] = []
+        self._kept: OrderedDict[tuple, Any] = OrderedDict()  # (engine, writes) -> completed request
         self._next = 1
         self._closed = False
 
@@ -248,6 +259,7 @@ class NixlBackend:
         if isinstance(name, bytes):
             name = name.decode()
         mem, dev = mem_type(desc.location)
+        self._drop_kept(int(engine))  # requests kept for an earlier connection target its old agent
         with self._lock:
             self._peers[int(engine)] = _Peer(str(name), mem, dev)
 
@@ -255,6 +267,7 @@ class NixlBackend:
         with self._lock:
             peer = self._peers.pop(int(engine), None)
             still_used = peer is not None and any(p.agent == peer.agent for p in self._peers.values())
+        self._drop_kept(int(engine))
         if peer is not None and not still_used:
             try:
                 self.agent.remove_remote_agent(peer.agent)
@@ -271,15 +284,19 @@ class NixlBackend:
             raise NotFound(f"engine {engine} is not connected")
         self._reap()
         writes = coalesce(local, remote, lengths)
-        mem, dev = self._local(writes[0][0], writes[0][2])
-        try:
-            src = self.agent.get_xfer_descs([(lo, n, dev) for lo, _, n in writes], mem)
-            dst = self.agent.get_xfer_descs([(re, n, peer.dev) for _, re, n in writes], peer.mem)
-            handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
-        except Exception as e:
-            err = RemoteDisconnected if _status_of(e) == REMOTE_DISCONNECTED else TransportError
-            raise err(f"NIXL could not create a write to {peer.agent}: {e}") from None
-        req = _Request(int(engine), handle)
+        key = (int(engine), tuple(writes))
+        with self._lock:
+            handle = self._kept.pop(key, None)  # taken: never posted twice at once
+        if handle is None:
+            mem, dev = self._local(writes[0][0], writes[0][2])
+            try:
+                src = self.agent.get_xfer_descs([(lo, n, dev) for lo, _, n in writes], mem)
+                dst = self.agent.get_xfer_descs([(re, n, peer.dev) for _, re, n in writes], peer.mem)
+                handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
+            except Exception as e:
+                err = RemoteDisconnected if _status_of(e) == REMOTE_DISCONNECTED else TransportError
+                raise err(f"NIXL could not create a write to {peer.agent}: {e}") from None
+        req = _Request(int(engine), handle, key)
         try:
             state = self.agent.transfer(handle)
         except Exception as e:
@@ -323,7 +340,25 @@ class NixlBackend:
             req = self._requests.pop(int(request), None)
         if req is None:
             raise NotFound(f"unknown NIXL request {request}")
-        self._release_handle(req.handle)
+        evicted = None
+        with self._lock:
+            keep = req.state == DONE and req.error is None and not self._closed and req.engine in self._peers
+            if keep:
+                self._kept[req.key] = req.handle
+                if len(self._kept) > MAX_KEPT_REQUESTS:
+                    evicted = self._kept.popitem(last=False)[1]
+        if not keep:
+            self._release_handle(req.handle)
+        if evicted is not None:
+            self._release_handle(evicted)
+
+    def _drop_kept(self, engine: int | None = None) -> None:
+        """Release the kept requests of one engine (every engine: None)."""
+        with self._lock:
+            keys = [k for k in self._kept if engine is None or k[0] == engine]
+            handles = [self._kept.pop(k) for k in keys]
+        for h in handles:
+            self._release_handle(h)
 
     def _release_handle(self, handle: Any) -> None:
         try:
@@ -348,6 +383,7 @@ class NixlBackend:
             regs, self._registered = list(self._registered.values()), {}
         for r in reqs:
             self._release_handle(r.handle)
+        self._drop_kept()
         self._reap()
         for p in {p.agent for p in peers}:
             try:
