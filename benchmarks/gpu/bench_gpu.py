@@ -169,7 +169,6 @@ def section_production() -> list[dict]:
 def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) -> list[dict]:
     """Where GPU-slot production spends its CPU time (cProfile of one fill, sorted by own time)."""
     import cProfile
-    import pstats
 
     import torch
 
@@ -187,11 +186,17 @@ def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) 
         torch.cuda.synchronize()
         prof.disable()
         wall = time.perf_counter() - t0
-    stats = pstats.Stats(prof).stats
+    return [{"wall_s": wall}] + top_functions(prof, top)
+
+
+def top_functions(prof, top: int) -> list[dict]:
+    """A cProfile run's ``top`` functions by own time, as rows."""
+    import pstats
+
     rows = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "tottime": tt, "cumtime": ct}
-            for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+            for (f, line, name), (cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
     rows.sort(key=lambda r: -r["tottime"])
-    return [{"wall_s": wall}] + rows[:top]
+    return rows[:top]
 
 
 def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
@@ -306,12 +311,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
             del tensors
         sender.close()
         if profile:
-            import pstats
-
-            stats = pstats.Stats(prof).stats
-            top = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "tottime": tt, "cumtime": ct}
-                   for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
-            rows += sorted(top, key=lambda r: -r["tottime"])[:25]
+            rows += top_functions(prof, 25)
     finally:
         engine.close()
     return rows

@@ -203,6 +203,7 @@ class ModelReplica:
         model = self.model
         if self._sites is None:
             self._sites = sglang_env.parameter_sites(model)
+            self._first_sites = _first_sites(self._sites)
             self._params = dict(model.named_parameters())  # the meta parameters, restored after every load
         params = self._params
         # padding rows some loaders leave untouched must not carry old bytes: the probe knows
@@ -235,7 +236,7 @@ class ModelReplica:
                 watched.setdefault(id(m), m)
         derived = _DerivedState(watched.values())
         try:
-            with sglang_env.activate(model), _named_parameters_from_sites(model, self._sites):
+            with sglang_env.activate(model), _named_parameters_from_sites(model, self._first_sites):
                 model.load_weights(iter([(n, hf_tensors[n]) for n in want]))
             for region, view in zip(regions, views):
                 # a loader may have rebound .data (or replaced the parameter): copy it back
@@ -262,14 +263,18 @@ class ModelReplica:
     load_groups = materialize_groups
 
 
+def _first_sites(sites: Mapping[str, list[tuple[Any, str]]]) -> list[tuple[str, tuple[Any, str]]]:
+    """(parameter name, its first (module, attribute) site), in ``named_parameters`` order."""
+    return [(name, entries[0]) for name, entries in sites.items()]
+
+
 @contextmanager
-def _named_parameters_from_sites(model: "torch.nn.Module", sites: Mapping[str, list[tuple[Any, str]]]) -> Iterator[None]:
+def _named_parameters_from_sites(model: "torch.nn.Module", first: list[tuple[str, tuple[Any, str]]]) -> Iterator[None]:
     """sglang's loaders start with ``dict(self.named_parameters())``: a walk of every module that
     costs about a millisecond per call, most of a small batch's load. While they run, the model's
     plain ``named_parameters()`` reads the same (name, parameter) pairs, in the same order, from
-    the sites known since the first load; any other form of the call goes to torch."""
+    the sites known since the first load (``_first_sites``); any other form goes to torch."""
     walk = model.named_parameters
-    first = [(name, entries[0]) for name, entries in sites.items()]
 
     def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
         if args or kwargs:
