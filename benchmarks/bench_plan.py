@@ -16,9 +16,9 @@ from collections import Counter
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 from p2pweights.bench.table import emit  # noqa: E402
-from p2pweights.cost_model import Links, predict  # noqa: E402
-from p2pweights.model_shapes import ShardLayout, load_config, model_shape  # noqa: E402
-from p2pweights.plan import Engine, TrainerLayout, make_plan  # noqa: E402
+from p2pweights.planner.cost import Links, predict  # noqa: E402
+from p2pweights.models.shapes import ShardLayout, load_config, model_shape  # noqa: E402
+from p2pweights.planner.assign import Engine, TrainerLayout, make_plan  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {

@@ -13,7 +13,7 @@ import json
 import sys
 
 from p2pweights.bench.table import emit
-from p2pweights.demo import results_json, run_demo
+from p2pweights.commands.demo_run import results_json, run_demo
 from p2pweights.models import resolve_model
 
 COLUMNS = [
@@ -38,7 +38,7 @@ def main() -> int:
         modes = ("p2p", "broadcast") if i == 0 else ("p2p",)
         results += run_demo(model, engines=a.engines, engine=a.engine, senders=a.senders, steps=a.steps,
                             transport=transport, modes=modes, progress=log)
-    from p2pweights.config import format_size
+    from p2pweights.settings import format_size
 
     rows = [{**r, "size": format_size(r["bytes"]), "outside": r["outside_fraction"], "equal": str(r["equal"])}
             for r in results_json(results)["steps"]]

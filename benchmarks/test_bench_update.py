@@ -15,9 +15,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from p2pweights.engines import SglangEngine  # noqa: E402
+from p2pweights.control import SglangEngine  # noqa: E402
 from p2pweights.receiver.engine import check_weights_equal, start_engines  # noqa: E402
-from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
 from p2pweights.sender import WeightSender  # noqa: E402
 from replica_configs import write_config  # noqa: E402
 
@@ -52,7 +52,7 @@ def test_p2p_update(benchmark, config, transport):
 
 
 def test_broadcast_update(benchmark, config):
-    from p2pweights.broadcast import BroadcastSender
+    from p2pweights.baseline.broadcast import BroadcastSender
 
     engines = start_engines(config, "tp=2", count=2, transport="mooncake", name_prefix="b-bcast-")
     try:

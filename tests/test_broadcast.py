@@ -11,11 +11,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from replica_configs import write_config  # noqa: E402
 
-from p2pweights.broadcast import BroadcastSender  # noqa: E402
-from p2pweights.engines import SglangEngine  # noqa: E402
+from p2pweights.baseline.broadcast import BroadcastSender  # noqa: E402
+from p2pweights.control import SglangEngine  # noqa: E402
 from p2pweights.errors import EngineError  # noqa: E402
 from p2pweights.receiver.engine import check_weights_equal, start_engines  # noqa: E402
-from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from p2pweights import _native
-from p2pweights.buffers import TransferBuffers, slot_size
-from p2pweights.config import parse_size, settings
+from p2pweights.sender.buffers import TransferBuffers, slot_size
+from p2pweights.settings import parse_size, settings
 from p2pweights.errors import InvalidWrite
 
 ALIGN = _native.TransferBuffer.alignment

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from p2pweights.engines import SglangEngine
+from p2pweights.control import SglangEngine
 from p2pweights.errors import LayoutMismatch, MissingTensors, UnknownParameter, UpdateFailed
 from p2pweights.receiver.engine import check_weights_equal, start_engines
 from p2pweights.replica import ModelReplicas
-from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.sender import WeightSender
 from replica_configs import write_config
 
@@ -49,7 +49,7 @@ def test_p2p_update_is_byte_exact_on_every_engine_rank(configs, transport, kind,
         for s in senders:
             s.connect(_clients(engines))
         for step in (1, 2):
-            from p2pweights.engines import UpdateSession
+            from p2pweights.control import UpdateSession
 
             with UpdateSession(_clients(engines), f"v{step}"):
                 reports = []
@@ -144,7 +144,7 @@ def test_bad_input_gives_clear_errors_and_bumps_no_version(configs):
 
 
 def test_broadcast_baseline_is_byte_exact(configs):
-    from p2pweights.broadcast import BroadcastSender
+    from p2pweights.baseline.broadcast import BroadcastSender
 
     cfg = configs["moe"]
     engines = start_engines(cfg, "tp=2", count=2, transport="mooncake", name_prefix="bcast")
@@ -162,7 +162,7 @@ def test_broadcast_baseline_is_byte_exact(configs):
 
 def test_demo_runs_p2p_and_broadcast_with_sender_processes(configs):
     """The main job's path: engines, forked sender processes, both modes, the equality check."""
-    from p2pweights.demo import results_json, run_demo
+    from p2pweights.commands.demo_run import results_json, run_demo
 
     lines = []
     results = run_demo(configs["moe"], engines=2, engine="tp=2", senders=2, steps=1, transport="nixl",
@@ -176,7 +176,7 @@ def test_demo_runs_p2p_and_broadcast_with_sender_processes(configs):
 def test_each_pp_stage_pushes_only_its_own_parameters(configs):
     """A trainer with PP 2: stage 0 pushes embeddings and the first layers, stage 1 the rest; together
     they produce sglang's exact bytes, and a stage refuses another stage's tensors."""
-    from p2pweights.engines import UpdateSession
+    from p2pweights.control import UpdateSession
     from p2pweights.errors import P2PWeightsError
     from p2pweights.sender import stage_hf_names
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from p2pweights.engines import SglangEngine, UpdateSession, call_engines
+from p2pweights.control import SglangEngine, UpdateSession, call_engines
 from p2pweights.errors import EngineError
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, register_transfer_engine_info
 

@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from p2pweights.engines import sglang as client
-from p2pweights.engines.sglang import SglangEngine
+from p2pweights.control import sglang as client
+from p2pweights.control.sglang import SglangEngine
 from p2pweights.receiver import server as receiver
 
 spec = importlib.util.find_spec("sglang")

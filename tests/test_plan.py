@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pweights.cli import main
-from p2pweights.model_shapes import PlanError, ShardLayout
-from p2pweights.plan import Engine, TrainerLayout, assign_engine_ranks, make_plan, stage_layers
+from p2pweights.models.shapes import PlanError, ShardLayout
+from p2pweights.planner.assign import Engine, TrainerLayout, assign_engine_ranks, make_plan, stage_layers
 
 MODELS = "/work/shared/models"
 QWEN3_235B = "benchmarks/models/qwen3-235b-a22b"

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pweights.cost_model import ENGINE_NIC, SENDER_HOST_COPY, SENDER_NIC, Links, predict
-from p2pweights.model_shapes import (
+from p2pweights.planner.cost import ENGINE_NIC, SENDER_HOST_COPY, SENDER_NIC, Links, predict
+from p2pweights.models.shapes import (
     PlanError,
     ShardLayout,
     engine_rank_bytes,
@@ -18,7 +18,7 @@ from p2pweights.model_shapes import (
     model_shape,
     vocab_rows_per_shard,
 )
-from p2pweights.plan import Engine, TrainerLayout, make_plan
+from p2pweights.planner.assign import Engine, TrainerLayout, make_plan
 
 MODELS = "/work/shared/models"
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from p2pweights.model_shapes import ShardLayout, engine_rank_bytes, load_config, model_shape
+from p2pweights.models.shapes import ShardLayout, engine_rank_bytes, load_config, model_shape
 
 MODELS = "/work/shared/models"
 

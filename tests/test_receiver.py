@@ -13,12 +13,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from replica_configs import write_config  # noqa: E402
 
-from p2pweights.buffers import TransferBuffers  # noqa: E402
-from p2pweights.engines import SglangEngine, UpdateSession  # noqa: E402
+from p2pweights.sender.buffers import TransferBuffers  # noqa: E402
+from p2pweights.control import SglangEngine, UpdateSession  # noqa: E402
 from p2pweights.errors import EngineError  # noqa: E402
 from p2pweights.receiver.engine import check_weights_equal, start_engine  # noqa: E402
 from p2pweights.transport import EnginePublication, attach_engine, make_sender_transport, param_writes  # noqa: E402
-from p2pweights.writer import PipelinedWriter  # noqa: E402
+from p2pweights.sender.writer import PipelinedWriter  # noqa: E402
 
 SLOT = 4 << 20
 

@@ -12,7 +12,7 @@ def backend() -> str:
 def test_a_completed_request_is_reposted_by_the_next_identical_batch_and_dropped_on_disconnect(peers):
     import time
 
-    from p2pweights.buffers import TransferBuffers
+    from p2pweights.sender.buffers import TransferBuffers
     from p2pweights.transport import make_backend
     from p2pweights.transport.nixl import DONE, IN_PROGRESS
 

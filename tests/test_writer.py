@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from p2pweights import _native
-from p2pweights.buffers import TransferBuffers
+from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.errors import InvalidWrite, NotFound, OutOfRegion, TransferTimeout, UpdateFailed
-from p2pweights.writer import PipelinedWriter
+from p2pweights.sender.writer import PipelinedWriter
 
 SLOT = 2 << 20  # one alignment unit
 

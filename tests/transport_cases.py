@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from p2pweights.buffers import TransferBuffers
+from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.errors import LayoutMismatch, OutOfRegion, UpdateFailed, WrongTransport
 from p2pweights.transport import attach_engine, detach_engine, make_sender_transport
 from p2pweights.transport.peer import PeerProcess, pattern, push_pattern
-from p2pweights.writer import PipelinedWriter
+from p2pweights.sender.writer import PipelinedWriter
 
 MiB = 1 << 20
 SIZE = 256 * MiB

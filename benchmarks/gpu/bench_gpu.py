@@ -51,7 +51,7 @@ def timed(fn, repeat: int = 5) -> float:
 def section_bandwidth() -> list[dict]:
     import torch
 
-    from p2pweights.buffers import TransferBuffers
+    from p2pweights.sender.buffers import TransferBuffers
 
     rows = []
     dev = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
@@ -74,7 +74,7 @@ def _replica_and_inputs(model: str, spec: str, rank: int):
 
     from p2pweights.models import resolve_model
     from p2pweights.replica import EngineLayout, model_replicas
-    from p2pweights.replica.hf_checkpoint import random_tensor
+    from p2pweights.models.checkpoint import random_tensor
 
     cfg = resolve_model(model)
     rep = model_replicas().get(cfg, EngineLayout.parse(spec), rank)
@@ -118,8 +118,8 @@ def pack_and_load(rep, inputs, slot_bytes: int, target, after=None, chunk: int |
 def section_production() -> list[dict]:
     import torch
 
-    from p2pweights.buffers import TransferBuffers, slot_size
-    from p2pweights.staging import GpuStaging
+    from p2pweights.sender.buffers import TransferBuffers, slot_size
+    from p2pweights.sender.gpu_staging import GpuStaging
 
     rows = []
     for model, spec in (("qwen3-0.6b", "tp=1"), ("qwen3-4b", "tp=2")):
@@ -172,7 +172,7 @@ def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) 
 
     import torch
 
-    from p2pweights.buffers import TransferBuffers, slot_size
+    from p2pweights.sender.buffers import TransferBuffers, slot_size
 
     rep, inputs = _replica_and_inputs(model, spec, 0)
     with TransferBuffers(slot_size(512 << 20, rep.largest_group_nbytes), 2, device="cuda") as b:
@@ -202,10 +202,10 @@ def top_functions(prof, top: int) -> list[dict]:
 def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
     import torch
 
-    from p2pweights.buffers import TransferBuffers
+    from p2pweights.sender.buffers import TransferBuffers
     from p2pweights.transport import make_sender_transport
     from p2pweights.transport.publication import EnginePublication
-    from p2pweights.writer import PipelinedWriter
+    from p2pweights.sender.writer import PipelinedWriter
 
     sys.path.insert(0, HERE)
     from vram_peer import pattern
@@ -269,10 +269,10 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
                    profile: bool = False) -> list[dict]:
     import torch
 
-    from p2pweights.engines import SglangEngine
+    from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
     from p2pweights.receiver.engine import check_weights_equal, start_engine
-    from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor
     from p2pweights.sender import WeightSender
 
     cfg = resolve_model(model)

@@ -29,12 +29,12 @@ DEFAULT_CASES = "qwen3-4b:tp=2;qwen3-4b:tp=4;qwen3-30b-a3b:tp=2,ep=2;qwen3-30b-a
 def run_case(model: str, spec: str, steps: int, gpus: int, share: bool = False) -> list[dict]:
     import torch
 
-    from p2pweights.broadcast import BroadcastSender
-    from p2pweights.engines import SglangEngine
+    from p2pweights.baseline.broadcast import BroadcastSender
+    from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
     from p2pweights.receiver.engine import check_weights_equal, start_engine
     from p2pweights.replica import EngineLayout
-    from p2pweights.replica.hf_checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor
     from p2pweights.sender import WeightSender
 
     world = EngineLayout.parse(spec).world_size

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from p2pweights.config import parse_size
+from p2pweights.settings import parse_size
 from p2pweights.transport import make_receiver_endpoint
 
 GOLDEN = 0x1E3779B97F4A7C15

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from . import _native
-from .buffers import TransferBuffers
-from .config import Settings, settings
+from .sender.buffers import TransferBuffers
+from .settings import Settings, settings
 from .errors import (
     Busy,
     Closed,
@@ -22,7 +22,7 @@ from .errors import (
     UpdateFailed,
     WrongTransport,
 )
-from .writer import PipelinedWriter, WriteReport
+from .sender.writer import PipelinedWriter, WriteReport
 
 __version__ = _native.__version__
 

@@ -21,11 +21,11 @@ import argparse
 import time
 from typing import Any
 
-from ..buffers import TransferBuffers
-from ..config import TRANSPORTS, format_size, parse_size, settings
+from ..sender.buffers import TransferBuffers
+from ..settings import TRANSPORTS, format_size, parse_size, settings
 from ..transport import attach_engine, make_sender_transport
 from ..transport.peer import PeerProcess, pattern, push_pattern
-from ..writer import PipelinedWriter
+from ..sender.writer import PipelinedWriter
 from .table import emit
 
 COLUMNS = [

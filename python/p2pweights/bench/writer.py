@@ -13,9 +13,9 @@ import time
 import numpy as np
 
 from .. import _native
-from ..buffers import TransferBuffers
-from ..config import format_size, parse_size
-from ..writer import PipelinedWriter
+from ..sender.buffers import TransferBuffers
+from ..settings import format_size, parse_size
+from ..sender.writer import PipelinedWriter
 from .table import emit
 
 COLUMNS = [

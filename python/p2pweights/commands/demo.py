@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..config import format_size, parse_size, settings
+from ..settings import format_size, parse_size, settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import results_json, run_demo
+    from .demo_run import results_json, run_demo
     from ..models import resolve_model
 
     model = resolve_model(args.model)

@@ -57,7 +57,7 @@ def _transports() -> dict[str, dict]:
 
 def collect() -> dict:
     from .. import _native
-    from ..config import settings
+    from ..settings import settings
 
     findings: dict = {"native": {"version": _native.__version__, "path": _native.__file__}}
     cuda = _native.cuda_runtime_info()
@@ -65,7 +65,7 @@ def collect() -> dict:
     # A small buffer tells which pinning this process gets (CUDA registration, mlock or none).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from ..buffers import TransferBuffers
+        from ..sender.buffers import TransferBuffers
 
         with TransferBuffers(1 << 20, 1) as b:
             findings["pinning"] = {"mode": b.pin_mode, "warning": str(caught[0].message) if caught else None}

@@ -8,8 +8,8 @@ import argparse
 import json
 import sys
 
-from ..cost_model import HOST_DEVICE_GBPS, NIC_GBPS, Cost, Links, predict
-from ..model_shapes import (
+from ..planner.cost import HOST_DEVICE_GBPS, NIC_GBPS, Cost, Links, predict
+from ..models.shapes import (
     DTYPE_BYTES,
     ModelShape,
     PlanError,
@@ -18,7 +18,7 @@ from ..model_shapes import (
     load_config,
     model_shape,
 )
-from ..plan import Engine, Plan, TrainerLayout, make_plan
+from ..planner.assign import Engine, Plan, TrainerLayout, make_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

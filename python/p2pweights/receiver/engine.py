@@ -246,7 +246,7 @@ class EngineRank:
 
     # -- the broadcast path ------------------------------------------------------------------------
     def init_group(self, request: dict) -> None:
-        from ..broadcast import join_weight_update_group
+        from ..baseline.broadcast import join_weight_update_group
 
         name = request["group_name"]
         if name in self._groups:
@@ -277,7 +277,7 @@ class EngineRank:
             self.loaded_weights = True
 
     def destroy_group(self, group_name: str) -> None:
-        from ..broadcast import leave_weight_update_group
+        from ..baseline.broadcast import leave_weight_update_group
 
         group = self._groups.pop(group_name, None)
         if group is None:
@@ -403,7 +403,7 @@ class EngineHooks(ReceiverHooks):
         return info
 
     def model_info(self) -> dict:
-        from ..replica.hf_checkpoint import load_config
+        from ..models.checkpoint import load_config
 
         cfg = load_config(self.local.config)
         return {"model_path": self.local.config, "tokenizer_path": None, "is_generation": True,
@@ -921,7 +921,7 @@ class LocalEngine:
     def start(self, wait: bool = True) -> "LocalEngine":
         """Spawn every rank at once (ranks >= 1 register with the leader when it is up)."""
         if self.port == 0:
-            from ..broadcast import free_port
+            from ..baseline.broadcast import free_port
 
             self.port = free_port(self.host)
         for rank in range(self.world):

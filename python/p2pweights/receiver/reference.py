@@ -135,7 +135,7 @@ class ReferenceModel:
         import torch
 
         from ..replica import sglang_env
-        from ..replica.hf_checkpoint import checkpoint_tensors, random_checkpoint
+        from ..models.checkpoint import checkpoint_tensors, random_checkpoint
         from .engine import materialize_rank_model
 
         with self._lock:

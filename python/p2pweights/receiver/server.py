@@ -1,7 +1,7 @@
 """The HTTP control server a receiver engine runs: sglang 0.5.23's control routes, same bodies.
 
 Any PyTorch engine becomes a p2pweights receiver by running one ``ReceiverServer`` and giving it
-hooks. p2pweights' engine client (``p2pweights.engines.SglangEngine``) cannot tell it from an
+hooks. p2pweights' engine client (``p2pweights.control.SglangEngine``) cannot tell it from an
 sglang server for the routes below; docs/protocol.md has the whole table.
 
 An engine with T ranks (T processes): one ``ReceiverServer`` per engine, in whichever process
@@ -21,7 +21,7 @@ State: ``generating`` -> ``pause_generation`` -> ``paused`` -> ``begin_weight_up
 parameter memory: ``begin_weight_update`` needs the engine paused, and ``update_weight_version``
 is refused while an update session is open (the version is bumped only after the update ended).
 
-Also served, for the broadcast baseline (``p2pweights.broadcast``): sglang's
+Also served, for the broadcast baseline (``p2pweights.baseline.broadcast``): sglang's
 ``/init_weights_update_group``, ``/update_weights_from_distributed`` (only inside an update session,
 as in sglang 0.5.23) and ``/destroy_weights_update_group``, through the hooks of the same names.
 A registration may carry extra publication keys (NIXL's ``transport``, ``agent_metadata``,

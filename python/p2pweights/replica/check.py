@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .hf_checkpoint import checkpoint_tensors, random_tensor
+from ..models.checkpoint import checkpoint_tensors, random_tensor
 from .layout import EngineLayout
 from . import sglang_env
 from .replica import ModelReplica, ModelReplicas

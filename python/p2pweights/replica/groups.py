@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .hf_checkpoint import TensorSpec
+from ..models.checkpoint import TensorSpec
 
 SLOT_ALIGNMENT = 256  # bytes; every parameter starts at a multiple of this inside a slot
 

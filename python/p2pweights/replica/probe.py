@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import UnsupportedLayout
-from .hf_checkpoint import TensorSpec
+from ..models.checkpoint import TensorSpec
 from .sglang_env import activate
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from . import sglang_env
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
-from .hf_checkpoint import TensorSpec, checkpoint_tensors, load_config
+from ..models.checkpoint import TensorSpec, checkpoint_tensors, load_config
 from .layout import EngineLayout
 from .probe import LoaderMapping, probe_loaders
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Protocol
 
 from .. import _native
-from ..config import TRANSPORTS, settings
+from ..settings import TRANSPORTS, settings
 from .publication import (
     EnginePublication,
     ParamTarget,

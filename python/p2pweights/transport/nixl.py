@@ -37,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import settings
+from ..settings import settings
 from ..errors import NotFound, RemoteDisconnected, TransportError
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
 

@@ -48,7 +48,7 @@ def layout(size: int, params: int, gap: int) -> list[tuple[str, int, int]]:
 
 # -- the receiver process ------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    from ..config import parse_size
+    from ..settings import parse_size
     from . import make_receiver_endpoint
 
     # The protocol owns the real stdout; whatever the libraries print goes to stderr.

@@ -6,7 +6,7 @@
     print(update.report)
 
 Each PP stage (and each data replica, ``sender_index`` of ``num_senders``) runs its own sender; the
-planner's rule (:func:`p2pweights.plan.assign_engine_ranks`) picks the engine ranks it prepares
+planner's rule (:func:`p2pweights.planner.assign.assign_engine_ranks`) picks the engine ranks it prepares
 and the engines it writes them to. A parameter group is loaded, by the replica's own sglang
 loaders, into a transfer slot as soon as all its HF inputs arrived; full slots go to the native
 writer while the next one fills. Engines are told to end the update and bump their version only
@@ -19,16 +19,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from . import transport as transports
+from .. import transport as transports
 from .buffers import TransferBuffers, slot_size
-from .config import Settings, format_size, settings
-from .engines import SglangEngine, UpdateSession
-from .errors import LayoutMismatch, P2PWeightsError, UpdateFailed
-from .plan import Engine as PlanEngine
-from .plan import assign_engine_ranks, stage_layers
+from ..settings import Settings, format_size, settings
+from ..control import SglangEngine, UpdateSession
+from ..errors import LayoutMismatch, P2PWeightsError, UpdateFailed
+from ..planner.assign import Engine as PlanEngine
+from ..planner.assign import assign_engine_ranks, stage_layers
 from .stager import GroupStager
-from .staging import GpuStaging
-from .transport.publication import EnginePublication
+from .gpu_staging import GpuStaging
+from ..transport.publication import EnginePublication
 from .writer import PipelinedWriter, WriteReport
 
 
@@ -128,13 +128,13 @@ class WeightSender:
     model: the HF config (directory, config.json path or dict) the engines serve.
     sender_index / num_senders: this rank among the data replicas of its PP stage.
     pp_stage / pp_size: the trainer's pipeline stage; the sender pushes only that stage's tensors.
-    Other keywords override P2PW_ settings (see p2pweights.config).
+    Other keywords override P2PW_ settings (see p2pweights.settings).
     """
 
     def __init__(self, model: Any, *, sender_index: int = 0, num_senders: int = 1, pp_stage: int = 0,
                  pp_size: int = 1, replicas: Any = None, **overrides: Any):
-        from .replica import ModelReplicas
-        from .replica.hf_checkpoint import load_config
+        from ..replica import ModelReplicas
+        from ..models.checkpoint import load_config
 
         if not 0 <= sender_index < num_senders:
             raise ValueError(f"sender_index {sender_index} is not in [0, num_senders={num_senders})")
@@ -166,7 +166,7 @@ class WeightSender:
         if self._closed:
             raise P2PWeightsError("WeightSender is closed")
         clients = [e if isinstance(e, SglangEngine) else SglangEngine(e) for e in engines]
-        from .replica.layout import EngineLayout
+        from ..replica.layout import EngineLayout
 
         layouts = [EngineLayout.from_server_info(c.server_info()) for c in clients]
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(l.world_size, l.key) for l in layouts])

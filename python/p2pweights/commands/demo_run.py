@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from .config import format_size
+from ..settings import format_size
 
 
 @dataclass
@@ -55,9 +55,9 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
         os.dup2(fd, 2)
         os.close(fd)
     try:
-        from .engines import SglangEngine
-        from .replica.hf_checkpoint import random_checkpoint
-        from .sender import WeightSender
+        from ..control import SglangEngine
+        from ..models.checkpoint import random_checkpoint
+        from ..sender.weight_sender import WeightSender
 
         sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
         _, (urls, names) = conn.recv()  # ("connect", (urls, names))
@@ -152,7 +152,7 @@ class SenderPool:
 def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | None, str]:
     if not enabled:
         return None, ""
-    from .receiver.engine import check_weights_equal
+    from ..receiver.engine import check_weights_equal
 
     results = [check_weights_equal(e.url, hf_seed=seed) for e in engines]
     bad = [r["message"] for r in results if not r.get("success")]
@@ -162,7 +162,7 @@ def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | Non
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
             overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600,
             pool: "SenderPool | None" = None, verbose: bool = False) -> list[StepResult]:
-    from .engines import SglangEngine, UpdateSession
+    from ..control import SglangEngine, UpdateSession
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
     t0 = time.perf_counter()
@@ -204,9 +204,9 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
 
 def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool, progress: Callable[[str], None],
                   seed_base: int = 1000, backend: str = "gloo") -> list[StepResult]:
-    from .broadcast import BroadcastSender
-    from .engines import SglangEngine
-    from .replica.hf_checkpoint import checkpoint_tensors, random_checkpoint
+    from ..baseline.broadcast import BroadcastSender
+    from ..control import SglangEngine
+    from ..models.checkpoint import checkpoint_tensors, random_checkpoint
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
     specs = checkpoint_tensors(model)
@@ -235,7 +235,7 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
              transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
              overrides: dict | None = None, progress: Callable[[str], None] = print,
              verbose: bool = False) -> list[StepResult]:
-    from .receiver.engine import LocalEngine
+    from ..receiver.engine import LocalEngine
 
     t0 = time.perf_counter()
     progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")

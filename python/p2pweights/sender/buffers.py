@@ -5,7 +5,7 @@ import warnings
 
 import numpy as np
 
-from . import _native
+from .. import _native
 
 
 class TransferBuffers:

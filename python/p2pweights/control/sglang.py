@@ -45,7 +45,7 @@ ROUTES: dict[str, tuple[str, str, str | None]] = {
     "update_weight_version": ("POST", "/update_weight_version", "UpdateWeightVersionReqInput"),
     "weights_checker": ("POST", "/weights_checker", "CheckWeightsReqInput"),
     "get_weights_by_name": ("POST", "/get_weights_by_name", "GetWeightsByNameReqInput"),
-    # the broadcast path (what RL frameworks use today; p2pweights.broadcast drives it)
+    # the broadcast path (what RL frameworks use today; p2pweights.baseline.broadcast drives it)
     "init_weights_update_group": ("POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput"),
     "update_weights_from_distributed": ("POST", "/update_weights_from_distributed",
                                         "UpdateWeightsFromDistributedReqInput"),

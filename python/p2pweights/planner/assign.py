@@ -13,7 +13,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .model_shapes import ModelShape, PlanError, ShardLayout, check_layout
+from ..models.shapes import ModelShape, PlanError, ShardLayout, check_layout
 
 __all__ = [
     "Engine",

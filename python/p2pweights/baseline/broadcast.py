@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .config import parse_size
-from .engines.sglang import SglangEngine, UpdateSession, call_engines
-from .errors import EngineError
+from ..settings import parse_size
+from ..control.sglang import SglangEngine, UpdateSession, call_engines
+from ..errors import EngineError
 
 if TYPE_CHECKING:
     import torch

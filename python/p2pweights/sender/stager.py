@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import LayoutMismatch, MissingTensors, P2PWeightsError, UnknownParameter
+from ..errors import LayoutMismatch, MissingTensors, P2PWeightsError, UnknownParameter
 
 
 class TensorSpecLike:  # documentation only: anything with .shape (tuple) and .dtype (str, e.g. "bfloat16")

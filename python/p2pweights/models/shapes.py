@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import P2PWeightsError
+from ..errors import P2PWeightsError
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 _FP32 = 4

@@ -7,9 +7,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import _native
+from .. import _native
 from .buffers import TransferBuffers
-from .errors import UpdateFailed, failures_of
+from ..errors import UpdateFailed, failures_of
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .model_shapes import ModelShape, RankBytes, ShardLayout, engine_rank_bytes, full_model_bytes
-from .plan import Plan
+from ..models.shapes import ModelShape, RankBytes, ShardLayout, engine_rank_bytes, full_model_bytes
+from .assign import Plan
 
 NIC_GBPS = 50.0  # GB/s per GPU: a 400 Gb/s NIC
 HOST_DEVICE_GBPS = 55.0  # GB/s: pinned host<->device copies measured on an H200 host

@@ -1,0 +1,255 @@
+"""The one registry of ``P2PW_`` settings: every variable is declared once here (name, type, default,
+one-line doc) and read only through this module.
+
+Rules (as in sglang's ``Envs``): a module never calls ``os.environ.get("P2PW_...")``; it asks
+:func:`value` for a declared setting, or takes a :class:`Settings` (the sender's knobs) built by
+:func:`settings`, where a keyword argument wins over the environment, which wins over the default.
+``p2pweights doctor`` prints :func:`describe` (every setting, its value and where it came from) and
+exits non-zero when one is invalid. The README's settings table is checked against
+:data:`REGISTRY` by a test.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from .errors import P2PWeightsError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers are bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; use bytes or a unit such as 64MiB, 1GiB, 500MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{int(n)} B"
+
+
+TRANSPORTS = ("mooncake", "nixl")
+
+
+class SettingError(P2PWeightsError, ValueError):
+    """A setting (keyword or ``P2PW_`` variable) has a value that cannot be used."""
+
+
+# -- value checkers: each takes the parsed value and raises ValueError with the fix -------------------
+def _positive(v: float) -> float:
+    if not v > 0:
+        raise ValueError("must be positive")
+    return v
+
+
+def _non_negative(v: int) -> int:
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
+def _at_least_one(v: int) -> int:
+    if v < 1:
+        raise ValueError("must be at least 1")
+    return v
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def check(v: str) -> str:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return v
+    return check
+
+
+def _device(v: str) -> str:
+    if v not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", v):
+        raise ValueError("must be cpu or cuda[:N]")
+    return v
+
+
+def _gpu_list(v: str) -> str:
+    if v and not re.fullmatch(r"\d+(,\d+)*", v):
+        raise ValueError("must be a comma-separated list of GPU numbers, e.g. 1,2,3,4")
+    return v
+
+
+def _flag(v: str) -> str:
+    if v not in ("", "0", "1"):
+        raise ValueError("must be 0 or 1")
+    return v
+
+
+def _log_level(v: str) -> str:
+    if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return v.upper()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``P2PW_`` variable. ``default`` None means "unset" (the user of the value decides);
+    ``also``: other variables honoured when this one is unset (sglang's or the vendor's own)."""
+
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    check: Callable[[Any], Any] | None = None
+    also: tuple[str, ...] = ()
+    secret: bool = False
+    default_text: str = ""  # how the README spells a computed default
+
+    @property
+    def key(self) -> str:
+        """The keyword argument spelling: P2PW_BUFFER_SIZE -> buffer_size."""
+        return self.env.removeprefix("P2PW_").lower()
+
+    def coerce(self, raw: Any, where: str) -> Any:
+        try:
+            v = self.parse(raw) if isinstance(raw, str) else raw
+            return self.check(v) if self.check is not None else v
+        except (TypeError, ValueError) as e:
+            raise SettingError(f"{where}={raw!r}: {e} ({self.doc})") from None
+
+
+def _str(v: str) -> str:
+    return v.strip()
+
+
+REGISTRY: dict[str, Setting] = {s.env: s for s in (
+    # the sender and its slots
+    Setting("P2PW_BUFFER_SIZE", parse_size, 512 << 20, "bytes per transfer slot; raised to the largest parameter "
+            "group, rounded up to 2 MiB", _positive, default_text="512MiB"),
+    Setting("P2PW_NUM_SLOTS", int, 2, "transfer slots (2 = double buffering)", _at_least_one),
+    Setting("P2PW_TRANSFER_TIMEOUT", float, 30.0, "seconds a write may run before it is cancelled and the update "
+            "fails naming the engine", _positive, default_text="30"),
+    Setting("P2PW_TRANSPORT", _str, "mooncake", "`mooncake` or `nixl`", _one_of(*TRANSPORTS)),
+    Setting("P2PW_BUFFER_DEVICE", _str, "cpu", "where slots live: `cpu` (pinned host) or `cuda[:N]`", _device),
+    Setting("P2PW_PIN", _str, "auto", "host slot pinning: `auto` (CUDA host registration, else mlock), `cuda`, "
+            "`mlock`, `none`", _one_of("auto", "cuda", "mlock", "none")),
+    Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
+            default_text="(search)"),
+    # transports
+    Setting("P2PW_NIXL_BACKEND", _str, "UCX", "NIXL plugin; `SGLANG_REMOTE_INSTANCE_NIXL_BACKEND` is honoured too",
+            also=("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND",)),
+    Setting("P2PW_NIXL_PROGRESS_DELAY_US", int, 1000, "NIXL agent progress-thread sleep (NIXL's default 0 spins a "
+            "core)", _non_negative),
+    Setting("P2PW_MOONCAKE_PROTOCOL", _str, None, "Mooncake protocol (`MOONCAKE_PROTOCOL` honoured)",
+            also=("MOONCAKE_PROTOCOL",), default_text="`rdma` if an RDMA device exists, else `tcp`"),
+    Setting("P2PW_MOONCAKE_DEVICE", _str, None, "Mooncake RDMA device list (`MOONCAKE_DEVICE` honoured)",
+            also=("MOONCAKE_DEVICE",), default_text="all"),
+    Setting("P2PW_HOSTNAME", _str, None, "address a transfer engine advertises",
+            default_text="`127.0.0.1` without RDMA, else this host's IP"),
+    # the replica
+    Setting("P2PW_REPLICA_CACHE_DIR", _str, None, "on-disk cache of loader mappings (keyed by model config + "
+            "layout)", default_text="off"),
+    Setting("P2PW_SGLANG_IMPORT_AS_CPU", _str, "", "`1`: import sglang as on a host without CUDA (the byte-exact "
+            "CPU path) on a GPU host without sgl_kernel", _flag, default_text="unset"),
+    # the control plane
+    Setting("P2PW_ENGINE_TIMEOUT", float, 300.0, "seconds for an engine control-plane HTTP call", _positive,
+            default_text="300"),
+    Setting("P2PW_ENGINE_CONNECT_TIMEOUT", float, 3.0, "seconds to connect to an engine's HTTP server", _positive,
+            default_text="3"),
+    # the broadcast baseline
+    Setting("P2PW_BROADCAST_BUCKET", parse_size, 256 << 20, "bucket size of the broadcast baseline", _positive,
+            default_text="256MiB"),
+    # the receiver
+    Setting("P2PW_RECEIVER_LAUNCH", _str, "fork", "receiver ranks: forked from one launcher that imported sglang "
+            "once, or `spawn`", _one_of("fork", "spawn")),
+    Setting("P2PW_LOG_LEVEL", _str, "WARNING", "receiver processes' log level", _log_level),
+    Setting("P2PW_RECEIVER_DEVICE", _str, "cpu", "where receiver engine ranks keep their parameters: `cpu` or "
+            "`cuda[:N]` (VRAM registration)", _device),
+    Setting("P2PW_RECEIVER_GPUS", _str, "", "`1,2,3,4`: receiver engine rank r keeps its parameters on GPU number "
+            "r of this list", _gpu_list, default_text="unset"),
+)}
+
+
+def _setting(name: str) -> Setting:
+    s = REGISTRY.get(name) or REGISTRY.get("P2PW_" + name.upper())
+    if s is None:
+        raise KeyError(f"{name!r} is not a declared p2pweights setting (see p2pweights.settings.REGISTRY)")
+    return s
+
+
+def lookup(name: str, override: Any = None) -> tuple[Any, str]:
+    """(value, source) of one setting: the keyword ``override`` when not None, else its variable
+    (or one it honours), else the default. Raises :class:`SettingError` naming the variable."""
+    s = _setting(name)
+    if override is not None:
+        return s.coerce(override, s.key), "keyword"
+    for env in (s.env, *s.also):
+        raw = os.environ.get(env)
+        if raw:
+            return s.coerce(raw, env), env
+    return s.default, "default"
+
+
+def value(name: str, override: Any = None) -> Any:
+    """The value of one setting (``"P2PW_ENGINE_TIMEOUT"`` or ``"engine_timeout"``)."""
+    return lookup(name, override)[0]
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every setting with its value and source; invalid ones carry ``error``. Secrets are masked."""
+    rows = []
+    for s in REGISTRY.values():
+        row: dict[str, Any] = {"env": s.env, "doc": s.doc}
+        try:
+            v, src = lookup(s.env)
+            row.update(value=("***" if s.secret and v else v), source=src)
+        except SettingError as e:
+            row.update(value=os.environ.get(s.env), source=s.env, error=str(e))
+        rows.append(row)
+    undeclared = sorted(k for k in os.environ if k.startswith("P2PW_") and k not in REGISTRY)
+    for k in undeclared:
+        rows.append({"env": k, "doc": "", "value": os.environ[k], "source": k,
+                     "error": f"{k} is not a p2pweights setting (a typo?); declared: see `p2pweights doctor`"})
+    return rows
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The sender's knobs, each one a keyword of ``WeightSender`` and a ``P2PW_`` variable."""
+
+    buffer_size: int
+    num_slots: int
+    transfer_timeout: float
+    transport: str
+    buffer_device: str
+    pin: str
+    nixl_backend: str
+    nixl_progress_delay_us: int
+    mooncake_protocol: str | None
+    mooncake_device: str | None
+    hostname: str | None
+    replica_cache_dir: str | None
+    engine_timeout: float
+    engine_connect_timeout: float
+
+    def transport_options(self) -> dict[str, Any]:
+        """Keyword arguments for the chosen transport's backend (only those that are set)."""
+        if self.transport == "nixl":
+            opts = {"backend": self.nixl_backend, "progress_delay": self.nixl_progress_delay_us}
+        else:
+            opts = {"protocol": self.mooncake_protocol, "device": self.mooncake_device, "hostname": self.hostname}
+        return {k: v for k, v in opts.items() if v is not None}
+
+
+def settings(**overrides: Any) -> Settings:
+    """Keyword arguments win over environment variables, which win over defaults. None = unset."""
+    names = {f.name for f in fields(Settings)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}")
+    return Settings(**{n: value("P2PW_" + n.upper(), overrides.get(n)) for n in names})
