@@ -28,7 +28,7 @@ $PIP numpy orjson psutil pybase64 requests packaging pillow starlette msgspec py
 $PIP mooncake-transfer-engine-non-cuda
 $PIP --no-deps nixl-cu12
 # Build and test tools.
-$PIP "pybind11>=2.13" "scikit-build-core>=0.10" cmake ninja pytest pytest-benchmark hypothesis
+$PIP "pybind11>=2.13" "scikit-build-core>=0.10" cmake ninja pytest pytest-benchmark hypothesis "ruff==0.17.6"
 # The package itself (C++ core built by scikit-build-core + CMake).
 $PIP --no-build-isolation .
 echo "p2pweights installed: run 'p2pweights doctor' or 'p2pweights demo'"

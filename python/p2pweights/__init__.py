@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import _native
 from .sender.buffers import TransferBuffers
-from .settings import Settings, settings
+from .settings import Settings
 from .errors import (
     Busy,
     Closed,
@@ -47,5 +47,4 @@ __all__ = [
     "UpdateFailed",
     "WriteReport",
     "WrongTransport",
-    "settings",
 ]

@@ -32,7 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verb", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from .errors import P2PWeightsError
+
+    try:
+        return int(args._run(args) or 0)
+    except P2PWeightsError as e:
+        # a refusal the user can act on (unknown model, bad layout key, invalid setting): the
+        # message names the fix, a traceback would only hide it
+        print(f"p2pweights {args.verb}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

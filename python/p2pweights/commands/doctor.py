@@ -5,7 +5,7 @@ import argparse
 import importlib
 import importlib.metadata as md
 import json
-import os
+import sys
 import warnings
 
 
@@ -57,7 +57,7 @@ def _transports() -> dict[str, dict]:
 
 def collect() -> dict:
     from .. import _native
-    from ..settings import settings
+    from ..settings import SettingError, describe, settings
 
     findings: dict = {"native": {"version": _native.__version__, "path": _native.__file__}}
     cuda = _native.cuda_runtime_info()
@@ -69,14 +69,13 @@ def collect() -> dict:
 
         with TransferBuffers(1 << 20, 1) as b:
             findings["pinning"] = {"mode": b.pin_mode, "warning": str(caught[0].message) if caught else None}
+    # every declared P2PW_ setting with its value and where it came from; invalid ones carry "error"
+    findings["settings"] = describe()
+    findings["settings_ok"] = not any("error" in row for row in findings["settings"])
     try:
-        s = settings()
-        findings["settings"] = {k: getattr(s, k) for k in s.__dataclass_fields__}
-        findings["slot_device"] = s.buffer_device
-    except ValueError as e:
-        findings["settings"] = {"error": str(e)}
+        findings["slot_device"] = settings().buffer_device
+    except SettingError:
         findings["slot_device"] = None
-    findings["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("P2PW_")}
     findings["transports"] = _transports()
     findings["torch"] = _version("torch")
     findings["sglang"] = _version("sglang")
@@ -85,9 +84,10 @@ def collect() -> dict:
 
 def run(args: argparse.Namespace) -> int:
     f = collect()
+    status = 0 if f["settings_ok"] else 1  # an invalid setting fails here, not in the middle of an update
     if args.json:
         print(json.dumps(f, indent=2, default=str))
-        return 0
+        return status
     cuda = f["cuda"]
     print(f"p2pweights native module {f['native']['version']}  ({f['native']['path']})")
     print(f"CUDA runtime   : {cuda['library'] or 'not found'}; devices: {cuda['device_count']}")
@@ -98,8 +98,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<15}: {state}")
     print(f"torch          : {f['torch'] or 'MISSING (pip install torch)'}")
     print(f"sglang         : {f['sglang'] or 'MISSING (bash scripts/setup.sh installs sglang==0.5.23)'}")
-    if "error" in f["settings"]:
-        print(f"settings       : ERROR {f['settings']['error']}")
-    else:
-        print("settings       : " + ", ".join(f"{k}={v}" for k, v in f["settings"].items()))
-    return 0
+    print("settings       :")
+    width = max(len(row["env"]) for row in f["settings"])
+    for row in f["settings"]:
+        shown = "(unset)" if row["value"] in (None, "") else row["value"]
+        line = f"  {row['env']:<{width}}  {shown}  [{row['source']}]"
+        if "error" in row:
+            line += f"  INVALID: {row['error']}"
+        print(line)
+    if status:
+        print("doctor: some settings are invalid (see INVALID above); fix or unset them", file=sys.stderr)
+    return status

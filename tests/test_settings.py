@@ -1,0 +1,126 @@
+"""The settings registry: every P2PW_ variable declared once, read in one place, documented in the
+README, overridable by keyword, and checked by `p2pweights doctor`."""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from p2pweights import settings as S
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "python" / "p2pweights"
+
+
+def _readme_settings_table() -> dict[str, str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`(P2PW_[A-Z0-9_]+)`\s*\|\s*(.*?)\s*\|", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def _default_text(s: S.Setting) -> str:
+    return s.default_text or str(s.default)
+
+
+def test_readme_table_lists_every_setting_with_its_default():
+    table = _readme_settings_table()
+    assert sorted(table) == sorted(S.REGISTRY), "README's settings table and settings.REGISTRY differ"
+    for name, default in table.items():
+        assert default.replace("`", "") == _default_text(S.REGISTRY[name]).replace("`", ""), name
+
+
+def test_no_module_reads_a_p2pw_variable_outside_the_registry():
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "settings.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("P2PW_"):
+                parent_calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and node in ast.walk(n)]
+                reads_env = any("environ" in ast.unparse(c.func) or "getenv" in ast.unparse(c.func)
+                                for c in parent_calls)
+                if reads_env:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+    assert not offenders, "read these through p2pweights.settings.value(): " + ", ".join(offenders)
+
+
+def test_every_p2pw_name_used_in_the_package_is_declared():
+    used = set()
+    for path in list(PKG.rglob("*.py")) + list((ROOT / "csrc").rglob("*.[ch]pp")):
+        used |= set(re.findall(r"\bP2PW_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    used -= {"P2PW_VERSION", "P2PW_BUILD_BENCHMARKS", "P2PW_BUILD_PYTHON"}  # CMake/compile-time, not settings
+    assert used <= set(S.REGISTRY), f"undeclared: {sorted(used - set(S.REGISTRY))}"
+
+
+def test_keyword_wins_over_environment_which_wins_over_default(monkeypatch):
+    monkeypatch.delenv("P2PW_NUM_SLOTS", raising=False)
+    assert S.lookup("P2PW_NUM_SLOTS") == (2, "default")
+    monkeypatch.setenv("P2PW_NUM_SLOTS", "3")
+    assert S.lookup("P2PW_NUM_SLOTS") == (3, "P2PW_NUM_SLOTS")
+    assert S.lookup("num_slots", 4) == (4, "keyword")
+    assert S.settings(num_slots=5).num_slots == 5
+    assert S.settings().num_slots == 3
+
+
+def test_an_honoured_vendor_variable_is_read_when_ours_is_unset(monkeypatch):
+    monkeypatch.delenv("P2PW_NIXL_BACKEND", raising=False)
+    monkeypatch.setenv("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "GDS")
+    assert S.lookup("P2PW_NIXL_BACKEND") == ("GDS", "SGLANG_REMOTE_INSTANCE_NIXL_BACKEND")
+    monkeypatch.setenv("P2PW_NIXL_BACKEND", "UCX")
+    assert S.value("P2PW_NIXL_BACKEND") == "UCX"
+
+
+@pytest.mark.parametrize("name,raw", [("P2PW_NUM_SLOTS", "0"), ("P2PW_TRANSPORT", "tcp"),
+                                      ("P2PW_BUFFER_SIZE", "lots"), ("P2PW_RECEIVER_GPUS", "a,b"),
+                                      ("P2PW_ENGINE_TIMEOUT", "-1")])
+def test_an_invalid_value_names_the_variable(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(S.SettingError, match=name):
+        S.value(name)
+
+
+def test_unknown_keyword_is_refused_with_the_known_ones():
+    with pytest.raises(TypeError, match="buffer_size"):
+        S.settings(bufer_size=1)
+
+
+def test_transport_options_follow_the_transport(monkeypatch):
+    for k in ("P2PW_MOONCAKE_PROTOCOL", "MOONCAKE_PROTOCOL", "P2PW_HOSTNAME", "P2PW_MOONCAKE_DEVICE", "MOONCAKE_DEVICE"):
+        monkeypatch.delenv(k, raising=False)
+    assert S.settings(transport="nixl", nixl_backend="UCX", nixl_progress_delay_us=0).transport_options() == \
+        {"backend": "UCX", "progress_delay": 0}
+    assert S.settings(transport="mooncake", mooncake_protocol="tcp").transport_options() == {"protocol": "tcp"}
+
+
+def _doctor(env: dict) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("P2PW_")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "p2pweights", "doctor"], env=full, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_doctor_shows_every_setting_with_its_source():
+    r = _doctor({"P2PW_NUM_SLOTS": "3"})
+    assert r.returncode == 0, r.stderr
+    for name in S.REGISTRY:
+        assert name in r.stdout
+    assert re.search(r"P2PW_NUM_SLOTS\s+3\s+\[P2PW_NUM_SLOTS\]", r.stdout)
+    assert re.search(r"P2PW_TRANSPORT\s+mooncake\s+\[default\]", r.stdout)
+
+
+@pytest.mark.parametrize("env", [{"P2PW_NUM_SLOTS": "zero"}, {"P2PW_TRANSPROT": "nixl"}])
+def test_doctor_exits_non_zero_on_an_invalid_or_unknown_setting(env):
+    r = _doctor(env)
+    assert r.returncode != 0
+    assert next(iter(env)) in r.stdout and "INVALID" in r.stdout

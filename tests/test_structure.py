@@ -1,0 +1,138 @@
+"""The package's shape: no import cycles, layers that import only downward (nothing imports the CLI or
+the demo), small modules. The architecture is drawn in docs/architecture.md; this pins it."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "python"
+PKG = ROOT / "p2pweights"
+
+# Lower layers never import higher ones. A module's layer is that of its first-level package.
+LAYERS = [
+    {"errors", "settings", "_native"},
+    {"models", "transport", "control"},
+    {"planner", "replica"},
+    {"sender", "receiver", "baseline"},
+    {"bench", "commands", "cli", "__main__"},
+]
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(ROOT).with_suffix("")
+        mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = f
+    return mods
+
+
+def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
+                if node.level:
+                    base = base[: len(base) - (node.level - 1)]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != m and t.startswith("p2pweights") and not m.startswith(t + "."):
+                    edges[m].add(t)
+    return edges
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package root re-exports the public API
+    for i, layer in enumerate(LAYERS):
+        if parts[1] in layer:
+            return i
+    raise AssertionError(f"{module}: first-level name {parts[1]!r} is in no layer of tests/test_structure.py")
+
+
+def test_no_import_cycles():
+    edges = _imports(_modules())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_layers_import_only_downward():
+    upward = []
+    for m, targets in _imports(_modules()).items():
+        lm = _layer(m)
+        for t in targets:
+            lt = _layer(t)
+            if lm is not None and lt is not None and lt > lm:
+                upward.append(f"{m} -> {t}")
+    assert not upward, "imports into a higher layer: " + ", ".join(sorted(upward))
+
+
+def test_nothing_imports_the_cli_or_the_demo():
+    bad = [f"{m} -> {t}" for m, ts in _imports(_modules()).items() for t in ts
+           if (t.startswith("p2pweights.commands") or t == "p2pweights.cli")
+           and not (m.startswith("p2pweights.commands") or m in ("p2pweights.cli", "p2pweights.__main__"))]
+    assert not bad, ", ".join(bad)
+
+
+def test_modules_stay_small():
+    big = {m: f.read_text().count("\n") for m, f in _modules().items()}
+    big = {m: n for m, n in big.items() if n > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines (split them by job): {big}"
+
+
+def test_the_extension_has_a_type_stub():
+    assert any(PKG.glob("_native*.pyi")), "python/p2pweights/_native.pyi is missing"
+
+
+def test_every_declared_pytest_marker_is_used():
+    import re
+    import tomllib
+
+    project = ROOT.parent
+    declared = [m.split(":")[0].strip() for m in
+                tomllib.loads((project / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]]
+    sources = "".join(p.read_text() for d in ("tests", "benchmarks") for p in (project / d).rglob("*.py"))
+    unused = [m for m in declared if not re.search(rf"pytest\.mark\.{m}\b", sources)]
+    assert not unused, f"markers declared in pyproject.toml and never used: {unused}"
