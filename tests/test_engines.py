@@ -290,7 +290,7 @@ def test_a_slow_engine_times_out_naming_it():
         c = SglangEngine(server.url, name="slowpoke", timeout=0.2)
         c.pause_generation()
         c.begin_weight_update()
-        with pytest.raises(EngineError, match=r"slowpoke .*end_weight_update.*no answer within 0.2s.*P2PW_ENGINE_TIMEOUT"):
+        with pytest.raises(EngineError, match=r"slowpoke: .*end_weight_update.*no answer within 0.2s.*P2PW_ENGINE_TIMEOUT"):
             c.end_weight_update()
 
 

@@ -1,4 +1,5 @@
-"""The client sends, and the receiver serves, exactly sglang 0.5.23's routes and request bodies.
+"""The protocol table (control.protocol) is sglang 0.5.23's routes and request bodies; the client
+sends exactly those. (That the receiver serves the same table: tests/test_control_protocol.py.)
 
 Read from the installed sglang's own source (http_server.py's route table, io_struct.py's request
 structs, engine_info_bootstrap_server.py's routes), parsed with ``ast``: in this minimal install
@@ -7,14 +8,14 @@ http_server.py cannot be imported (it needs uvloop) nor io_struct.py (torchvisio
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import os
 
 import pytest
 
-from p2pweights.control import sglang as client
+from p2pweights.control import http, protocol
 from p2pweights.control.sglang import SglangEngine
-from p2pweights.receiver import server as receiver
 
 spec = importlib.util.find_spec("sglang")
 if spec is None or spec.origin is None:
@@ -78,32 +79,35 @@ def bootstrap_routes():
 
 @pytest.fixture(scope="module")
 def io_structs():
-    """class name -> {field: has_default} from io_struct.py, inherited fields included."""
+    """class name -> {field: default source text, or None when required} from io_struct.py,
+    inherited fields included."""
     classes = {n.name: n for n in _parse("managers/io_struct.py").body if isinstance(n, ast.ClassDef)}
 
-    def fields(name: str) -> dict[str, bool]:
+    def fields(name: str) -> dict[str, str | None]:
         node = classes[name]
-        out: dict[str, bool] = {}
+        out: dict[str, str | None] = {}
         for base in node.bases:
             if isinstance(base, ast.Name) and base.id in classes:
                 out.update(fields(base.id))
         for stmt in node.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                out[stmt.target.id] = stmt.value is not None
+                out[stmt.target.id] = ast.unparse(stmt.value) if stmt.value is not None else None
         return out
 
     return fields
 
 
 class _Recorder:
-    def __init__(self):
-        self.sent: list[tuple[str, str, str, dict | None]] = []
+    """Stands in for control.http.request: records each request, answers like sglang."""
 
-    def __call__(self, method, base, target, body):
-        self.sent.append((method, base, target, body))
-        if target.startswith("/health"):
-            return 200, b""
-        return 200, b'{"success": true, "message": "ok"}'
+    def __init__(self):
+        self.sent: list[tuple[str, str, str, dict | None, dict | None]] = []
+
+    def __call__(self, method, url, path, *, body=None, params=None, **_):
+        self.sent.append((method, url, path, body, dict(params) if params else None))
+        if path.startswith("/health"):
+            return 200, None
+        return 200, {"success": True, "message": "ok"}
 
 
 def _every_verb(engine: SglangEngine) -> None:
@@ -125,29 +129,58 @@ def _every_verb(engine: SglangEngine) -> None:
     engine.destroy_weights_update_group("g")
 
 
-def test_client_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):
-    for verb, (method, path, body_cls) in client.ROUTES.items():
-        assert path in sglang_routes, f"{verb}: sglang 0.5.23 has no route {path}"
-        methods, sglang_body = sglang_routes[path]
-        assert method in methods, f"{verb}: sglang serves {path} with {methods}, not {method}"
-        assert body_cls == sglang_body, f"{verb}: sglang's body for {path} is {sglang_body}, not {body_cls}"
-    for verb, (method, path, _) in client.BOOTSTRAP_ROUTES.items():
-        assert method in bootstrap_routes.get(path, set()), f"{verb}: the bootstrap server has no {method} {path}"
+def test_protocol_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):
+    """Every route of the table, with sglang's methods and sglang's body class."""
+    for r in protocol.ROUTES:
+        if r.bootstrap:
+            assert r.method in bootstrap_routes.get(r.path, set()), f"the bootstrap server has no {r.method} {r.path}"
+            assert set(r.methods) == bootstrap_routes[r.path]
+            continue
+        assert r.path in sglang_routes, f"{r.verb}: sglang 0.5.23 has no route {r.path}"
+        methods, sglang_body = sglang_routes[r.path]
+        assert r.method in methods and set(r.methods) == methods, f"{r.path}: sglang serves it with {methods}"
+        assert r.sglang_body == sglang_body, f"{r.path}: sglang's body is {sglang_body}, not {r.sglang_body}"
 
 
-def test_client_bodies_use_sglangs_field_names(sglang_routes, io_structs, monkeypatch):
+def test_protocol_bodies_are_sglangs_structs(io_structs):
+    """Each request body has exactly its sglang struct's fields (BaseReq's rid aside), with the same
+    defaults and the same required fields."""
+    bodies = {r.body for r in protocol.ROUTES if r.body is not None and r.body.SGLANG}
+    assert len(bodies) == 10
+    for cls in bodies:
+        sglang = {k: v for k, v in io_structs(cls.SGLANG).items() if k not in ("rid", "http_worker_ipc")}
+        ours = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("extra")}
+        assert set(ours) == set(sglang), f"{cls.__name__}: fields {sorted(ours)} vs sglang's {sorted(sglang)}"
+        for name, f in ours.items():
+            if sglang[name] is None:
+                assert f.default is dataclasses.MISSING, f"{cls.__name__}.{name} is required in sglang"
+            else:
+                assert f.default == ast.literal_eval(sglang[name]), f"{cls.__name__}.{name}: sglang's default is {sglang[name]}"
+        for name, f in ours.items():  # a mode/selector list is sglang's Literal[...]
+            if "choices" in f.metadata:
+                assert io_structs(cls.SGLANG)[name] is not None
+    assert protocol.PAUSE_MODES == _literal("PauseGenerationReqInput", "mode")
+    assert protocol.SELECTORS == _literal("BeginWeightUpdateReqInput", "selector")
+
+
+def _literal(cls_name: str, field: str) -> tuple:
+    node = next(n for n in _parse("managers/io_struct.py").body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    ann = next(s.annotation for s in node.body if isinstance(s, ast.AnnAssign) and s.target.id == field)
+    return tuple(ast.literal_eval(ann.slice))
+
+
+def test_client_sends_every_route_with_sglangs_field_names(sglang_routes, io_structs, monkeypatch):
     engine = SglangEngine("http://10.0.0.9:30000", bootstrap_url="http://10.0.0.9:6789", name="e")
     plain = SglangEngine("http://10.0.0.9:30000", name="e")
     rec = _Recorder()
-    monkeypatch.setattr(SglangEngine, "_send", lambda self, *a: rec(*a))
+    monkeypatch.setattr(http, "request", rec)
     _every_verb(engine)
     plain.transfer_engine_info(3)
     sent_paths = set()
-    for method, base, target, body in rec.sent:
-        path = target.split("?")[0]
+    for method, url, path, body, params in rec.sent:
         sent_paths.add(path)
-        if base.endswith(":6789"):
-            assert path == "/get_transfer_engine_info" and target.endswith("?rank=3")
+        if url.endswith(":6789"):
+            assert path == "/get_transfer_engine_info" and params == {"rank": 3}
             continue
         methods, body_cls = sglang_routes[path]
         assert method in methods
@@ -158,39 +191,11 @@ def test_client_bodies_use_sglangs_field_names(sglang_routes, io_structs, monkey
         fields = io_structs(body_cls)
         unknown = set(body) - set(fields)
         assert not unknown, f"{path}: {sorted(unknown)} are not fields of sglang's {body_cls} {sorted(fields)}"
-        required = {f for f, has_default in fields.items() if not has_default}
+        required = {f for f, default in fields.items() if default is None}
         assert required <= set(body), f"{path}: sglang's {body_cls} requires {sorted(required - set(body))}"
-    assert sent_paths >= {path for _, path, _ in client.ROUTES.values()}
+    # every route a client calls, it called (the bootstrap PUT is the ranks' own, see receiver.server)
+    assert sent_paths >= {r.path for r in protocol.ROUTES if r.called and r.method != "PUT"}
     # the version bump never aborts requests (sglang's default would)
-    (bump,) = [b for _, _, t, b in rec.sent if t == "/update_weight_version"]
+    (bump,) = [b for _, _, path, b, _ in rec.sent if path == "/update_weight_version"]
     assert bump == {"new_version": "12", "abort_all_requests": False}
-    assert io_structs("UpdateWeightVersionReqInput")["abort_all_requests"] is True  # sglang defaults to abort
-
-
-def test_receiver_serves_sglangs_paths_with_sglangs_methods(sglang_routes, bootstrap_routes):
-    for path, (methods, _) in receiver.ROUTES.items():
-        assert path in sglang_routes, f"the receiver serves {path}, which sglang 0.5.23 does not have"
-        assert set(methods) == sglang_routes[path][0], f"{path}: sglang allows {sglang_routes[path][0]}"
-    for path, (methods, _) in receiver.BOOTSTRAP_ROUTES.items():
-        assert set(methods) == bootstrap_routes[path]
-    # everything the client can call, the receiver serves
-    assert {path for _, path, _ in client.ROUTES.values()} <= set(receiver.ROUTES)
-    assert {path for _, path, _ in client.BOOTSTRAP_ROUTES.values()} <= set(receiver.BOOTSTRAP_ROUTES)
-
-
-def test_receiver_reads_sglangs_field_names(io_structs):
-    """Every field the receiver reads from a body exists in sglang's struct, with sglang's default."""
-    expected = {
-        "PauseGenerationReqInput": {"mode"},
-        "ContinueGenerationReqInput": {"torch_empty_cache"},
-        "BeginWeightUpdateReqInput": {"selector"},
-        "UpdateWeightVersionReqInput": {"new_version", "abort_all_requests"},
-        "CheckWeightsReqInput": {"action", "allow_quant_error", "skip_tensor_list", "selector"},
-        "GetWeightsByNameReqInput": {"name", "truncate_size"},
-    }
-    src = open(receiver.__file__).read()
-    for cls, names in expected.items():
-        fields = io_structs(cls)
-        assert names <= set(fields), f"{cls}: {names - set(fields)} not in sglang"
-        for n in names:
-            assert f'"{n}"' in src, f"the receiver does not read {cls}.{n}"
+    assert io_structs("UpdateWeightVersionReqInput")["abort_all_requests"] == "True"  # sglang defaults to abort

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from . import _native
 from .sender.buffers import TransferBuffers
-from .settings import Settings
+from .settings import SettingError, Settings
 from .errors import (
     Busy,
     Closed,
     EngineError,
+    EnginesFailed,
+    EngineUnreachable,
+    InvalidRequest,
     InvalidWrite,
     LayoutMismatch,
     MissingTensors,
@@ -30,6 +33,9 @@ __all__ = [
     "Busy",
     "Closed",
     "EngineError",
+    "EngineUnreachable",
+    "EnginesFailed",
+    "InvalidRequest",
     "InvalidWrite",
     "LayoutMismatch",
     "MissingTensors",
@@ -38,6 +44,7 @@ __all__ = [
     "P2PWeightsError",
     "PipelinedWriter",
     "RemoteDisconnected",
+    "SettingError",
     "Settings",
     "TransferBuffers",
     "TransferTimeout",

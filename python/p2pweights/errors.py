@@ -4,13 +4,63 @@ The native core returns status codes; :func:`raise_for_status` maps each code to
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable, Mapping
+
+#: the context fields every P2PWeightsError can carry (keyword arguments, default None)
+FIELDS = ("engine", "rank", "parameter", "hint")
 
 
 class P2PWeightsError(Exception):
-    """Base class of every error p2pweights raises."""
+    """Base class of every error p2pweights raises.
+
+    Besides its message, every error can say where it happened and what to do, as fields a caller
+    can read (``except UpdateFailed as e: e.engine, e.rank``): ``engine`` (the engine's name),
+    ``rank`` (the engine rank), ``parameter`` (a parameter or HF tensor name) and ``hint`` (the
+    fix). ``str()`` is the message followed by whichever fields it does not already mention.
+    """
 
     p2pw_code = -4
+
+    def __init__(self, *args: object, engine: str | None = None, rank: int | None = None,
+                 parameter: str | None = None, hint: str | None = None):
+        super().__init__(*args)
+        self.engine = engine
+        self.rank = rank
+        self.parameter = parameter
+        self.hint = hint
+
+    def fields(self) -> dict[str, object]:
+        """The context fields that are set (engine, rank, parameter, hint)."""
+        return {k: getattr(self, k, None) for k in FIELDS if getattr(self, k, None) is not None}
+
+    @property
+    def message(self) -> str:
+        """The message alone, without the fields."""
+        return str(self.args[0]) if len(self.args) == 1 else (", ".join(map(str, self.args)) if self.args else "")
+
+    def __str__(self) -> str:
+        msg = self.message
+        # a field the message already names is not repeated: messages written before the fields
+        # existed ("engine e0 (http://...): ...") read the same as they always did
+        where = [f"{k} {v}" for k in ("engine", "rank", "parameter") if (v := getattr(self, k, None)) is not None
+                 and not re.search(rf"\b{k} {re.escape(str(v))}(?![\w.])", msg)]
+        if where:
+            msg = f"{msg} ({', '.join(where)})" if msg else ", ".join(where)
+        hint = getattr(self, "hint", None)
+        if hint and f"Hint: {hint}" not in msg:
+            msg = f"{msg}. Hint: {hint}"
+        return msg
+
+    def __reduce__(self):  # keep the fields across pickling (errors cross process boundaries)
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> P2PWeightsError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 class InvalidWrite(P2PWeightsError, ValueError):
@@ -48,8 +98,7 @@ class NotFound(P2PWeightsError, KeyError):
 
     p2pw_code = -6
 
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0]) if self.args else ""
+    __str__ = P2PWeightsError.__str__  # KeyError quotes its message; keep it readable
 
 
 class Busy(P2PWeightsError):
@@ -75,8 +124,7 @@ class UnsupportedLayout(P2PWeightsError):
 class UnknownParameter(P2PWeightsError, KeyError):
     """An HF tensor name that no parameter of the target layout loads."""
 
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
+    __str__ = P2PWeightsError.__str__
 
 
 class MissingTensors(P2PWeightsError):
@@ -87,19 +135,57 @@ class WrongTransport(P2PWeightsError):
     """The engine published its weights for another transport than the sender's."""
 
 
+class InvalidRequest(P2PWeightsError, ValueError):
+    """A control-plane request the protocol refuses: a missing or mistyped field, an unknown mode
+    or selector (p2pweights.control.protocol checks bodies on both sides)."""
+
+
 class EngineError(P2PWeightsError):
     """An engine's control plane (HTTP) failed or answered with an error."""
 
 
-class UpdateFailed(P2PWeightsError):
-    """An update failed on one or more engines; ``failures`` maps engine name -> reason."""
+class EngineUnreachable(EngineError, ConnectionError):
+    """An engine's control plane could not be reached: refused, no connection within the connect
+    timeout, no answer within the read timeout, or the connection was lost mid-call."""
 
-    def __init__(self, failures: Mapping[str, str], report: object | None = None):
-        self.failures = dict(failures)
+
+class UpdateFailed(P2PWeightsError):
+    """An update failed on one or more engines.
+
+    ``failures`` maps each failed target to why (text): an engine's name, or ``<engine>/rank<N>``
+    for the writes into one engine rank. ``errors`` maps a target to its exception where there was
+    one. ``engine`` and ``rank`` name the first failure, ``report`` is the writer's report (if any).
+    """
+
+    def __init__(self, failures: Mapping[str, str | BaseException], report: object | None = None, *,
+                 what: str = "weight update"):
+        self.errors = {n: e for n, e in failures.items() if isinstance(e, BaseException)}
+        self.failures = {n: str(e) for n, e in failures.items()}
         self.report = report
-        lines = [f"weight update failed on {len(self.failures)} engine(s):"]
+        lines = [f"{what} failed on {len(self.failures)} engine(s):"]
         lines += [f"  {name}: {why}" for name, why in self.failures.items()]
-        super().__init__("\n".join(lines))
+        first = next(iter(self.failures), None)
+        engine, rank = split_target(first) if first is not None else (None, None)
+        cause = self.errors.get(first) if first is not None else None
+        parameter = hint = None
+        if isinstance(cause, P2PWeightsError):
+            rank = cause.rank if cause.rank is not None else rank
+            parameter, hint = cause.parameter, cause.hint
+        super().__init__("\n".join(lines), engine=engine, rank=rank, parameter=parameter, hint=hint)
+
+    def __str__(self) -> str:  # each line already names its target (and its own hint)
+        return self.message
+
+
+class EnginesFailed(UpdateFailed, EngineError):
+    """A control-plane verb failed on one or more engines (opening or finishing an update, or any
+    verb run on many engines at once): an UpdateFailed that is also an EngineError."""
+
+
+def split_target(target: str) -> tuple[str, int | None]:
+    """(engine, rank) of a write target's name: ``"e0/rank1"`` -> ("e0", 1); ``"e0"`` -> ("e0", None)."""
+    m = re.fullmatch(r"(.+)/rank(\d+)", target)
+    return (m.group(1), int(m.group(2))) if m else (target, None)
 
 
 _BY_CODE = {
@@ -110,6 +196,15 @@ _BY_CODE = {
 
 def error_class(code: int) -> type[P2PWeightsError]:
     return _BY_CODE.get(int(code), P2PWeightsError)
+
+
+def error_named(name: str) -> type[P2PWeightsError]:
+    """The class a control-plane error payload names (its ``type``); EngineError for a name this
+    version does not know, or for a class that is not built from a message (UpdateFailed)."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, P2PWeightsError) and not issubclass(cls, UpdateFailed):
+        return cls
+    return EngineError
 
 
 def raise_for_status(code: int, message: str) -> None:

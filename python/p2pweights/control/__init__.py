@@ -1,6 +1,8 @@
-"""Control-plane clients for rollout engines (sglang's HTTP endpoints; p2pweights receivers serve the same)."""
+"""The control plane: the protocol (routes, bodies, status codes, error payloads) shared with the
+receiver's server, the one HTTP client, the sglang engine client, and update sessions on many engines."""
 from __future__ import annotations
 
-from .sglang import EngineCalls, SglangEngine, UpdateSession, call_engines
+from .session import EngineCalls, UpdateSession, call_engines
+from .sglang import SglangEngine
 
 __all__ = ["EngineCalls", "SglangEngine", "UpdateSession", "call_engines"]

@@ -17,7 +17,8 @@ HTTP-server and the bootstrap-server roles.
 State: ``generating`` -> ``pause_generation`` -> ``paused`` -> ``begin_weight_update`` ->
 ``updating`` -> ``end_weight_update`` -> ``paused`` -> ``update_weight_version`` ->
 ``continue_generation`` -> ``generating``. Out-of-order calls answer 400 with sglang's body
-``{"success": false, "message": ...}``. Stricter than sglang, because one-sided writes land in live
+``{"success": false, "message": ...}`` (plus p2pweights' ``error`` object: every error answer is
+``control.protocol.error_payload``). Stricter than sglang, because one-sided writes land in live
 parameter memory: ``begin_weight_update`` needs the engine paused, and ``update_weight_version``
 is refused while an update session is open (the version is bumped only after the update ended).
 
@@ -27,9 +28,12 @@ as in sglang 0.5.23) and ``/destroy_weights_update_group``, through the hooks of
 A registration may carry extra publication keys (NIXL's ``transport``, ``agent_metadata``,
 ``location``), served next to ``remote_instance_transfer_engine_info``; keys starting with ``p2pw_``
 only reach the ``on_register_transfer_engine_info`` hook. docs/receiver.md has the details.
+
+Routes, bodies, status codes and the error payload are :mod:`p2pweights.control.protocol`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -38,18 +42,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import EngineError
+from ..control import http
+from ..control import protocol as p
+from ..errors import EngineUnreachable, InvalidRequest, P2PWeightsError
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-SELECTORS = ("target", "draft", "all")
 
 
 class ReceiverHooks:
     """What the engine does for each control call. Subclass and override what your engine needs;
     the defaults are no-ops. A hook that raises makes the call answer 500 with the error's text,
-    and leaves the state unchanged (so ``end_weight_update`` can be retried).
+    and leaves the state unchanged (so ``end_weight_update`` can be retried). A hook that raises a
+    ``p2pweights.errors`` class (``LayoutMismatch(..., rank=1, parameter=..., hint=...)``) reaches
+    the client as that class with those fields.
 
     Hooks run on the server's request threads; control hooks (pause, continue, begin, end,
     weight version) run one at a time, never concurrently with each other.
@@ -117,12 +122,16 @@ class ReceiverHooks:
         raise NotImplementedError("this engine does not implement destroy_weights_update_group")
 
 
-class _BadRequest(Exception):
-    pass
-
-
 class _Conflict(Exception):
     """An out-of-order control call (answered 400 like sglang, with its success/message body)."""
+
+
+class _Refused(Exception):
+    """A call the engine refuses with sglang's status and message (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = p.BAD_REQUEST, **fields: Any):
+        super().__init__(message)
+        self.status, self.fields = status, fields
 
 
 class ReceiverServer:
@@ -229,130 +238,96 @@ class ReceiverServer:
             return "updating"
         return "paused" if self.paused else "generating"
 
-    def _pause(self, body: dict) -> dict:
-        mode = _field(body, "mode", str, "abort", choices=PAUSE_MODES)
+    def _pause(self, req: p.PauseGenerationReq) -> dict:
         with self._control_lock:
-            self.hooks.on_pause(mode)     # idempotent, like sglang: pausing a paused engine is fine
+            self.hooks.on_pause(req.mode)     # idempotent, like sglang: pausing a paused engine is fine
             self.paused = True
-        return {"message": "Generation paused successfully.", "status": "ok"}
+        return p.encode(p.GenerationAck("Generation paused successfully."))
 
-    def _continue(self, body: dict) -> dict:
-        empty_cache = _field(body, "torch_empty_cache", bool, True)
+    def _continue(self, req: p.ContinueGenerationReq) -> dict:
         with self._control_lock:
             if self.updating:
                 logger.warning("continue_generation while a weight-update session is open: the engine "
                                "serves weights that are partly written")
-            self.hooks.on_continue(empty_cache)
+            self.hooks.on_continue(req.torch_empty_cache)
             self.paused = False
-        return {"message": "Generation continued successfully.", "status": "ok"}
+        return p.encode(p.GenerationAck("Generation continued successfully."))
 
-    def _begin(self, body: dict) -> dict:
-        selector = _field(body, "selector", str, "all", choices=SELECTORS)
+    def _begin(self, req: p.BeginWeightUpdateReq) -> dict:
         with self._control_lock:
             if self.updating:
-                raise _Conflict("a weight-update session is already open; call end_weight_update() first")
+                raise _Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
             if not self.paused:
                 raise _Conflict("generation is running; call pause_generation() before begin_weight_update() "
                                 "(p2pweights writes land in live parameter memory)")
-            self.hooks.on_begin_update(selector)
-            self.updating, self.update_selector = True, selector
-        return {"success": True, "message": "Success"}
+            self.hooks.on_begin_update(req.selector)
+            self.updating, self.update_selector = True, req.selector
+        return p.encode(p.Ack())
 
-    def _end(self, body: dict) -> dict:
+    def _end(self, req: p.EndWeightUpdateReq) -> dict:
         with self._control_lock:
             if not self.updating:
-                raise _Conflict("no weight-update session is open; call begin_weight_update() first")
+                raise _Conflict(f"{p.NO_SESSION} is open; call begin_weight_update() first")
             self.hooks.on_end_update()
             self.updating, self.update_selector = False, None
-        return {"success": True, "message": "Success"}
+        return p.encode(p.Ack())
 
-    def _update_weight_version(self, body: dict) -> dict:
-        new_version = _field(body, "new_version", str, required=True)
-        abort_all = _field(body, "abort_all_requests", bool, True)
+    def _update_weight_version(self, req: p.UpdateWeightVersionReq) -> dict:
         with self._control_lock:
             if self.updating:
                 raise _Conflict("a weight-update session is open; call end_weight_update() before "
                                 "update_weight_version() (the version is bumped only after the update ended)")
-            self.hooks.on_weight_version(new_version, abort_all)
-            self.weight_version = new_version
-        return {"success": True, "message": f"Weight version updated to {new_version}", "new_version": new_version}
+            self.hooks.on_weight_version(req.new_version, req.abort_all_requests)
+            self.weight_version = req.new_version
+        return p.encode(p.WeightVersionAck(f"Weight version updated to {req.new_version}", req.new_version))
 
-    def _weights_checker(self, body: dict) -> tuple[int, dict]:
-        request = {
-            "action": _field(body, "action", str, "checksum"),
-            "allow_quant_error": _field(body, "allow_quant_error", bool, False),
-            "skip_tensor_list": _field(body, "skip_tensor_list", list, None),
-            "selector": _field(body, "selector", str, "all", choices=SELECTORS),
-        }
-        # fields sglang does not define (e.g. p2pweights' hf_seed) go to the hook as they are
-        request.update({k: v for k, v in body.items() if k not in request})
+    def _weights_checker(self, req: p.CheckWeightsReq) -> tuple[int, dict]:
+        # sglang's fields, then those it does not define (e.g. p2pweights' hf_seed) as they came
+        request = {"action": req.action, "allow_quant_error": req.allow_quant_error,
+                   "skip_tensor_list": req.skip_tensor_list, "selector": req.selector}
+        request.update({k: v for k, v in req.extra.items() if k not in request})
         answer = dict(self.hooks.weights_checker(request))
         answer.setdefault("success", False)
         answer.setdefault("message", "")
-        return (200 if answer["success"] else 400), answer
+        # sglang's answer either way (an unequal check is a result, not an error)
+        return (p.OK if answer["success"] else p.BAD_REQUEST), answer
 
-    def _get_weights_by_name(self, body: dict) -> tuple[int, Any]:
-        name = _field(body, "name", str, required=True)
-        truncate_size = _field(body, "truncate_size", int, 100)
-        value = self.hooks.get_weights_by_name(name, truncate_size)
+    def _get_weights_by_name(self, req: p.GetWeightsByNameReq) -> tuple[int, Any]:
+        value = self.hooks.get_weights_by_name(req.name, req.truncate_size)
         if value is None:
-            return 400, {"error": {"message": "Get parameter by name failed"}}
+            raise _Refused("Get parameter by name failed", parameter=req.name)  # sglang's message
         if hasattr(value, "tolist"):
             value = value.tolist()
-        return 200, value
+        return p.OK, value
 
-    def _init_weights_update_group(self, body: dict) -> tuple[int, dict]:
-        request = {
-            "master_address": _field(body, "master_address", str, required=True),
-            "master_port": _field(body, "master_port", int, required=True),
-            "rank_offset": _field(body, "rank_offset", int, required=True),
-            "world_size": _field(body, "world_size", int, required=True),
-            "group_name": _field(body, "group_name", str, "weight_update_group"),
-            "backend": _field(body, "backend", str, "nccl"),
-        }
+    def _init_weights_update_group(self, req: p.InitWeightsUpdateGroupReq) -> tuple[int, dict]:
         try:  # not under the control lock: joining waits for every member, the sender included
-            self.hooks.init_weights_update_group(request)
+            self.hooks.init_weights_update_group(dataclasses.asdict(req))
         except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
             logger.error("init_weights_update_group failed: %s", e)
-            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
-        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+            return p.BAD_REQUEST, _error(e, f"Failed to initialize custom process group: {e}.")
+        return p.OK, p.encode(p.Ack(message="Succeeded to initialize custom process group."))
 
-    def _destroy_weights_update_group(self, body: dict) -> tuple[int, dict]:
-        group_name = _field(body, "group_name", str, "weight_update_group")
+    def _destroy_weights_update_group(self, req: p.DestroyWeightsUpdateGroupReq) -> tuple[int, dict]:
         try:
-            self.hooks.destroy_weights_update_group(group_name)
+            self.hooks.destroy_weights_update_group(req.group_name)
         except Exception as e:  # noqa: BLE001
-            return 400, {"success": False, "message": f"Failed to destroy custom process group: {e}."}
-        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+            return p.BAD_REQUEST, _error(e, f"Failed to destroy custom process group: {e}.")
+        return p.OK, p.encode(p.Ack(message="Succeeded to destroy custom process group."))
 
-    def _update_weights_from_distributed(self, body: dict) -> tuple[int, dict]:
-        names = _field(body, "names", list, required=True)
-        request = {
-            "names": names,
-            "dtypes": _field(body, "dtypes", list, required=True),
-            "shapes": _field(body, "shapes", list, required=True),
-            "group_name": _field(body, "group_name", str, "weight_update_group"),
-            "flush_cache": _field(body, "flush_cache", bool, True),
-            "abort_all_requests": _field(body, "abort_all_requests", bool, False),
-            "weight_version": _field(body, "weight_version", str, None),
-            "load_format": _field(body, "load_format", str, None),
-            "selector": _field(body, "selector", str, "all", choices=SELECTORS),
-            "torch_empty_cache": _field(body, "torch_empty_cache", bool, False),
-        }
-        if not len(names) == len(request["dtypes"]) == len(request["shapes"]):
-            raise _BadRequest("names, dtypes and shapes must have the same length")
+    def _update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedReq) -> tuple[int, dict]:
         with self._control_lock:
             if not self.updating:  # sglang 0.5.23's rule and message
-                return 400, {"success": False, "message": "update_weights_from_distributed must run between "
-                                                          "begin_weight_update() and end_weight_update()"}
+                raise _Refused("update_weights_from_distributed must run between begin_weight_update() and "
+                               "end_weight_update()")
             try:
-                self.hooks.update_weights_from_distributed(request)
+                self.hooks.update_weights_from_distributed(dataclasses.asdict(req))
             except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
                 logger.error("update_weights_from_distributed failed:\n%s", traceback.format_exc())
-                return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
-            if request["weight_version"] is not None:
-                self.weight_version = request["weight_version"]
-        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+                return p.BAD_REQUEST, _error(e, f"Failed to update parameter online: {e}")
+            if req.weight_version is not None:
+                self.weight_version = req.weight_version
+        return p.OK, p.encode(p.Ack(message="Succeeded to update parameter online."))
 
     def _model_info(self) -> dict:
         info = dict(self.hooks.model_info())
@@ -360,50 +335,11 @@ class ReceiverServer:
         return info
 
 
-def _field(body: dict, name: str, kind: type, default: Any = None, *, required: bool = False,
-           choices: tuple | None = None) -> Any:
-    if name not in body or body[name] is None:
-        if required:
-            raise _BadRequest(f"field {name!r} is required")
-        return default
-    value = body[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise _BadRequest(f"field {name!r} must be {kind.__name__}, got {type(value).__name__}")
-    if choices is not None and value not in choices:
-        raise _BadRequest(f"field {name!r} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-# route table: path -> (allowed methods, handler name). The same paths and methods as sglang 0.5.23.
-_GET, _POST, _GET_POST, _PUT = ("GET",), ("POST",), ("GET", "POST"), ("PUT",)
-ROUTES: dict[str, tuple[tuple[str, ...], str]] = {
-    "/health": (_GET, "health"),
-    "/health_generate": (_GET, "health"),
-    "/ready": (_GET, "health"),
-    "/server_info": (_GET, "server_info"),
-    "/get_server_info": (_GET, "server_info"),
-    "/model_info": (_GET, "model_info"),
-    "/get_model_info": (_GET, "model_info"),
-    "/remote_instance_transfer_engine_info": (_GET, "remote_instance_transfer_engine_info"),
-    "/get_remote_instance_transfer_engine_info": (_GET, "remote_instance_transfer_engine_info"),
-    "/pause_generation": (_POST, "pause_generation"),
-    "/continue_generation": (_POST, "continue_generation"),
-    "/begin_weight_update": (_POST, "begin_weight_update"),
-    "/end_weight_update": (_POST, "end_weight_update"),
-    "/update_weight_version": (_POST, "update_weight_version"),
-    "/weights_checker": (_GET_POST, "weights_checker"),
-    "/get_weights_by_name": (_GET_POST, "get_weights_by_name"),
-    # the broadcast path (sglang's update_weights_from_distributed), served for the baseline
-    "/init_weights_update_group": (_POST, "init_weights_update_group"),
-    "/update_weights_from_distributed": (_POST, "update_weights_from_distributed"),
-    "/destroy_weights_update_group": (_POST, "destroy_weights_update_group"),
-}
-# sglang's engine-info bootstrap server routes (--engine-info-bootstrap-port), served on the same port
-BOOTSTRAP_ROUTES: dict[str, tuple[tuple[str, ...], str]] = {
-    "/get_transfer_engine_info": (_GET, "get_transfer_engine_info"),
-    "/register_transfer_engine_info": (_PUT, "register_transfer_engine_info"),
-}
-_ALL_ROUTES = {**ROUTES, **BOOTSTRAP_ROUTES}
+def _error(e: BaseException, message: str) -> dict:
+    """The error payload of a hook's exception, with sglang's message for the route."""
+    fields = e.fields() if isinstance(e, P2PWeightsError) else {}
+    return p.error_payload(message, type_name=type(e).__name__ if isinstance(e, P2PWeightsError) else None,
+                           **fields)
 
 
 def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
@@ -438,25 +374,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         parts = urlsplit(self.path)
-        route = _ALL_ROUTES.get(parts.path)
+        route = p.BY_PATH.get(parts.path)
         if route is None:
-            return self._send(404, {"detail": "Not Found"})
-        methods, verb = route
-        if method not in methods:
-            return self._send(405, {"detail": "Method Not Allowed"})
+            return self._send(p.NOT_FOUND, p.error_payload(f"Not Found: {parts.path}"))
+        if method not in route.methods:
+            return self._send(p.METHOD_NOT_ALLOWED, p.error_payload(
+                f"Method Not Allowed: {parts.path} takes {' or '.join(route.methods)}"))
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         try:
             body = self._read_body()
-            status, payload = getattr(self, "_do_" + verb)(body, query)
-        except _BadRequest as e:
-            status, payload = 400, {"object": "error", "message": str(e), "type": "Bad Request", "param": None,
-                                    "code": 400}
+            req = p.decode(route.body, body) if route.body is not None else None
+            status, payload = getattr(self, "_do_" + route.verb)(req, query)
+        except InvalidRequest as e:
+            status, payload = p.BAD_REQUEST, p.error_payload(e)
         except _Conflict as e:
-            status, payload = 400, {"success": False, "message": str(e)}
+            status, payload = p.BAD_REQUEST, p.error_payload(str(e))
+        except _Refused as e:
+            status, payload = e.status, p.error_payload(str(e), **e.fields)
         except Exception as e:  # noqa: BLE001 - a hook failed: report it, keep serving
             logger.error("receiver hook for %s failed:\n%s", parts.path, traceback.format_exc())
-            status, payload = 500, {"success": False, "message": f"{parts.path} failed in the engine: "
-                                                                 f"{type(e).__name__}: {e}"}
+            what = e.message if isinstance(e, P2PWeightsError) else str(e)
+            status, payload = p.ENGINE_FAILED, _error(e, f"{parts.path} failed in the engine: "
+                                                        f"{type(e).__name__}: {what}")
         self._send(status, payload)
 
     def _read_body(self) -> dict:
@@ -467,94 +406,85 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = json.loads(raw)
         except ValueError as e:
-            raise _BadRequest(f"the body is not JSON: {e}") from None
+            raise InvalidRequest(f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
-            raise _BadRequest("the body must be a JSON object")
+            raise InvalidRequest("the body must be a JSON object")
         return body
 
     def _send(self, status: int, payload: Any) -> None:
         send_json(self, status, payload)
 
-    # ---- one method per verb: (body, query) -> (status, payload) -----------------------------
+    # ---- one method per verb: (request body, query) -> (status, answer) ---------------------
 
-    def _do_health(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, None
+    def _do_health(self, req: None, query: dict) -> tuple[int, Any]:
+        return p.OK, None
 
-    def _do_server_info(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver.hooks.server_info()
+    def _do_server_info(self, req: None, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver.hooks.server_info()
 
-    def _do_model_info(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._model_info()
+    def _do_model_info(self, req: None, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._model_info()
 
-    def _do_remote_instance_transfer_engine_info(self, body: dict, query: dict) -> tuple[int, Any]:
-        rank = _rank(query)
-        if rank is None:
-            return 400, {"error": {"message": "Missing or invalid rank parameter"}}
+    def _do_remote_instance_transfer_engine_info(self, req: None, query: dict) -> tuple[int, Any]:
+        rank = _rank(query)  # sglang answers 400 for both a bad rank and a rank with nothing published
         info, extra = self.receiver._transfer_engine_info(rank)
         if info is None:
-            return 400, {"error": {"message": f"Failed to get transfer engine info for rank {rank}"}}
-        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info, **extra}
+            raise _Refused(f"Failed to get transfer engine info for rank {rank}", rank=rank)
+        return p.OK, p.encode(p.TransferEngineInfo(rank, info, extra))
 
-    def _do_get_transfer_engine_info(self, body: dict, query: dict) -> tuple[int, Any]:
+    def _do_get_transfer_engine_info(self, req: None, query: dict) -> tuple[int, Any]:
         rank = _rank(query)
-        if rank is None:
-            return 400, {"detail": "Invalid rank parameter"}
         info, extra = self.receiver._transfer_engine_info(rank)
-        if info is None:
-            return 404, {"detail": f"No transfer engine info for rank {rank}"}
-        return 200, {"rank": rank, "remote_instance_transfer_engine_info": info, **extra}
+        if info is None:  # the bootstrap server's answer
+            raise _Refused(f"No transfer engine info for rank {rank}", p.NOT_FOUND, rank=rank)
+        return p.OK, p.encode(p.TransferEngineInfo(rank, info, extra))
 
-    def _do_register_transfer_engine_info(self, body: dict, query: dict) -> tuple[int, Any]:
-        try:
-            rank = body["tp_rank"]
-            info = body["transfer_engine_info"]
-            session_id, weights_info = info["session_id"], info["weights_info_dict"]
-        except (KeyError, TypeError) as e:
-            return 400, {"detail": f"expected {{'tp_rank', 'transfer_engine_info': {{'session_id', "
-                                   f"'weights_info_dict'}}}}, missing {e}"}
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            return 400, {"detail": f"tp_rank must be an integer >= 0, got {rank!r}"}
+    def _do_register_transfer_engine_info(self, req: p.RegisterTransferEngineInfoReq, query: dict) -> tuple[int, Any]:
+        info = req.transfer_engine_info
         extra = {k: v for k, v in info.items() if k not in ("session_id", "weights_info_dict")}
-        self.receiver.register_transfer_engine_info(rank, session_id, weights_info, extra)
-        return 200, "OK"
+        self.receiver.register_transfer_engine_info(req.tp_rank, info["session_id"], info["weights_info_dict"], extra)
+        return p.OK, "OK"
 
-    def _do_pause_generation(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._pause(body)
+    def _do_pause_generation(self, req: p.PauseGenerationReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._pause(req)
 
-    def _do_continue_generation(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._continue(body)
+    def _do_continue_generation(self, req: p.ContinueGenerationReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._continue(req)
 
-    def _do_begin_weight_update(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._begin(body)
+    def _do_begin_weight_update(self, req: p.BeginWeightUpdateReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._begin(req)
 
-    def _do_end_weight_update(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._end(body)
+    def _do_end_weight_update(self, req: p.EndWeightUpdateReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._end(req)
 
-    def _do_update_weight_version(self, body: dict, query: dict) -> tuple[int, Any]:
-        return 200, self.receiver._update_weight_version(body)
+    def _do_update_weight_version(self, req: p.UpdateWeightVersionReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._update_weight_version(req)
 
-    def _do_weights_checker(self, body: dict, query: dict) -> tuple[int, Any]:
-        return self.receiver._weights_checker(body)
+    def _do_weights_checker(self, req: p.CheckWeightsReq, query: dict) -> tuple[int, Any]:
+        return self.receiver._weights_checker(req)
 
-    def _do_get_weights_by_name(self, body: dict, query: dict) -> tuple[int, Any]:
-        return self.receiver._get_weights_by_name(body)
+    def _do_get_weights_by_name(self, req: p.GetWeightsByNameReq, query: dict) -> tuple[int, Any]:
+        return self.receiver._get_weights_by_name(req)
 
-    def _do_init_weights_update_group(self, body: dict, query: dict) -> tuple[int, Any]:
-        return self.receiver._init_weights_update_group(body)
+    def _do_init_weights_update_group(self, req: p.InitWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
+        return self.receiver._init_weights_update_group(req)
 
-    def _do_update_weights_from_distributed(self, body: dict, query: dict) -> tuple[int, Any]:
-        return self.receiver._update_weights_from_distributed(body)
+    def _do_update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedReq,
+                                            query: dict) -> tuple[int, Any]:
+        return self.receiver._update_weights_from_distributed(req)
 
-    def _do_destroy_weights_update_group(self, body: dict, query: dict) -> tuple[int, Any]:
-        return self.receiver._destroy_weights_update_group(body)
+    def _do_destroy_weights_update_group(self, req: p.DestroyWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
+        return self.receiver._destroy_weights_update_group(req)
 
 
-def _rank(query: dict) -> int | None:
+def _rank(query: dict) -> int:
     try:
         rank = int(query["rank"])
     except (KeyError, ValueError):
-        return None
-    return rank if rank >= 0 else None
+        raise InvalidRequest("query parameter 'rank' must be an integer >= 0") from None
+    if rank < 0:
+        raise InvalidRequest(f"query parameter 'rank' must be an integer >= 0, got {rank}")
+    return rank
 
 
 def register_transfer_engine_info(url: str, rank: int, session_id: str, weights_info: dict,
@@ -563,23 +493,16 @@ def register_transfer_engine_info(url: str, rank: int, session_id: str, weights_
     server on --engine-info-bootstrap-port): ``PUT /register_transfer_engine_info`` with sglang's body
     ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}``. ``extra`` keys go
     into ``transfer_engine_info`` too (a ReceiverServer publishes them; sglang ignores them)."""
-    import http.client
-
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    body = json.dumps({"tp_rank": int(rank),
-                       "transfer_engine_info": {**(extra or {}), "session_id": session_id,
-                                                "weights_info_dict": weights_info}})
+    route = p.route("register_transfer_engine_info")
+    body = p.RegisterTransferEngineInfoReq(int(rank), {**(extra or {}), "session_id": session_id,
+                                                        "weights_info_dict": weights_info})
     try:
-        conn.request("PUT", "/register_transfer_engine_info", body=body,
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        text = resp.read().decode("utf-8", "replace")
-    except OSError as e:
-        raise EngineError(f"cannot register rank {rank}'s transfer-engine info at {url}: {e}") from e
-    finally:
-        conn.close()
-    if resp.status != 200:
-        raise EngineError(f"registering rank {rank}'s transfer-engine info at {url} failed: "
-                           f"HTTP {resp.status}: {text[:300]}")
-
+        status, answer = http.request(route.method, url, route.path, body=p.encode(body), timeout=timeout,
+                                      connect_timeout=timeout)
+    except EngineUnreachable as e:
+        raise EngineUnreachable(f"cannot register rank {rank}'s transfer-engine info: {e.message}", rank=int(rank),
+                                hint=e.hint) from e
+    if status != p.OK:
+        said = p.ErrorAnswer.of(answer)
+        raise said.exception(f"registering rank {rank}'s transfer-engine info at {url} failed: "
+                             f"HTTP {status}: {said.message}", rank=int(rank))

@@ -1,0 +1,271 @@
+"""Many engines at once: ``call_engines`` (one verb on every engine, concurrently, each engine's
+failure collected) and ``UpdateSession`` (the control plane of one weight update on many engines).
+
+One update, seen from the control plane (``UpdateSession`` does exactly this, on many engines at
+once)::
+
+    pause_generation -> begin_weight_update -> (the one-sided writes) ->
+        end_weight_update -> update_weight_version(abort_all_requests=false) -> continue_generation
+
+Engines are told to end the update and bump their version only after every write of the update
+succeeded (DESIGN invariant 3). What happens to an engine whose update failed is explained on
+``UpdateSession``. Failures are raised as one ``EnginesFailed`` (an ``UpdateFailed`` and an
+``EngineError``) naming each failed engine; ``.engine`` / ``.rank`` name the first.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ..errors import EngineError, EnginesFailed
+from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
+from .sglang import SglangEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCalls:
+    """What one verb did on each engine: ``results`` (name -> answer) and ``errors`` (name -> error)."""
+
+    verb: str
+    results: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, BaseException] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def raise_for_errors(self) -> None:
+        """One EnginesFailed (an EngineError) naming every failed engine and why; ``.failures`` maps
+        name -> text, ``.errors`` name -> exception."""
+        if self.errors:
+            raise _engines_failed(self.verb, self.errors)
+
+
+def _engines_failed(verb: str, errors: Mapping[str, BaseException]) -> EnginesFailed:
+    return EnginesFailed(dict(errors), what=verb)
+
+
+def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEngine], Any], *args: Any,
+                 **kwargs: Any) -> EngineCalls:
+    """Run ``verb`` (an SglangEngine method name, or a callable taking the engine) on every engine
+    concurrently, one thread each; never raises for an engine's failure, collects it instead."""
+    engines = list(engines)
+    _check_unique_names(engines)
+    label = verb if isinstance(verb, str) else getattr(verb, "__name__", "call")
+    calls = EngineCalls(verb=label)
+    if not engines:
+        return calls
+
+    def one(engine: SglangEngine) -> Any:
+        if isinstance(verb, str):
+            return getattr(engine, verb)(*args, **kwargs)
+        return verb(engine, *args, **kwargs)
+
+    with ThreadPoolExecutor(max_workers=min(len(engines), 64), thread_name_prefix=f"p2pw-{label}") as pool:
+        futures = {e.name: pool.submit(one, e) for e in engines}
+        for name, fut in futures.items():
+            try:
+                calls.results[name] = fut.result()
+            except Exception as e:  # noqa: BLE001 - every engine's failure is data here
+                calls.errors[name] = e
+    return calls
+
+
+def _check_unique_names(engines: Sequence[SglangEngine]) -> None:
+    seen: dict[str, str] = {}
+    for e in engines:
+        if e.name in seen:
+            raise ValueError(f"two engines are named {e.name!r} ({seen[e.name]} and {e.base_url}); pass name=")
+        seen[e.name] = e.base_url
+
+
+# ---- the update session ----------------------------------------------------------------------
+
+#: per-engine outcomes recorded in UpdateSession.outcome
+UPDATED = "updated"                  # ended, version bumped, generating again
+ROLLED_BACK = "rolled back"          # opening failed elsewhere before any write: ended without bump, generating
+RESUMED_GENERATION = "generating"    # paused but never opened: continued, nothing changed
+LEFT_PAUSED = "paused, session open" # writes may have landed: paused, session open, old version
+CONTINUED_UNFINISHED = "generating, session open"  # on_failure="continue": serving partly written weights
+FAILED = "failed"                    # a control call on this engine failed; see errors
+
+
+class UpdateSession:
+    """The control plane of one weight update on many engines, as a context manager::
+
+        with UpdateSession(engines, version=step) as session:
+            ...  # every one-sided write; raise if any failed
+        # here: every engine ended the update, bumped its version, and generates again
+
+    Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``.
+    If an engine's ``begin`` answers that a session is already open (a previous update failed
+    after its writes began and left it so) the session is resumed: the new writes cover every byte.
+
+    Success (the block returns): ``end_weight_update`` -> ``update_weight_version`` ->
+    ``continue_generation`` on every engine. An engine whose ``end`` fails is not bumped and is left
+    paused; the others (whose weights are the new version) are bumped and continued; then one
+    EngineError names the failed ones.
+
+    Failure inside the block (a write failed, a timeout, any exception): no engine is told to end
+    the update or bump its version (DESIGN invariant 3). What happens next is ``on_failure``:
+
+    - ``"stay_paused"`` (default): every engine stays paused with its session open and its old
+      version. Why: after ``begin`` an sglang engine's parameters may be partly overwritten and, for
+      in-place-quantized models, unpacked (``restore_weights_before_loading``); its weights are
+      neither the old nor the new version. Continuing would serve samples from an undefined model
+      labelled with the old version (silently poisoned rollouts); ending would run the
+      post-processing on torn weights and close the session as if it had succeeded. The engine is
+      safe to resume by the next update (which rewrites every byte), or by hand
+      (``end_weight_update`` + ``continue_generation``) if you accept the torn weights.
+    - ``"continue"``: ``continue_generation`` without ending or bumping: the engine serves again
+      right away, on partly written weights, under the old version label, with its session open.
+      Only for trainers that tolerate that (unquantized models, off-policy-tolerant RL).
+
+    Failure while opening (before any write): engines that opened a fresh session are ended
+    without a version bump (their weights are untouched; ``end`` re-derives the same buffers) and
+    continued; engines only paused are continued; engines with a resumed session stay paused.
+
+    ``outcome`` maps each engine's name to what happened to it; ``errors`` to its control error.
+    """
+
+    def __init__(self, engines: SglangEngine | Iterable[SglangEngine], version: str | int, *,
+                 pause_mode: str = "abort", selector: str = "all", on_failure: str = "stay_paused",
+                 torch_empty_cache: bool = True):
+        self.engines = [engines] if isinstance(engines, SglangEngine) else list(engines)
+        if not self.engines:
+            raise ValueError("UpdateSession needs at least one engine")
+        _check_unique_names(self.engines)
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+        if selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got {selector!r}")
+        if on_failure not in ("stay_paused", "continue"):
+            raise ValueError(f"on_failure must be 'stay_paused' or 'continue', got {on_failure!r}")
+        self.version = str(version)
+        self.pause_mode = pause_mode
+        self.selector = selector
+        self.on_failure = on_failure
+        self.torch_empty_cache = torch_empty_cache
+        self.outcome: dict[str, str] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.resumed: set[str] = set()   # engines whose session a previous update had left open
+        self._state = "new"              # new -> open -> committed | aborted
+        self.paused_at: float | None = None  # perf_counter() when pause_generation returned
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "UpdateSession":
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._state != "open":
+            return False
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort(reason=f"{exc_type.__name__}: {exc}")
+        return False
+
+    # explicit API (the context manager calls these) -------------------------------------------
+
+    def open(self) -> None:
+        """pause_generation then begin_weight_update on every engine; on any failure, roll back
+        (see the class doc) and raise one EngineError naming each failed engine."""
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError(f"UpdateSession.open() called twice (state {self._state})")
+            self._state = "opening"
+        paused = call_engines(self.engines, "pause_generation", self.pause_mode)
+        self.paused_at = time.perf_counter()  # the update's measured time starts here
+        self.errors.update(paused.errors)
+        begun: EngineCalls | None = None
+        if paused.ok:
+            begun = call_engines(self.engines, self._begin)
+            self.errors.update(begun.errors)
+        if not self.errors:
+            self._state = "open"
+            return
+        # roll back: nothing has been written yet
+        by_name = {e.name: e for e in self.engines}
+        opened_fresh = [by_name[n] for n in (begun.results if begun else {}) if n not in self.resumed]
+        only_paused = [by_name[n] for n in paused.results if not (begun and n in begun.results)]
+        ended = call_engines(opened_fresh, "end_weight_update")
+        continued = call_engines(list(only_paused) + [by_name[n] for n in ended.results],
+                                 "continue_generation", self.torch_empty_cache)
+        for n, err in list(ended.errors.items()) + list(continued.errors.items()):
+            self.errors.setdefault(n, err)
+        for e in self.engines:
+            n = e.name
+            if n in self.errors:
+                self.outcome[n] = FAILED
+            elif n in self.resumed:
+                self.outcome[n] = LEFT_PAUSED
+            elif n in ended.results:
+                self.outcome[n] = ROLLED_BACK
+            else:
+                self.outcome[n] = RESUMED_GENERATION
+        self._state = "aborted"
+        raise _engines_failed("opening the weight update", self.errors)
+
+    def commit(self) -> None:
+        """Every write succeeded: end -> bump version -> continue on every engine."""
+        self._require_open("commit")
+        ended = call_engines(self.engines, "end_weight_update")
+        self.errors.update(ended.errors)
+        done = [e for e in self.engines if e.name in ended.results]
+        bumped = call_engines(done, "update_weight_version", self.version)
+        self.errors.update(bumped.errors)
+        # an engine is continued only once its version says what its weights are
+        continued = call_engines([e for e in done if e.name in bumped.results], "continue_generation",
+                                 self.torch_empty_cache)
+        self.errors.update(continued.errors)
+        for e in self.engines:
+            if e.name not in self.errors:
+                self.outcome[e.name] = UPDATED
+            elif e.name in ended.errors:
+                self.outcome[e.name] = LEFT_PAUSED
+            else:
+                self.outcome[e.name] = FAILED
+        self._state = "committed"
+        if self.errors:
+            raise _engines_failed(f"finishing weight update {self.version}", self.errors)
+
+    def abort(self, reason: str = "") -> None:
+        """The update failed: no end, no version bump; then ``on_failure`` (see the class doc).
+        Never raises for the engines' sake (the caller is already handling the real error)."""
+        self._require_open("abort")
+        self._state = "aborted"
+        if reason:
+            logger.warning("weight update %s failed (%s): engines %s", self.version, reason,
+                           "stay paused with their session open" if self.on_failure == "stay_paused"
+                           else "continue without ending the update")
+        if self.on_failure == "continue":
+            continued = call_engines(self.engines, "continue_generation", self.torch_empty_cache)
+            self.errors.update(continued.errors)
+            for e in self.engines:
+                self.outcome[e.name] = FAILED if e.name in continued.errors else CONTINUED_UNFINISHED
+        else:
+            for e in self.engines:
+                self.outcome[e.name] = LEFT_PAUSED
+
+    def _begin(self, engine: SglangEngine) -> dict:
+        try:
+            return engine.begin_weight_update(self.selector)
+        except EngineError as e:
+            if SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e):
+                logger.warning("engine %s: resuming the weight-update session a failed update left open",
+                               engine.name)
+                with self._lock:
+                    self.resumed.add(engine.name)
+                return {"success": True, "message": "resumed an open weight-update session"}
+            raise
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"UpdateSession.{what}() needs an open session (state {self._state})")
