@@ -2,7 +2,7 @@
 
     PYTHONPATH=python python3 benchmarks/bench_connect.py [--json] [--repeat N]
 
-Cases (real config.json shapes from /work/shared/models, no weights):
+Cases (the built-in config.json shapes, p2pweights/models/, no weights):
   Qwen3-30B-A3B, TP8/EP8, rank 3        targets: cold <= 5 s, warm <= 0.5 s
   DeepSeek-V3,   TP8/EP8/DP-attention 8, rank 5
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from p2pweights.bench.table import emit, machine  # noqa: E402
 
-MODELS = os.environ.get("P2PW_MODELS_DIR", "/work/shared/models")
+# (name, model: a built-in name or a config folder, engine spec, engine rank)
 CASES = [
     ("Qwen3-30B-A3B", "qwen3-30b-a3b", "tp=8,ep=8", 3),
     ("DeepSeek-V3", "deepseek-v3", "tp=8,ep=8,dp_attention=8", 5),
@@ -34,10 +33,11 @@ CASES = [
 TARGETS = {"Qwen3-30B-A3B": (5.0, 0.5)}
 
 
-def run_case(name: str, model_dir: str, spec: str, rank: int) -> dict:
+def run_case(name: str, model: str, spec: str, rank: int) -> dict:
+    from p2pweights.models import resolve_model
     from p2pweights.replica import EngineLayout, ModelReplicas
 
-    config = os.path.join(MODELS, model_dir)
+    config = resolve_model(model)
     engine = EngineLayout.parse(spec)
     with tempfile.TemporaryDirectory() as cache_dir:
         replicas = ModelReplicas(cache_dir=cache_dir)

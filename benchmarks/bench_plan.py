@@ -16,9 +16,11 @@ from collections import Counter
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 from p2pweights.bench.table import emit  # noqa: E402
-from p2pweights.planner.cost import Links, predict  # noqa: E402
-from p2pweights.models.shapes import ShardLayout, load_config, model_shape  # noqa: E402
+from p2pweights.models import load_config  # noqa: E402
+from p2pweights.models.shapes import model_shape  # noqa: E402
 from p2pweights.planner.assign import Engine, TrainerLayout, make_plan  # noqa: E402
+from p2pweights.planner.cost import Links, predict  # noqa: E402
+from p2pweights.replica.layout import EngineLayout  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
@@ -52,7 +54,7 @@ COLUMNS = [
 
 
 def engines_of(spec, moe: bool) -> list[Engine]:
-    return [Engine(g, ShardLayout(tp=g, ep=g if moe else 1)) for count, g in spec for _ in range(count)]
+    return [Engine(g, EngineLayout.from_args(tp_size=g, ep_size=g if moe else 1)) for count, g in spec for _ in range(count)]
 
 
 def wrong_targets(plan) -> int:

@@ -10,15 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pweights.cli import main
-from p2pweights.models.shapes import PlanError, ShardLayout
-from p2pweights.planner.assign import Engine, TrainerLayout, assign_engine_ranks, make_plan, stage_layers
+from p2pweights.models.shapes import PlanError
+from p2pweights.planner import stage_layers
+from p2pweights.planner.assign import Engine, TrainerLayout, assign_engine_ranks, make_plan
+from p2pweights.replica.layout import EngineLayout
+
+layout = EngineLayout.parse
 
 MODELS = "/work/shared/models"
 QWEN3_235B = "benchmarks/models/qwen3-235b-a22b"
 
 
 def engines_of(sizes, ep_equals_tp=False):
-    return [Engine(g, ShardLayout(tp=g, ep=g if ep_equals_tp else 1)) for g in sizes]
+    return [Engine(g, layout(f"tp={g},ep={g if ep_equals_tp else 1}")) for g in sizes]
 
 
 cluster = st.tuples(
@@ -211,7 +215,7 @@ def test_errors_are_value_errors_for_library_callers():
 @given(cluster, st.booleans())
 def test_balanced_rule_writes_each_engine_rank_once_and_caps_every_sender(c, mixed):
     senders, sizes = c
-    engines = [Engine(g, ShardLayout(tp=g, ep=g if (mixed and i % 2) else 1)) for i, g in enumerate(sizes)]
+    engines = [Engine(g, layout(f"tp={g},ep={g if (mixed and i % 2) else 1}")) for i, g in enumerate(sizes)]
     entries = assign_engine_ranks(senders, engines, balanced=True)
     written = Counter((engine, e.engine_rank) for e in entries for engine in e.engines)
     assert set(written) == {(i, r) for i, g in enumerate(sizes) for r in range(g)}
@@ -224,7 +228,7 @@ def test_balanced_rule_writes_each_engine_rank_once_and_caps_every_sender(c, mix
 
 
 def test_balanced_rule_fixes_the_pile_up_of_mixed_layouts():
-    engines = [Engine(4, ShardLayout(tp=4, ep=1))] * 100 + [Engine(8, ShardLayout(tp=8, ep=8))] * 75
+    engines = [Engine(4, layout("tp=4,ep=1"))] * 100 + [Engine(8, layout("tp=8,ep=8"))] * 75
     plain = Counter()
     for e in assign_engine_ranks(200, engines):
         plain[e.sender] += len(e.engines)

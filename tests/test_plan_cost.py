@@ -7,18 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pweights.planner.cost import ENGINE_NIC, SENDER_HOST_COPY, SENDER_NIC, Links, predict
+from p2pweights.commands.plan import parse_engines
+from p2pweights.models import load_config
 from p2pweights.models.shapes import (
     PlanError,
-    ShardLayout,
     engine_rank_bytes,
-    fuses_shared_experts_by_default,
     full_model_bytes,
-    load_config,
+    fuses_shared_experts_by_default,
     model_shape,
     vocab_rows_per_shard,
 )
 from p2pweights.planner.assign import Engine, TrainerLayout, make_plan
+from p2pweights.planner.cost import ENGINE_NIC, SENDER_HOST_COPY, SENDER_NIC, Links, predict
+from p2pweights.replica.layout import EngineLayout
+
+layout = EngineLayout.parse
 
 MODELS = "/work/shared/models"
 
@@ -29,16 +32,16 @@ def shape_of(name: str):
 
 
 @pytest.mark.parametrize(
-    "model, layout, gigabytes",
+    "model, engine, gigabytes",
     [  # the table of /work/shared/models/README.md, measured on sglang's meta models
-        ("qwen3-0.6b", ShardLayout(tp=1), 1.192),
-        ("qwen3-4b", ShardLayout(tp=2), 4.023),
-        ("qwen3-30b-a3b", ShardLayout(tp=8, ep=8), 7.681),
-        ("deepseek-v3", ShardLayout(tp=8, ep=8), 169.561),
+        ("qwen3-0.6b", layout("tp=1"), 1.192),
+        ("qwen3-4b", layout("tp=2"), 4.023),
+        ("qwen3-30b-a3b", layout("tp=8,ep=8"), 7.681),
+        ("deepseek-v3", layout("tp=8,ep=8"), 169.561),
     ],
 )
-def test_bytes_per_engine_rank_match_the_shared_models_table(model, layout, gigabytes):
-    assert round(engine_rank_bytes(shape_of(model), layout).total / 1e9, 3) == gigabytes
+def test_bytes_per_engine_rank_match_the_shared_models_table(model, engine, gigabytes):
+    assert round(engine_rank_bytes(shape_of(model), engine).total / 1e9, 3) == gigabytes
 
 
 @pytest.mark.parametrize(
@@ -59,7 +62,7 @@ def test_vocabulary_padding_follows_sglang():
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
     shape = shape_of("qwen3-235b-a22b")  # 4 KV heads
-    tp4, tp32 = (engine_rank_bytes(shape, ShardLayout(tp=t, ep=t)) for t in (4, 32))
+    tp4, tp32 = (engine_rank_bytes(shape, layout(f"tp={t},ep={t}")) for t in (4, 32))
     # one KV head per rank from TP4 on: K and V projections stop shrinking
     kv_bytes = 2 * 128 * 4096 * 2
     q_o_tp32 = 2 * (64 // 32) * 128 * 4096 * 2
@@ -71,8 +74,8 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
 
 def test_dp_attention_shards_attention_over_tp_over_dp():
     shape = shape_of("deepseek-v3")
-    plain = engine_rank_bytes(shape, ShardLayout(tp=8, ep=8))
-    dp8 = engine_rank_bytes(shape, ShardLayout(tp=8, ep=8, dp=8))  # attention TP 1: whole attention
+    plain = engine_rank_bytes(shape, layout("tp=8,ep=8"))
+    dp8 = engine_rank_bytes(shape, layout("tp=8,ep=8,dp=8"))  # attention TP 1: whole attention
     assert dp8.layers[10] > plain.layers[10]
     assert dp8.first == 129280 * 7168 * 2  # embedding whole: sharded over attention TP 1
     assert dp8.last == plain.last  # LM head still over full TP without dp_lm_head
@@ -86,19 +89,19 @@ def test_shared_expert_fusion_default_is_sglangs():
 
 def test_engine_layout_errors_name_the_flag():
     with pytest.raises(PlanError, match="--engine: ep=3 must divide tp=8"):
-        engine_rank_bytes(shape_of("qwen3-30b-a3b"), ShardLayout(tp=8, ep=3))
+        parse_engines("1x8", "ep=3", shape_of("qwen3-30b-a3b"))
     with pytest.raises(PlanError, match="--engine: ep=2 on a dense model"):
-        engine_rank_bytes(shape_of("qwen3-4b"), ShardLayout(tp=2, ep=2))
+        engine_rank_bytes(shape_of("qwen3-4b"), layout("tp=2,ep=2"))
     with pytest.raises(PlanError, match="--engine: attention TP 3 .* does not divide the 16 attention heads"):
-        engine_rank_bytes(shape_of("qwen3-0.6b"), ShardLayout(tp=3))
+        engine_rank_bytes(shape_of("qwen3-0.6b"), layout("tp=3"))
     odd_kv = dataclasses.replace(shape_of("qwen3-0.6b"), heads=12, kv_heads=6)
     with pytest.raises(PlanError, match="--engine: attention TP 4 and the 6 KV heads"):
-        engine_rank_bytes(odd_kv, ShardLayout(tp=4))
+        engine_rank_bytes(odd_kv, layout("tp=4"))
 
 
 def plan_for(model, trainer, engines, ep_equals_tp=True):
     shape = shape_of(model)
-    layouts = [Engine(g, ShardLayout(tp=g, ep=g if ep_equals_tp else 1)) for g in engines]
+    layouts = [Engine(g, layout(f"tp={g},ep={g if ep_equals_tp else 1}")) for g in engines]
     return shape, make_plan(trainer, layouts, shape)
 
 
@@ -122,7 +125,7 @@ def test_p2p_never_beats_the_wire_floor_and_names_its_bottleneck(pp, dp, engines
 
 def test_stage_bytes_add_up_to_the_engine_rank():
     shape = shape_of("deepseek-v3")
-    rank = engine_rank_bytes(shape, ShardLayout(tp=32, ep=32))
+    rank = engine_rank_bytes(shape, layout("tp=32,ep=32"))
     _, plan = plan_for("deepseek-v3", TrainerLayout(gpus=256, tp=8, pp=4, ep=32), [32] * 8)
     stages = plan.stage_bounds
     total = sum(rank.of_layers(s, e, first=i == 0, last=i == len(stages) - 1) for i, (s, e) in enumerate(stages))

@@ -11,7 +11,11 @@ import json
 
 import pytest
 
-from p2pweights.models.shapes import ShardLayout, engine_rank_bytes, load_config, model_shape
+from p2pweights.models import load_config
+from p2pweights.models.shapes import engine_rank_bytes, model_shape
+from p2pweights.replica.layout import EngineLayout
+
+layout = EngineLayout.parse
 
 MODELS = "/work/shared/models"
 
@@ -43,24 +47,24 @@ TINY_MLA_NO_Q_LORA = {**TINY_MLA, "architectures": ["DeepseekV2ForCausalLM"], "m
 
 CASES = [
     # (config, layout, engine rank)
-    (TINY_DENSE, ShardLayout(tp=1), 0),
-    (TINY_DENSE, ShardLayout(tp=2), 1),
-    (TINY_DENSE, ShardLayout(tp=4), 3),  # KV heads replicated: 2 KV heads over attention TP 4
-    (TINY_DENSE, ShardLayout(tp=8), 5),
-    (TINY_DENSE, ShardLayout(tp=4, dp=2), 2),  # attention TP 2, embedding over attention TP
-    (TINY_DENSE_TIED, ShardLayout(tp=4), 0),  # tied embeddings, vocabulary padded to 64 * 4
-    (TINY_MOE, ShardLayout(tp=2), 0),
-    (TINY_MOE, ShardLayout(tp=2, ep=2), 1),
-    (TINY_MOE, ShardLayout(tp=4, ep=2), 3),
-    (TINY_MOE, ShardLayout(tp=4, ep=4, dp=2), 2),
-    (TINY_MOE, ShardLayout(tp=8, ep=8, dp=4, dp_lm_head=True), 7),
-    (TINY_MLA, ShardLayout(tp=2), 0),
-    (TINY_MLA, ShardLayout(tp=4, ep=4), 1),
-    (TINY_MLA, ShardLayout(tp=4, ep=2, dp=4), 3),
-    (TINY_MLA, ShardLayout(tp=8, ep=8, dp=2, dp_lm_head=True), 6),
-    (TINY_MLA, ShardLayout(tp=2, fused_shared_experts=True), 1),
-    (TINY_MLA, ShardLayout(tp=4, ep=4, fused_shared_experts=True), 2),
-    (TINY_MLA_NO_Q_LORA, ShardLayout(tp=2, ep=2), 1),
+    (TINY_DENSE, layout("tp=1"), 0),
+    (TINY_DENSE, layout("tp=2"), 1),
+    (TINY_DENSE, layout("tp=4"), 3),  # KV heads replicated: 2 KV heads over attention TP 4
+    (TINY_DENSE, layout("tp=8"), 5),
+    (TINY_DENSE, layout("tp=4,dp=2"), 2),  # attention TP 2, embedding over attention TP
+    (TINY_DENSE_TIED, layout("tp=4"), 0),  # tied embeddings, vocabulary padded to 64 * 4
+    (TINY_MOE, layout("tp=2"), 0),
+    (TINY_MOE, layout("tp=2,ep=2"), 1),
+    (TINY_MOE, layout("tp=4,ep=2"), 3),
+    (TINY_MOE, layout("tp=4,ep=4,dp=2"), 2),
+    (TINY_MOE, layout("tp=8,ep=8,dp=4,dp_lm_head=1"), 7),
+    (TINY_MLA, layout("tp=2"), 0),
+    (TINY_MLA, layout("tp=4,ep=4"), 1),
+    (TINY_MLA, layout("tp=4,ep=2,dp=4"), 3),
+    (TINY_MLA, layout("tp=8,ep=8,dp=2,dp_lm_head=1"), 6),
+    (TINY_MLA, layout("tp=2,fused_shared_experts=1"), 1),
+    (TINY_MLA, layout("tp=4,ep=4,fused_shared_experts=1"), 2),
+    (TINY_MLA_NO_Q_LORA, layout("tp=2,ep=2"), 1),
 ]
 
 
@@ -69,20 +73,13 @@ def sglang_meta():
     """A function building sglang's model for one engine rank on the meta device
     (p2pweights.replica.sglang_env, which stands in the parallel groups)."""
     pytest.importorskip("sglang")
-    from p2pweights.replica.layout import EngineLayout
     from p2pweights.replica.sglang_env import build_model, prepare
 
     prepare()
 
-    def build(model_dir: str, layout: ShardLayout, rank: int):
-        engine = EngineLayout.from_args(
-            tp_size=layout.tp,
-            ep_size=layout.ep,
-            attn_dp_size=layout.dp,
-            enable_dp_lm_head=layout.dp_lm_head,
-            enforce_shared_experts_fusion=layout.fused_shared_experts,
-            disable_shared_experts_fusion=not layout.fused_shared_experts,
-        )
+    def build(model_dir: str, engine: EngineLayout, rank: int):
+        if engine.shared_experts_fusion is None:  # the cost model's default here: not fused
+            engine = EngineLayout.from_args(dict(engine.args), disable_shared_experts_fusion=True)
         return build_model(model_dir, engine, rank, device="meta")
 
     return build
@@ -96,27 +93,27 @@ def _write_config(tmp_path, config) -> str:
 
 
 @pytest.mark.parametrize(
-    "config, layout, rank", CASES,
-    ids=[f"{c['architectures'][0]}-{l.describe()}-rank{r}" + ("-tied" if c.get("tie_word_embeddings") else "")
-         for c, l, r in CASES],
+    "config, engine, rank", CASES,
+    ids=[f"{c['architectures'][0]}-{e.describe()}-rank{r}" + ("-tied" if c.get("tie_word_embeddings") else "")
+         for c, e, r in CASES],
 )
-def test_bytes_per_engine_rank_equal_sglangs_meta_model(sglang_meta, tmp_path, config, layout, rank):
-    model = sglang_meta(_write_config(tmp_path, config), layout, rank)
+def test_bytes_per_engine_rank_equal_sglangs_meta_model(sglang_meta, tmp_path, config, engine, rank):
+    model = sglang_meta(_write_config(tmp_path, config), engine, rank)
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert engine_rank_bytes(model_shape(config), layout).total == sglang_bytes
+    assert engine_rank_bytes(model_shape(config), engine).total == sglang_bytes
 
 
 def test_qwen3_30b_a3b_tp8_ep8_rank_equals_sglangs_meta_model(sglang_meta):
-    model = sglang_meta(f"{MODELS}/qwen3-30b-a3b", ShardLayout(tp=8, ep=8), 5)
+    model = sglang_meta(f"{MODELS}/qwen3-30b-a3b", layout("tp=8,ep=8"), 5)
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sglang_bytes == 7_680_585_728
     shape = model_shape(load_config(f"{MODELS}/qwen3-30b-a3b"))
-    assert engine_rank_bytes(shape, ShardLayout(tp=8, ep=8)).total == sglang_bytes
+    assert engine_rank_bytes(shape, layout("tp=8,ep=8")).total == sglang_bytes
 
 
 def test_deepseek_v3_tp8_ep8_dp_attention_rank_equals_sglangs_meta_model(sglang_meta):
-    layout = ShardLayout(tp=8, ep=8, dp=8)  # attention TP 1: every rank holds whole MLA attention
-    model = sglang_meta(f"{MODELS}/deepseek-v3", layout, 3)
+    dp8 = layout("tp=8,ep=8,dp=8")  # attention TP 1: every rank holds whole MLA attention
+    model = sglang_meta(f"{MODELS}/deepseek-v3", dp8, 3)
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     shape = model_shape(load_config(f"{MODELS}/deepseek-v3"))
-    assert engine_rank_bytes(shape, layout).total == sglang_bytes
+    assert engine_rank_bytes(shape, dp8).total == sglang_bytes

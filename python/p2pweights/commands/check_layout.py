@@ -1,7 +1,10 @@
 """`p2pweights check-layout`: prove the replica path produces sglang's exact bytes.
 
-    p2pweights check-layout --model CONFIG_DIR --engine tp=2,ep=2[,dp_attention=2][,<arg>=<value>...]
+    p2pweights check-layout --model MODEL --engine tp=2,ep=2[,dp_attention=2][,<arg>=<value>...]
                             [--rank R] [--seed S] [--json]
+
+MODEL is a built-in name (qwen3-0.6b, ...), a config folder or a config.json. An --engine key
+that does not decide a rank's bytes is refused (the replica would ignore it).
 
 For every engine rank (or one): random HF tensors for the config go through the replica path
 (probe, parameter groups, a slot) and through sglang's own load_weights into a fully
@@ -16,8 +19,9 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="CONFIG_DIR",
-                        help="directory holding the model's config.json (weights are not read)")
+    parser.add_argument("--model", required=True, metavar="MODEL",
+                        help="a built-in model name (qwen3-0.6b, ...), a folder holding config.json, or the "
+                             "config.json (weights are not read)")
     parser.add_argument("--engine", required=True, metavar="SPEC",
                         help="engine layout: tp=2,ep=2[,dp_attention=2][,<server arg>=<value>...]")
     parser.add_argument("--rank", type=int, default=None, help="check only this engine rank")
@@ -27,12 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import P2PWeightsError
+    from ..models import resolve_model
     from ..replica.layout import EngineLayout
 
     try:
-        engine = EngineLayout.parse(args.engine)
-    except (ValueError, P2PWeightsError) as e:
-        print(f"p2pweights check-layout: {e}", file=sys.stderr)
+        model = resolve_model(args.model)
+    except P2PWeightsError as e:
+        print(f"p2pweights check-layout: error: --model: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine = EngineLayout.parse(args.engine, command="check-layout")
+    except P2PWeightsError as e:
+        print(f"p2pweights check-layout: error: {e}", file=sys.stderr)
         return 2
     if args.rank is not None and not 0 <= args.rank < engine.world_size:
         print(f"p2pweights check-layout: --rank {args.rank} is not a rank of {engine.describe()} "
@@ -47,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for rank in ranks:
         try:
-            result = check_rank(args.model, engine, rank, seed=args.seed, replicas=replicas)
+            result = check_rank(model, engine, rank, seed=args.seed, replicas=replicas)
         except P2PWeightsError as e:
             if args.json:
                 print(json.dumps({"equal": False, "params_checked": sum(r.params_checked for r in results),

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "random weights, no download (default: %(default)s)")
     p.add_argument("--engines", type=int, default=2, help="engines to start (default: %(default)s)")
     p.add_argument("--engine", default="tp=2",
-                   help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>] (default: %(default)s)")
+                   help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>]; a key "
+                        "that does not decide a rank's bytes is refused (default: %(default)s)")
     p.add_argument("--senders", type=int, default=2, help="sender processes, the trainer's data replicas (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
     p.add_argument("--transport", choices=("mooncake", "nixl"), default=None,
@@ -22,15 +23,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
     p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
     p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
-    p.add_argument("--verbose", action="store_true", help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..models import UnknownModel, resolve_model
+    from ..replica.layout import EngineLayout
     from .demo_run import results_json, run_demo
-    from ..models import resolve_model
 
-    model = resolve_model(args.model)
+    # refused here, before any engine starts: an unknown model, an --engine key the engines
+    # would not honour (both raise a P2PWeightsError: one line, exit code 2)
+    try:
+        model = resolve_model(args.model)
+    except UnknownModel as e:
+        raise UnknownModel(f"--model: {e}") from None
+    EngineLayout.parse(args.engine, command="demo")
     transport = args.transport or settings().transport
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - {"p2p", "broadcast"}
@@ -54,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal")
         for r in results:
             eq = {True: "yes", False: "NO", None: "-"}[r.equal]
-            print(f"{r.mode:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  {r.gbps:6.2f}  {eq}")
+            print(f"{r.mode:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  "
+                  f"{r.gbps:6.2f}  {eq}")
         by_mode = {}
         for r in results:
             by_mode.setdefault(r.mode, []).append(r.seconds)

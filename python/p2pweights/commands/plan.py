@@ -8,22 +8,23 @@ import argparse
 import json
 import sys
 
+from ..errors import P2PWeightsError
+from ..models import UnknownModel, load_config
+from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
+from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
 from ..planner.cost import HOST_DEVICE_GBPS, NIC_GBPS, Cost, Links, predict
-from ..models.shapes import (
-    DTYPE_BYTES,
-    ModelShape,
-    PlanError,
-    ShardLayout,
-    fuses_shared_experts_by_default,
-    load_config,
-    model_shape,
-)
-from ..planner.assign import Engine, Plan, TrainerLayout, make_plan
+from ..replica.layout import EngineLayout, parse_layout_spec
+
+# The server args plan's cost model reads (by sglang name); any other --engine key is refused.
+PLAN_KEYS = frozenset({"tp_size", "ep_size", "attn_dp_size", "enable_dp_lm_head",
+                       "enforce_shared_experts_fusion", "disable_shared_experts_fusion"})
+_PLAN_READS = ("its cost model reads only tp, ep (a number or tp), dp (attention DP, a number or tp), "
+               "dp_lm_head and fused_shared_experts")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="CONFIG_DIR_OR_JSON",
-                        help="an HF config.json, or the folder holding it")
+    parser.add_argument("--model", required=True, metavar="MODEL",
+                        help="a built-in model name (qwen3-0.6b, ...), an HF config.json, or the folder holding it")
     parser.add_argument("--trainer", required=True, metavar="tp=T,pp=P,ep=E,gpus=G",
                         help="trainer parallelism; gpus is required, tp/pp/ep default to 1")
     parser.add_argument("--engines", required=True, metavar="NxG[,NxG...]",
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shape = model_shape(load_config(args.model))
+        shape = model_shape(read_model(args.model))
         trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
         engines = parse_engines(args.engines, args.engine, shape)
         if args.nic_gbps <= 0 or args.host_device_gbps <= 0:
@@ -67,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(shape, plan, cost, links, args.dtype))
     return 0
+
+
+def read_model(model: str) -> dict:
+    """``--model``: a built-in name, a config folder or a config.json (the registry's one loader)."""
+    try:
+        return load_config(model)
+    except UnknownModel as e:
+        raise PlanError(f"--model: {e}") from None
 
 
 def _key_values(text: str, flag: str, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -97,9 +106,13 @@ def parse_trainer(text: str, *, pp_gathered: bool = False) -> TrainerLayout:
 
 
 def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = None) -> list[Engine]:
-    """``3x4,1x2`` and ``tp=..,ep=..`` -> one Engine per engine, in order. Without
-    fused_shared_experts, each engine gets sglang's default for ``shape`` and its EP."""
-    kv = _key_values(engine, "--engine", ("tp", "ep", "dp", "dp_lm_head", "fused_shared_experts"))
+    """``3x4,1x2`` and ``tp=..,ep=..`` -> one Engine per engine, in order. ``tp`` defaults to each
+    engine's GPU count; without fused_shared_experts, the cost model takes sglang's default for
+    ``shape`` and the engine's EP."""
+    try:
+        args = parse_layout_spec(engine, command="plan", honours=PLAN_KEYS, why=_PLAN_READS)
+    except P2PWeightsError as e:
+        raise PlanError(str(e)) from None
     sizes: list[int] = []
     for item in filter(None, (s.strip() for s in engines.split(","))):
         count, sep, gpus = item.partition("x")
@@ -111,22 +124,14 @@ def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = Non
         sizes += [g] * c
     if not sizes:
         raise PlanError("--engines: no engines; give at least one, e.g. --engines 2x8")
-    out = []
+    layouts: dict[int, EngineLayout] = {}
     for gpus in sizes:
-        tp = _int(kv["tp"], "--engine", "tp") if "tp" in kv else gpus
-        ep = tp if kv.get("ep") == "tp" else _int(kv.get("ep", "1"), "--engine", "ep")
-        dp = tp if kv.get("dp") == "tp" else _int(kv.get("dp", "1"), "--engine", "dp")
-        layout = ShardLayout(
-            tp=tp, ep=ep, dp=dp,
-            dp_lm_head=bool(_int(kv.get("dp_lm_head", "0"), "--engine", "dp_lm_head")),
-            fused_shared_experts=(
-                bool(_int(kv["fused_shared_experts"], "--engine", "fused_shared_experts"))
-                if "fused_shared_experts" in kv
-                else shape is not None and fuses_shared_experts_by_default(shape, ep)
-            ),
-        )
-        out.append(Engine(gpus=gpus, layout=layout))
-    return out
+        if gpus not in layouts:
+            try:
+                layouts[gpus] = EngineLayout.from_args({"tp_size": gpus, **args})
+            except P2PWeightsError as e:
+                raise PlanError(f"--engine: {e}") from None
+    return [Engine(gpus=gpus, layout=layouts[gpus]) for gpus in sizes]
 
 
 def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost) -> dict:
@@ -134,7 +139,8 @@ def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cos
     return {
         "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype},
         "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "pp_gathered": t.pp_gathered},
-        "engines": [{"engine": i, "gpus": e.gpus, "layout": e.layout.describe()} for i, e in enumerate(plan.engines)],
+        "engines": [{"engine": i, "gpus": e.gpus, "layout": layout_label(e.layout, shape)}
+                    for i, e in enumerate(plan.engines)],
         "summary": {
             "pp_stages": t.stages,
             "senders_per_stage": t.senders_per_stage,
@@ -154,7 +160,7 @@ def _gb(n: int) -> str:
 
 def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) -> str:
     t = plan.trainer
-    layouts = sorted({e.layout.describe() for e in plan.engines})
+    layouts = sorted({layout_label(e.layout, shape) for e in plan.engines})
     lines = [
         f"model      {shape.architecture}, {shape.layers} layers, {dtype}",
         f"trainer    {t.gpus} GPUs tp={t.tp} pp={t.pp} ep={t.ep}"

@@ -1,19 +1,42 @@
-"""Built-in model shapes (config.json only; random weights, no download) for demos and benchmarks."""
+"""The model registry: what p2pweights knows about each architecture, and the built-in configs.
+
+    resolve_model("qwen3-0.6b" | CONFIG_DIR | CONFIG_JSON) -> a folder or file holding config.json
+    load_config(name, path, dict or transformers config) -> dict
+    model_spec("Qwen3ForCausalLM") / spec_of(config) -> ModelSpec      # registry.py
+    checkpoint_tensors(config) -> {hf_name: TensorSpec}                # checkpoint.py (schema.py)
+    stage_layers / stage_of / stage_hf_names                           # stages.py: PP stage of a tensor
+    model_shape(config) / engine_rank_bytes(shape, layout)             # shapes.py: bytes per engine rank
+
+The built-in configs (config.json only; random weights, no download) serve demos and benchmarks.
+"""
 from __future__ import annotations
 
-import os
+from .registry import (
+    BUILTIN,
+    DEFAULT,
+    ModelSpec,
+    UnknownModel,
+    load_config,
+    model_spec,
+    register,
+    registered,
+    resolve_model,
+    spec_of,
+)
+from .stages import stage_hf_names, stage_layers, stage_of
 
-_HERE = os.path.dirname(__file__)
-BUILTIN = sorted(d for d in os.listdir(_HERE) if os.path.isfile(os.path.join(_HERE, d, "config.json")))
-DEFAULT = "qwen3-0.6b"
-
-
-def resolve_model(name_or_path: str | None) -> str:
-    """A built-in name (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3) or a config dir/file path."""
-    name = name_or_path or DEFAULT
-    if name in BUILTIN:
-        return os.path.join(_HERE, name)
-    if os.path.exists(name):
-        return name
-    raise FileNotFoundError(
-        f"model {name!r} is neither a built-in shape ({', '.join(BUILTIN)}) nor a config.json path or directory")
+__all__ = [
+    "BUILTIN",
+    "DEFAULT",
+    "ModelSpec",
+    "UnknownModel",
+    "load_config",
+    "model_spec",
+    "register",
+    "registered",
+    "resolve_model",
+    "spec_of",
+    "stage_hf_names",
+    "stage_layers",
+    "stage_of",
+]

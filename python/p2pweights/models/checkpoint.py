@@ -1,19 +1,17 @@
 """The HF checkpoint of a model config: every tensor's name, shape and dtype, without weights.
 
 The loader probe feeds these (as meta tensors) to the replica's loaders, and ``check-layout``
-fills them with random values. Names follow the published checkpoints (per-expert tensors,
-``gate_proj``/``up_proj`` separate, MTP layers after the decoder layers), which is what
-sglang's ``load_weights`` and a trainer's HF export both speak.
+fills them with random values. The names and shapes come from the architecture's schema in the
+model registry (``registry.py`` → ``schema.py``).
 """
 from __future__ import annotations
 
 import functools
-import json
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..errors import UnsupportedLayout
+from .registry import architecture_of, load_config, registered
 
 
 @dataclass(frozen=True)
@@ -36,28 +34,15 @@ def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def load_config(config: Any) -> dict[str, Any]:
-    """config.json as a dict, from a directory, a file path, a dict or a transformers config."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return json.load(f)
-    return config.to_dict()
-
-
 def checkpoint_tensors(config: Any) -> dict[str, TensorSpec]:
     """HF tensor name → shape and dtype, for every tensor of the model's checkpoint."""
     cfg = load_config(config)
-    arch = (cfg.get("architectures") or ["?"])[0]
-    schema = _SCHEMAS.get(arch)
+    arch = architecture_of(cfg) or "?"
+    spec = registered().get(arch)
+    schema = spec.checkpoint if spec is not None else None
     if schema is None:
-        raise UnsupportedLayout(
-            f"architecture {arch} has no checkpoint schema yet; supported: {', '.join(sorted(_SCHEMAS))}"
-        )
+        known = sorted(a for a, s in registered().items() if s.checkpoint is not None)
+        raise UnsupportedLayout(f"architecture {arch} has no checkpoint schema yet; supported: {', '.join(known)}")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
     out: dict[str, TensorSpec] = {}
     for name, shape, override in schema(cfg):
@@ -110,155 +95,3 @@ def random_checkpoint(specs: Mapping[str, TensorSpec], seed: int = 0) -> Iterato
     """(name, random CPU tensor) for each spec, one at a time (see :func:`random_tensor`)."""
     for name, spec in specs.items():
         yield name, random_tensor(name, spec, seed)
-
-
-# -- per-architecture schemas --------------------------------------------------------------------
-Entry = tuple[str, tuple[int, ...], "str | None"]
-
-
-def _head_dim(cfg: dict) -> int:
-    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-
-
-def _gated_mlp(prefix: str, hidden: int, inter: int) -> Iterator[Entry]:
-    yield f"{prefix}.gate_proj.weight", (inter, hidden), None
-    yield f"{prefix}.up_proj.weight", (inter, hidden), None
-    yield f"{prefix}.down_proj.weight", (hidden, inter), None
-
-
-def _gqa_attention(prefix: str, cfg: dict, *, bias: bool, qk_norm: bool) -> Iterator[Entry]:
-    h, d = cfg["hidden_size"], _head_dim(cfg)
-    nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    for proj, rows in (("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d)):
-        yield f"{prefix}.{proj}.weight", (rows, h), None
-        if bias:
-            yield f"{prefix}.{proj}.bias", (rows,), None
-    yield f"{prefix}.o_proj.weight", (h, nq * d), None
-    if qk_norm:
-        yield f"{prefix}.q_norm.weight", (d,), None
-        yield f"{prefix}.k_norm.weight", (d,), None
-
-
-def _mla_attention(prefix: str, cfg: dict) -> Iterator[Entry]:
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    q_lora, kv_lora = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
-    if q_lora:
-        yield f"{prefix}.q_a_proj.weight", (q_lora, h), None
-        yield f"{prefix}.q_a_layernorm.weight", (q_lora,), None
-        yield f"{prefix}.q_b_proj.weight", (nh * (nope + rope), q_lora), None
-    else:
-        yield f"{prefix}.q_proj.weight", (nh * (nope + rope), h), None
-    yield f"{prefix}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h), None
-    yield f"{prefix}.kv_a_layernorm.weight", (kv_lora,), None
-    yield f"{prefix}.kv_b_proj.weight", (nh * (nope + v), kv_lora), None
-    yield f"{prefix}.o_proj.weight", (h, nh * v), None
-
-
-def _routed_moe(prefix: str, cfg: dict, n_experts: int, *, score_bias: bool, n_shared: int) -> Iterator[Entry]:
-    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    yield f"{prefix}.gate.weight", (n_experts, h), None
-    if score_bias:
-        yield f"{prefix}.gate.e_score_correction_bias", (n_experts,), "float32"
-    for e in range(n_experts):
-        yield from _gated_mlp(f"{prefix}.experts.{e}", h, inter)
-    if n_shared:
-        yield from _gated_mlp(f"{prefix}.shared_experts", h, inter * n_shared)
-
-
-def _norms(prefix: str, h: int) -> Iterator[Entry]:
-    yield f"{prefix}.input_layernorm.weight", (h,), None
-    yield f"{prefix}.post_attention_layernorm.weight", (h,), None
-
-
-def _embed_and_head(cfg: dict) -> Iterator[Entry]:
-    yield "model.embed_tokens.weight", (cfg["vocab_size"], cfg["hidden_size"]), None
-    yield "model.norm.weight", (cfg["hidden_size"],), None
-    if not cfg.get("tie_word_embeddings", False):
-        yield "lm_head.weight", (cfg["vocab_size"], cfg["hidden_size"]), None
-
-
-def _qwen_dense(cfg: dict, *, bias: bool, qk_norm: bool) -> Iterator[Entry]:
-    h = cfg["hidden_size"]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield from _gqa_attention(f"{p}.self_attn", cfg, bias=bias, qk_norm=qk_norm)
-        yield from _gated_mlp(f"{p}.mlp", h, cfg["intermediate_size"])
-        yield from _norms(p, h)
-    yield from _embed_and_head(cfg)
-
-
-def _qwen2(cfg: dict) -> Iterator[Entry]:
-    return _qwen_dense(cfg, bias=True, qk_norm=False)
-
-
-def _qwen3(cfg: dict) -> Iterator[Entry]:
-    return _qwen_dense(cfg, bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
-
-
-def _qwen3_moe(cfg: dict) -> Iterator[Entry]:
-    h = cfg["hidden_size"]
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense_layers = set(cfg.get("mlp_only_layers") or [])
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield from _gqa_attention(f"{p}.self_attn", cfg, bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
-        if i not in dense_layers and cfg["num_experts"] > 0 and (i + 1) % step == 0:
-            yield from _routed_moe(f"{p}.mlp", cfg, cfg["num_experts"], score_bias=False, n_shared=0)
-        else:
-            yield from _gated_mlp(f"{p}.mlp", h, cfg["intermediate_size"])
-        yield from _norms(p, h)
-    yield from _embed_and_head(cfg)
-
-
-def _deepseek_style(cfg: dict, attention: Callable[[str, dict], Iterator[Entry]]) -> Iterator[Entry]:
-    """DeepSeek-V3 / GLM-4.5 family: first_k_dense_replace dense layers, then routed MoE with
-    shared experts and a score-correction bias; MTP layers (if any) follow the decoder layers."""
-    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    first_dense = cfg.get("first_k_dense_replace", 0)
-    freq = cfg.get("moe_layer_freq", 1) or 1
-    score_bias = cfg.get("topk_method", "noaux_tc") == "noaux_tc"
-    n_mtp = cfg.get("num_nextn_predict_layers", 0) or 0
-
-    def layer(i: int) -> Iterator[Entry]:
-        p = f"model.layers.{i}"
-        yield from attention(f"{p}.self_attn", cfg)
-        if cfg.get("n_routed_experts") and i >= first_dense and i % freq == 0:
-            yield from _routed_moe(f"{p}.mlp", cfg, cfg["n_routed_experts"], score_bias=score_bias, n_shared=cfg.get("n_shared_experts") or 0)
-        else:
-            yield from _gated_mlp(f"{p}.mlp", h, cfg["intermediate_size"])
-        yield from _norms(p, h)
-
-    for i in range(n_layers):
-        yield from layer(i)
-    yield from _embed_and_head(cfg)
-    for i in range(n_layers, n_layers + n_mtp):
-        p = f"model.layers.{i}"
-        yield from layer(i)
-        yield f"{p}.embed_tokens.weight", (cfg["vocab_size"], h), None
-        yield f"{p}.enorm.weight", (h,), None
-        yield f"{p}.hnorm.weight", (h,), None
-        yield f"{p}.eh_proj.weight", (h, 2 * h), None
-        yield f"{p}.shared_head.norm.weight", (h,), None
-        yield f"{p}.shared_head.head.weight", (cfg["vocab_size"], h), None
-
-
-def _deepseek_v3(cfg: dict) -> Iterator[Entry]:
-    return _deepseek_style(cfg, _mla_attention)
-
-
-def _glm4_moe(cfg: dict) -> Iterator[Entry]:
-    def attention(prefix: str, c: dict) -> Iterator[Entry]:
-        return _gqa_attention(prefix, c, bias=bool(c.get("attention_bias", False)), qk_norm=bool(c.get("use_qk_norm", False)))
-
-    return _deepseek_style(cfg, attention)
-
-
-_SCHEMAS: dict[str, Callable[[dict], Iterator[Entry]]] = {
-    "Qwen2ForCausalLM": _qwen2,
-    "Qwen3ForCausalLM": _qwen3,
-    "Qwen3MoeForCausalLM": _qwen3_moe,
-    "DeepseekV3ForCausalLM": _deepseek_v3,
-    "Glm4MoeForCausalLM": _glm4_moe,
-    "Glm4MoeLiteForCausalLM": _deepseek_v3,
-}

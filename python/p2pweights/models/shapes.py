@@ -2,7 +2,10 @@
 
 This mirrors the constructors of sglang's model classes (qwen3.py, qwen3_moe.py, deepseek_v2.py)
 closely enough that the sum matches the parameters of sglang's own model built on the meta device
-for that rank (tests/test_plan_meta.py pins it). What a rank holds is kept per section -- the
+for that rank (tests/test_plan_meta.py pins it). Which model applies to an architecture is its
+registry entry's ``cost`` (registry.py); the shard layout is the one ``EngineLayout``
+(replica/layout.py), read here by its attributes only (tp, ep, attn_dp, attn_tp, moe_tp,
+dp_lm_head, shared_experts_fusion) so that this module stays below the replica. What a rank holds is kept per section -- the
 first-stage tensors (embedding), one entry per decoder layer, the last-stage tensors (final norm,
 LM head) -- because a trainer pipeline stage writes only its own layers.
 
@@ -19,12 +22,14 @@ Rules taken from sglang, with why they matter for the bytes:
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import P2PWeightsError
+from .registry import architecture_of, registered
+
+if TYPE_CHECKING:
+    from ..replica.layout import EngineLayout
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 _FP32 = 4
@@ -38,42 +43,9 @@ class PlanError(P2PWeightsError, ValueError):
     """
 
 
-DENSE = ("Qwen3ForCausalLM",)
-MOE = ("Qwen3MoeForCausalLM",)
-MLA = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
-SUPPORTED_ARCHITECTURES = DENSE + MOE + MLA
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How one engine shards the model: sglang's --tp, --ep, --dp (with --enable-dp-attention),
-    --enable-dp-lm-head, and whether shared experts are fused into the routed experts."""
-
-    tp: int
-    ep: int = 1
-    dp: int = 1
-    dp_lm_head: bool = False
-    fused_shared_experts: bool = False
-
-    @property
-    def attn_tp(self) -> int:
-        return self.tp // self.dp
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp // self.ep
-
-    def describe(self) -> str:
-        parts = [f"tp={self.tp}"]
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
-        if self.dp > 1:
-            parts.append(f"dp={self.dp}")
-        if self.dp_lm_head:
-            parts.append("dp_lm_head=1")
-        if self.fused_shared_experts:
-            parts.append("fused_shared_experts=1")
-        return ",".join(parts)
+def costed_architectures() -> tuple[str, ...]:
+    """Architectures the bytes-per-engine-rank model knows, in registry order."""
+    return tuple(arch for arch, spec in registered().items() if spec.cost is not None)
 
 
 @dataclass(frozen=True)
@@ -99,6 +71,7 @@ class ModelShape:
     """The fields of an HF config.json that decide how many bytes each shard holds."""
 
     architecture: str
+    kind: str  # the registry entry's cost model: "dense", "moe" or "mla"
     hidden: int
     layers: int
     heads: int
@@ -123,12 +96,6 @@ class ModelShape:
     router_bias_fp32: bool = False
     router_fp32: bool = False
 
-    @property
-    def kind(self) -> str:
-        if self.architecture in MLA:
-            return "mla"
-        return "moe" if self.architecture in MOE else "dense"
-
     def is_moe_layer(self, layer: int) -> bool:
         if self.kind == "moe":
             return True  # sglang 0.5.23 builds every Qwen3-MoE layer sparse
@@ -137,25 +104,14 @@ class ModelShape:
         return False
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """An HF config.json, given the file or the folder holding it."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise PlanError(f"--model: no config.json at {path!r}; pass a model folder or its config.json")
-    with open(path) as f:
-        return json.load(f)
-
-
 def model_shape(config: Mapping[str, Any]) -> ModelShape:
     """Read the sharding-relevant fields of an HF config (a dict of config.json)."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = architecture_of(config)
+    spec = registered().get(arch or "")
+    if spec is None or spec.cost is None:
         raise PlanError(
             f"--model: unknown architecture {arch!r}; the cost model knows "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Set \"architectures\" in config.json to one of them "
+            f"{', '.join(costed_architectures())}. Set \"architectures\" in config.json to one of them "
             "if the model is built the same way."
         )
     c = config
@@ -163,19 +119,20 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     hidden = int(c["hidden_size"])
     common = dict(
         architecture=arch,
+        kind=spec.cost,
         hidden=hidden,
-        layers=int(c["num_hidden_layers"]),
+        layers=spec.num_layers(c),
         heads=heads,
         kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or hidden // heads),
         vocab=int(c["vocab_size"]),
         intermediate=int(c["intermediate_size"]),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(spec.tied_names(c)),
         attention_bias=bool(c.get("attention_bias", False)),
     )
-    if arch in MOE:
+    if spec.cost == "moe":
         return ModelShape(**common, experts=int(c["num_experts"]), moe_intermediate=int(c["moe_intermediate_size"]))
-    if arch in MLA:
+    if spec.cost == "mla":
         return ModelShape(
             **common,
             experts=int(c.get("n_routed_experts") or 0),
@@ -194,13 +151,10 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     return ModelShape(**common)
 
 
-def check_layout(shape: ModelShape, layout: ShardLayout, flag: str = "--engine") -> None:
-    """Refuse a shard layout sglang would refuse (or build wrong), naming the flag to fix."""
-    if layout.tp < 1:
-        raise PlanError(f"{flag}: tp={layout.tp}; an engine needs at least one GPU")
-    for name, value in (("ep", layout.ep), ("dp", layout.dp)):
-        if value < 1 or layout.tp % value:
-            raise PlanError(f"{flag}: {name}={value} must divide tp={layout.tp}; pick a divisor of tp")
+def check_layout(shape: ModelShape, layout: "EngineLayout", flag: str = "--engine") -> None:
+    """Refuse a shard layout sglang would refuse (or build wrong) for this model, naming the flag
+    to fix. (What holds for any model -- ep and attention DP dividing tp -- the layout type
+    itself checks.)"""
     if shape.heads % layout.attn_tp:
         raise PlanError(
             f"{flag}: attention TP {layout.attn_tp} (tp/dp) does not divide the {shape.heads} attention "
@@ -224,7 +178,7 @@ def check_layout(shape: ModelShape, layout: ShardLayout, flag: str = "--engine")
             raise PlanError(f"{flag}: tp={layout.tp} exceeds the {shape.experts} experts (sglang refuses it)")
     elif layout.ep > 1:
         raise PlanError(f"{flag}: ep={layout.ep} on a dense model; drop ep")
-    if layout.fused_shared_experts and shape.shared_experts != 1:
+    if layout.shared_experts_fusion and shape.shared_experts != 1:
         raise PlanError(f"{flag}: fused_shared_experts needs a model with one shared expert")
 
 
@@ -240,6 +194,12 @@ def fuses_shared_experts_by_default(shape: ModelShape, ep: int) -> bool:
     )
 
 
+def fuses_shared_experts(shape: ModelShape, layout: "EngineLayout") -> bool:
+    """Whether an engine of this layout fuses the shared expert: its own flag, else sglang's default."""
+    forced = layout.shared_experts_fusion
+    return fuses_shared_experts_by_default(shape, layout.ep) if forced is None else forced
+
+
 def vocab_rows_per_shard(vocab: int, shards: int) -> int:
     """Rows of the embedding / LM head per shard, with sglang's vocabulary padding."""
     pad = _VOCAB_PADDING
@@ -248,19 +208,34 @@ def vocab_rows_per_shard(vocab: int, shards: int) -> int:
     return _round_up(vocab, pad) // shards
 
 
-def engine_rank_bytes(shape: ModelShape, layout: ShardLayout, dtype: str = "bf16") -> RankBytes:
+@dataclass(frozen=True)
+class _Split:
+    """The numbers of a layout that decide a rank's bytes, resolved for one model."""
+
+    tp: int
+    attn_tp: int
+    ep: int
+    fused_shared_experts: bool
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.ep
+
+
+def engine_rank_bytes(shape: ModelShape, layout: "EngineLayout", dtype: str = "bf16") -> RankBytes:
     """Bytes every rank of an engine with this shard layout holds (all ranks hold the same count:
     sglang shards evenly, padding the vocabulary)."""
     check_layout(shape, layout)
     b = DTYPE_BYTES[dtype]
     h = shape.hidden
-    embed_shards = layout.attn_tp if layout.dp > 1 else layout.tp
+    embed_shards = layout.attn_tp if layout.attn_dp > 1 else layout.tp
     first = vocab_rows_per_shard(shape.vocab, embed_shards) * h * b
     last = h * b  # final norm
     if not shape.tie_word_embeddings:
         head_shards = layout.attn_tp if layout.dp_lm_head else layout.tp
         last += vocab_rows_per_shard(shape.vocab, head_shards) * h * b
-    layers = tuple(_layer_bytes(shape, layout, i, b) for i in range(shape.layers))
+    split = _Split(layout.tp, layout.attn_tp, layout.ep, fuses_shared_experts(shape, layout))
+    layers = tuple(_layer_bytes(shape, split, i, b) for i in range(shape.layers))
     return RankBytes(first=first, layers=layers, last=last)
 
 
@@ -269,27 +244,27 @@ def full_model_bytes(shape: ModelShape, dtype: str = "bf16") -> RankBytes:
     padding, shared experts kept apart."""
     b = DTYPE_BYTES[dtype]
     h = shape.hidden
-    layout = ShardLayout(tp=1)
+    whole = _Split(tp=1, attn_tp=1, ep=1, fused_shared_experts=False)
     last = h * b + (0 if shape.tie_word_embeddings else shape.vocab * h * b)
-    layers = tuple(_layer_bytes(shape, layout, i, b) for i in range(shape.layers))
+    layers = tuple(_layer_bytes(shape, whole, i, b) for i in range(shape.layers))
     return RankBytes(first=shape.vocab * h * b, layers=layers, last=last)
 
 
-def _layer_bytes(shape: ModelShape, layout: ShardLayout, layer: int, b: int) -> int:
+def _layer_bytes(shape: ModelShape, split: _Split, layer: int, b: int) -> int:
     h = shape.hidden
     norms = 2 * h * b  # input_layernorm, post_attention_layernorm
-    attn = _mla_bytes(shape, layout, b) if shape.kind == "mla" else _gqa_bytes(shape, layout, b)
+    attn = _mla_bytes(shape, split, b) if shape.kind == "mla" else _gqa_bytes(shape, split, b)
     if shape.is_moe_layer(layer):
-        ffn = _moe_bytes(shape, layout, b)
+        ffn = _moe_bytes(shape, split, b)
     else:
-        ffn = _mlp_bytes(h, shape.intermediate // layout.tp, b)
+        ffn = _mlp_bytes(h, shape.intermediate // split.tp, b)
     return norms + attn + ffn
 
 
-def _gqa_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+def _gqa_bytes(shape: ModelShape, split: _Split, b: int) -> int:
     h, d = shape.hidden, shape.head_dim
-    q_heads = shape.heads // layout.attn_tp
-    kv_heads = max(1, shape.kv_heads // layout.attn_tp)  # replicated when attention TP exceeds them
+    q_heads = shape.heads // split.attn_tp
+    kv_heads = max(1, shape.kv_heads // split.attn_tp)  # replicated when attention TP exceeds them
     qkv_out = (q_heads + 2 * kv_heads) * d
     n = qkv_out * h + h * q_heads * d + 2 * d  # qkv_proj, o_proj, q_norm + k_norm
     if shape.attention_bias:
@@ -297,9 +272,9 @@ def _gqa_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
     return n * b
 
 
-def _mla_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+def _mla_bytes(shape: ModelShape, split: _Split, b: int) -> int:
     h = shape.hidden
-    heads = shape.heads // layout.attn_tp
+    heads = shape.heads // split.attn_tp
     qk_head = shape.qk_nope_head_dim + shape.qk_rope_head_dim
     kv_a = shape.kv_lora_rank + shape.qk_rope_head_dim
     if shape.q_lora_rank:
@@ -317,19 +292,19 @@ def _mlp_bytes(hidden: int, intermediate_shard: int, b: int) -> int:
     return 3 * hidden * intermediate_shard * b  # gate_up_proj + down_proj
 
 
-def _moe_bytes(shape: ModelShape, layout: ShardLayout, b: int) -> int:
+def _moe_bytes(shape: ModelShape, split: _Split, b: int) -> int:
     h, e = shape.hidden, shape.experts
     gate = e * h * (_FP32 if shape.router_fp32 else b)
     if shape.router_bias_fp32:
         gate += e * _FP32  # e_score_correction_bias stays fp32
-    local_experts = e // layout.ep
+    local_experts = e // split.ep
     shared = 0
     if shape.shared_experts:
-        if layout.fused_shared_experts:
+        if split.fused_shared_experts:
             local_experts += shape.shared_experts  # each rank keeps the whole shared expert
         else:
-            shared = _mlp_bytes(h, shape.moe_intermediate * shape.shared_experts // layout.tp, b)
-    experts = local_experts * _mlp_bytes(h, shape.moe_intermediate // layout.moe_tp, b)
+            shared = _mlp_bytes(h, shape.moe_intermediate * shape.shared_experts // split.tp, b)
+    experts = local_experts * _mlp_bytes(h, shape.moe_intermediate // split.moe_tp, b)
     return gate + experts + shared
 
 

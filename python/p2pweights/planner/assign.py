@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
-from ..models.shapes import ModelShape, PlanError, ShardLayout, check_layout
+from ..models.shapes import ModelShape, PlanError, check_layout, fuses_shared_experts
+from ..models.stages import stage_layers
+from ..replica.layout import EngineLayout
 
 __all__ = [
     "Engine",
@@ -22,6 +24,7 @@ __all__ = [
     "SenderTargets",
     "TrainerLayout",
     "assign_engine_ranks",
+    "layout_label",
     "make_plan",
     "stage_layers",
 ]
@@ -50,10 +53,12 @@ class TrainerLayout:
 
 @dataclass(frozen=True)
 class Engine:
-    """One rollout engine: its GPU count (one engine rank per GPU) and its shard layout."""
+    """One rollout engine: its GPU count (one engine rank per GPU) and its shard layout (an
+    :class:`EngineLayout`; the rule below only compares layouts, so any hashable key will do --
+    the sender passes ``EngineLayout.key``)."""
 
     gpus: int
-    layout: ShardLayout
+    layout: EngineLayout | Hashable
 
 
 @dataclass
@@ -63,8 +68,24 @@ class SenderTargets:
 
     sender: int
     engine_rank: int
-    layout: ShardLayout
+    layout: EngineLayout | Hashable
     engines: list[int] = field(default_factory=list)
+
+
+def layout_label(layout: EngineLayout, shape: ModelShape | None = None) -> str:
+    """``tp=8,ep=8,dp=8,dp_lm_head=1,fused_shared_experts=1``: a layout in `plan`'s own keys
+    (the non-default ones), as its text and JSON print it."""
+    parts = [f"tp={layout.tp}"]
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
+    if layout.attn_dp > 1:
+        parts.append(f"dp={layout.attn_dp}")
+    if layout.dp_lm_head:
+        parts.append("dp_lm_head=1")
+    fused = layout.shared_experts_fusion if shape is None else fuses_shared_experts(shape, layout)
+    if fused:
+        parts.append("fused_shared_experts=1")
+    return ",".join(parts)
 
 
 def assign_engine_ranks(senders: int, engines: Sequence[Engine], *, balanced: bool = False) -> list[SenderTargets]:
@@ -92,13 +113,13 @@ def assign_engine_ranks(senders: int, engines: Sequence[Engine], *, balanced: bo
     writes = [0] * senders  # engines each sender writes to, counted per engine rank
     # (layout, engine rank) -> heap of (writes when pushed, sender, its entry); entries go stale
     # when that sender gains writes elsewhere and are refreshed when they surface.
-    preparing: dict[tuple[ShardLayout, int], list[tuple[int, int, SenderTargets]]] = {}
+    preparing: dict[tuple[Hashable, int], list[tuple[int, int, SenderTargets]]] = {}
     next_first = 0
     round_robin = 0
     limit = -(-sum(e.gpus for e in engines) // senders)  # ⌈targets / senders⌉
     least: list[tuple[int, int]] = [(0, i) for i in range(senders)]  # (writes when pushed, sender), lazily refreshed
 
-    def give(sender: int, engine: int, rank: int, layout: ShardLayout) -> None:
+    def give(sender: int, engine: int, rank: int, layout: Hashable) -> None:
         entry = SenderTargets(sender, rank, layout, [engine])
         by_sender[sender].append(entry)
         writes[sender] += 1
@@ -132,22 +153,6 @@ def assign_engine_ranks(senders: int, engines: Sequence[Engine], *, balanced: bo
             give(round_robin, engine, rank, layout)  # 3. round robin
             round_robin = (round_robin + 1) % senders
     return [entry for entries in by_sender for entry in entries]
-
-
-def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
-    """[start, end) decoder layers of each trainer pipeline stage: as even as possible, the last
-    stages taking one extra layer each (sglang's and Megatron's even split)."""
-    if stages > layers:
-        raise PlanError(
-            f"--trainer: pp={stages} is more PP stages than the model's {layers} layers; use pp <= {layers}"
-        )
-    base, extra = divmod(layers, stages)
-    bounds, start = [], 0
-    for stage in range(stages):
-        size = base + (1 if stage >= stages - extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 @dataclass

@@ -17,8 +17,9 @@ whatever the number of receivers, so it takes full model bytes / NIC bandwidth.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Hashable
 
-from ..models.shapes import ModelShape, RankBytes, ShardLayout, engine_rank_bytes, full_model_bytes
+from ..models.shapes import ModelShape, RankBytes, engine_rank_bytes, full_model_bytes
 from .assign import Plan
 
 NIC_GBPS = 50.0  # GB/s per GPU: a 400 Gb/s NIC
@@ -69,7 +70,7 @@ class Cost:
 
 def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = "bf16") -> Cost:
     """Cost of one update under ``plan`` for a model of ``shape`` sent in ``dtype``."""
-    rank_bytes: dict[ShardLayout, RankBytes] = {}
+    rank_bytes: dict[Hashable, RankBytes] = {}
     for engine in plan.engines:
         if engine.layout not in rank_bytes:
             rank_bytes[engine.layout] = engine_rank_bytes(shape, engine.layout, dtype)

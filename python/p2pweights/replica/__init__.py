@@ -2,7 +2,8 @@
 
 Public API (imports of torch and sglang stay lazy until first use)::
 
-    EngineLayout.from_server_info(info) / EngineLayout.parse("tp=2,ep=2")   # layout.py
+    EngineLayout.from_server_info(info) / EngineLayout.parse("tp=2,ep=2")   # layout.py: the one layout type
+    parse_layout_spec(spec, command=..., honours=...)                       # the one --engine parser
     parse_engine_spec("tp=2,ep=2,dp_attention=2")                           # -> server args dict
     model_replicas().get(config_dir, engine, rank) -> ModelReplica           # one per shard layout
     ModelReplica.groups / group_of(hf_name) / largest_group_nbytes / param_nbytes(name)
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import LAYOUT_ARGS, EngineLayout, parse_engine_spec
+from .layout import LAYOUT_ARGS, REPLICA_KEYS, EngineLayout, LayoutSpecError, parse_engine_spec, parse_layout_spec
 
 _LAZY = {
     "ModelReplica": ".replica",
@@ -38,7 +39,8 @@ _LAZY = {
     "prepare": ".sglang_env",
 }
 
-__all__ = ["LAYOUT_ARGS", "EngineLayout", "parse_engine_spec", *_LAZY]
+__all__ = ["LAYOUT_ARGS", "REPLICA_KEYS", "EngineLayout", "LayoutSpecError", "parse_engine_spec", "parse_layout_spec",
+           *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,10 @@ from the CLI's ``tp=2,ep=2,dp_attention=2,<server arg>=<value>`` spelling. It ke
 server args that change parameter bytes; two engines with equal layouts (and the same model)
 hold the same bytes on the same rank, so they share one replica (DESIGN.md, invariant 7).
 
+It is the one layout type: the planner, its cost model, the replica, the sender and every
+command use it, and :func:`parse_layout_spec` is the one parser of the CLI's ``--engine``. A key
+a command cannot honour is an error naming the key and the command, never dropped.
+
 This module imports neither torch nor sglang: the planner and the demo use it too.
 """
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Container, Mapping
 
 from ..errors import UnsupportedLayout
 
@@ -63,16 +67,44 @@ _REJECTED_UNLESS: tuple[tuple[str, Any, str], ...] = (
     ("enable_multi_layer_eagle", False, "multi-layer EAGLE drafts are not supported"),
 )
 
-# CLI spellings of the parallel sizes.
+# CLI spellings of server args. ``dp`` is sglang's ``--dp N --enable-dp-attention`` (attention DP),
+# as `plan` has always read it; sglang's plain ``dp_size`` (data-parallel replicas) is refused.
 _ALIASES = {
     "tp": "tp_size",
     "pp": "pp_size",
     "ep": "ep_size",
-    "dp": "dp_size",
+    "dp": "attn_dp_size",
     "dp_attention": "attn_dp_size",
     "attn_dp": "attn_dp_size",
     "cp": "attn_cp_size",
+    "dp_lm_head": "enable_dp_lm_head",
 }
+# ``fused_shared_experts=1|0``: sglang's --enforce- / --disable-shared-experts-fusion.
+_FUSED = "fused_shared_experts"
+
+#: server args the replica (check-layout, demo, the receiver) honours: the byte-deciding ones, the
+#: ones it checks and rejects, and the deprecated DP-attention spelling it normalizes
+REPLICA_KEYS = frozenset(LAYOUT_ARGS) | {name for name, _, _ in _REJECTED_UNLESS} | {
+    "max_ep_size", "enable_dp_attention", "dp_size"}
+
+
+# parallel sizes: whole numbers
+_SIZES = ("tp_size", "pp_size", "ep_size", "attn_dp_size", "attn_cp_size", "moe_dp_size", "dcp_size", "dp_size")
+_SHORT = {"tp_size": "tp", "pp_size": "pp", "ep_size": "ep", "attn_dp_size": "dp"}
+
+
+def _is_whole(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        return int(value) == float(value)
+    except (TypeError, ValueError):
+        return False
+
+
+class LayoutSpecError(UnsupportedLayout, ValueError):
+    """A layout no engine can have (ep not dividing tp, ...), or an ``--engine`` spec that cannot be
+    read or names a key the command cannot honour."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +114,22 @@ class EngineLayout:
     args: tuple[tuple[str, Any], ...]
     # server args outside LAYOUT_ARGS that the engine reported; kept for rejections and messages
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # the planner compares and reads layouts per engine rank (10,000s per plan): keep the args as a
+    # dict and the hash, instead of rebuilding them on every lookup
+    _values: dict[str, Any] = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
+    _hash: int = field(default=0, init=False, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_values", dict(self.args))
+        object.__setattr__(self, "_hash", hash(self.args))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineLayout):
+            return NotImplemented
+        return self is other or (self._hash == other._hash and self.args == other.args)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -89,12 +137,22 @@ class EngineLayout:
         """From server args by their sglang names (missing ones take sglang's defaults)."""
         given = dict(args or {}, **kwargs)
         given = _normalize_dp_attention(given)
+        for name in ("ep_size", "attn_dp_size"):  # ``ep=tp``: as many as TP ranks
+            if given.get(name) == "tp":
+                given[name] = given.get("tp_size", LAYOUT_ARGS["tp_size"])
+        for name in _SIZES:
+            if name in given and not _is_whole(given[name]):
+                raise LayoutSpecError(f"{_SHORT.get(name, name)}={given[name]!r} is not a whole number")
         values = {name: given.get(name, default) for name, default in LAYOUT_ARGS.items()}
         values["json_model_override_args"] = _canonical_json(values["json_model_override_args"])
         extra = {k: v for k, v in given.items() if k not in LAYOUT_ARGS}
         layout = cls(args=tuple(sorted(values.items())), extra=extra)
         layout.check_supported()
-        return layout
+        if extra:
+            return layout
+        # equal layouts without extra args are one object: a plan over 10,000 engines then finds
+        # each layout by identity, without comparing 24 args per lookup
+        return _INTERNED.setdefault(layout.args, layout)
 
     @classmethod
     def from_server_info(cls, server_info: Mapping[str, Any]) -> "EngineLayout":
@@ -102,16 +160,17 @@ class EngineLayout:
         return cls.from_args(dict(server_info))
 
     @classmethod
-    def parse(cls, spec: str) -> "EngineLayout":
-        """From ``tp=2,ep=2,dp_attention=2,<server arg>=<value>`` (the CLI's ``--engine``)."""
-        return cls.from_args(parse_engine_spec(spec))
+    def parse(cls, spec: str, *, command: str = "engine spec") -> "EngineLayout":
+        """From ``tp=2,ep=2,dp_attention=2,<server arg>=<value>`` (the CLI's ``--engine``), as the
+        replica honours it (:data:`REPLICA_KEYS`); ``command`` names the caller in errors."""
+        return cls.from_args(parse_layout_spec(spec, command=command))
 
     # -- reading ------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
-        return dict(self.args)[name]
+        return self._values[name]
 
     def get(self, name: str, default: Any = None) -> Any:
-        return dict(self.args).get(name, self.extra.get(name, default))
+        return self._values.get(name, self.extra.get(name, default))
 
     @property
     def tp_size(self) -> int:
@@ -120,6 +179,42 @@ class EngineLayout:
     @property
     def pp_size(self) -> int:
         return int(self["pp_size"])
+
+    tp = tp_size
+    pp = pp_size
+
+    @property
+    def ep(self) -> int:
+        return int(self["ep_size"])
+
+    @property
+    def attn_dp(self) -> int:
+        """Attention DP size (sglang's --dp with --enable-dp-attention)."""
+        return int(self["attn_dp_size"])
+
+    @property
+    def attn_tp(self) -> int:
+        """Attention TP size: tp / attention DP."""
+        return self.tp // self.attn_dp
+
+    @property
+    def moe_tp(self) -> int:
+        """TP size inside each expert: tp / ep."""
+        return self.tp // self.ep
+
+    @property
+    def dp_lm_head(self) -> bool:
+        return bool(self["enable_dp_lm_head"])
+
+    @property
+    def shared_experts_fusion(self) -> bool | None:
+        """True / False when the engine forces shared-expert fusion on / off; None when it follows
+        sglang's default for the model (see models.shapes.fuses_shared_experts)."""
+        if self["enforce_shared_experts_fusion"]:
+            return True
+        if self["disable_shared_experts_fusion"]:
+            return False
+        return None
 
     @property
     def world_size(self) -> int:
@@ -164,9 +259,15 @@ class EngineLayout:
             if int(merged.get(name, 1)) != 1:
                 raise UnsupportedLayout(f"engine flag {name}={merged[name]} is not supported yet")
         tp = int(merged["tp_size"])
-        for name in ("ep_size", "attn_dp_size"):
-            if tp % int(merged[name]):
-                raise UnsupportedLayout(f"engine flag {name}={merged[name]} does not divide tp_size={tp}")
+        if tp < 1:
+            raise LayoutSpecError(f"tp={tp}; an engine needs at least one GPU")
+        for name, short in (("ep_size", "ep"), ("attn_dp_size", "dp")):
+            value = int(merged[name])
+            if value < 1 or tp % value:
+                raise LayoutSpecError(f"{short}={value} must divide tp={tp}; pick a divisor of tp")
+
+
+_INTERNED: dict[tuple[tuple[str, Any], ...], EngineLayout] = {}
 
 
 def parse_engine_spec(spec: str) -> dict[str, Any]:
@@ -174,16 +275,48 @@ def parse_engine_spec(spec: str) -> dict[str, Any]:
 
     Values are read as JSON where they parse (ints, true/false, null), else kept as strings.
     Dashes in names become underscores, so ``disable-shared-experts-fusion=true`` works too.
+    No key is refused here: see :func:`parse_layout_spec`.
     """
-    args: dict[str, Any] = {}
+    return {name: value for _, name, value in _spec_items(spec)}
+
+
+def parse_layout_spec(spec: str, *, command: str, honours: Container[str] | None = None,
+                      why: str | None = None) -> dict[str, Any]:
+    """The one parser of ``--engine``: server args by sglang name, refusing (with
+    :class:`LayoutSpecError` naming the key and ``command``) every key outside ``honours``
+    (default: :data:`REPLICA_KEYS`, what a replica reproduces) and sglang's plain ``dp_size``.
+    ``why`` says, in the refusal, what the command does honour."""
+    honoured = REPLICA_KEYS if honours is None else honours
+    items = _spec_items(spec)
+    given = {name for _, name, _ in items}
+    for key, name, value in items:
+        if name == "dp_size" and "enable_dp_attention" not in given:
+            raise LayoutSpecError(
+                f"--engine {key}={value}: {command} cannot honour it: it is sglang's plain data "
+                "parallelism (replicas with identical ranks), not a shard layout; write dp_attention=N "
+                "for attention DP, or start more engines"
+            )
+        if name not in honoured:
+            reason = why or ("it does not change which bytes an engine rank holds, so the replica "
+                             "ignores it; drop it")
+            raise LayoutSpecError(f"--engine {key}={value}: {command} cannot honour it: {reason}")
+    return {name: value for _, name, value in items}
+
+
+def _spec_items(spec: str) -> list[tuple[str, str, Any]]:
+    """(key as written, sglang server arg name, value) per ``key=value`` part of a spec."""
+    items: list[tuple[str, str, Any]] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if "=" not in part:
-            raise ValueError(f"engine spec part {part!r} is not NAME=VALUE (in {spec!r})")
-        name, raw = (s.strip() for s in part.split("=", 1))
-        name = name.replace("-", "_")
-        name = _ALIASES.get(name, name)
-        args[name] = _parse_value(raw)
-    return args
+            raise LayoutSpecError(f"engine spec part {part!r} is not NAME=VALUE (in {spec!r})")
+        key, raw = (s.strip() for s in part.split("=", 1))
+        name = key.replace("-", "_")
+        value = _parse_value(raw)
+        if name == _FUSED:
+            name = "enforce_shared_experts_fusion" if value else "disable_shared_experts_fusion"
+            value = True
+        items.append((key, _ALIASES.get(name, name), value))
+    return items
 
 
 def _parse_value(raw: str) -> Any:

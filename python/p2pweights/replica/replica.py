@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
+from ..models import load_config, resolve_model
+from ..models.checkpoint import TensorSpec, checkpoint_tensors
+from ..settings import value
 from . import sglang_env
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
-from ..models.checkpoint import TensorSpec, checkpoint_tensors, load_config
 from .layout import EngineLayout
 from .probe import LoaderMapping, probe_loaders
 
@@ -133,7 +135,8 @@ class ModelReplica:
         ``disable_shared_experts_fusion`` explicitly then).
         """
         mine = self.param_nbytes_all()
-        problems = [f"{n}: replica {mine[n]} B, engine {published[n]} B" for n in mine if n in published and mine[n] != published[n]]
+        problems = [f"{n}: replica {mine[n]} B, engine {published[n]} B"
+                    for n in mine if n in published and mine[n] != published[n]]
         problems += [f"{n}: the engine published no such parameter" for n in mine if n not in published]
         problems += [f"{n}: the replica has no such parameter" for n in published if n not in mine]
         if problems:
@@ -362,7 +365,7 @@ class ModelReplicas:
     """
 
     def __init__(self, cache_dir: str | None = None):
-        self.cache_dir = cache_dir if cache_dir is not None else os.environ.get("P2PW_REPLICA_CACHE_DIR") or None
+        self.cache_dir = cache_dir if cache_dir is not None else value("P2PW_REPLICA_CACHE_DIR") or None
         self._replicas: dict[ReplicaKey, ModelReplica] = {}
         self._lock = threading.Lock()
         self.builds = 0  # replicas built and probed in this process
@@ -377,7 +380,10 @@ class ModelReplicas:
         """The replica of engine rank ``rank`` of an engine with layout ``engine`` (built once).
 
         ``hf_specs`` defaults to the config's published checkpoint (``checkpoint_tensors``).
+        ``config`` may be a built-in model name, a config folder or file, or a config object.
         """
+        if isinstance(config, (str, os.PathLike)):
+            config = resolve_model(config)
         engine.check_supported()
         key = ReplicaKey(config_hash(config), engine, rank)
         with self._lock:

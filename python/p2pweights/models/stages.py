@@ -1,0 +1,59 @@
+"""Which trainer pipeline (PP) stage holds each HF tensor.
+
+Decoder layers split as evenly as possible, the last stages taking one extra layer each
+(sglang's and Megatron's even split); the embedding lives on the first stage; the final norm, the
+LM head and any MTP layers (numbered after the decoder layers) on the last. The planner's cost
+model and the sender's "which names must this stage push" both read it here.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .shapes import PlanError
+
+
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) decoder layers of each trainer pipeline stage."""
+    if stages > layers:
+        raise PlanError(
+            f"--trainer: pp={stages} is more PP stages than the model's {layers} layers; use pp <= {layers}"
+        )
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage >= stages - extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def layer_of(hf_name: str) -> int | None:
+    """The layer index in ``...layers.<i>....``, or None for a tensor outside the layers."""
+    parts = hf_name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers") + 1
+        if i < len(parts) and parts[i].isdigit():
+            return int(parts[i])
+    return None
+
+
+def stage_of(hf_name: str, num_layers: int, pp_size: int) -> int:
+    """The PP stage (0 .. pp_size-1) holding an HF tensor."""
+    return _stage(hf_name, num_layers, pp_size, stage_layers(num_layers, pp_size))
+
+
+def stage_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_size: int) -> list[str]:
+    """The HF names a trainer PP stage holds, in the order given."""
+    if pp_size == 1:
+        return list(hf_names)
+    bounds = stage_layers(num_layers, pp_size)
+    return [n for n in hf_names if _stage(n, num_layers, pp_size, bounds) == pp_stage]
+
+
+def _stage(hf_name: str, num_layers: int, pp_size: int, bounds: list[tuple[int, int]]) -> int:
+    layer = layer_of(hf_name)
+    if layer is not None:
+        if layer >= num_layers:  # MTP / NextN layers follow the last decoder layer
+            return pp_size - 1
+        return next(s for s, (a, b) in enumerate(bounds) if a <= layer < b)
+    return 0 if "embed_tokens" in hf_name else pp_size - 1
