@@ -127,6 +127,22 @@ class UnknownParameter(P2PWeightsError, KeyError):
     __str__ = P2PWeightsError.__str__
 
 
+class UnknownModel(P2PWeightsError, ValueError):
+    """A model that is neither a built-in name nor a config.json (or a folder holding one)."""
+
+
+class PlanError(P2PWeightsError, ValueError):
+    """A plan request that cannot describe a real cluster (zero GPUs, TP not dividing heads, ...).
+
+    The message names the flag to change and how.
+    """
+
+
+class LayoutSpecError(UnsupportedLayout, ValueError):
+    """A layout no engine can have (ep not dividing tp, ...), or an ``--engine`` spec that cannot be
+    read or names a key the command cannot honour."""
+
+
 class MissingTensors(P2PWeightsError):
     """finish() was called while HF tensors of some parameter groups were still missing."""
 

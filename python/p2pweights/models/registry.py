@@ -14,17 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from ..errors import P2PWeightsError, UnsupportedLayout
+from ..errors import UnknownModel, UnsupportedLayout
 from . import schema
 
 _HERE = os.path.dirname(__file__)
 #: the built-in configs (config.json only; random weights, no download) for demos and benchmarks
 BUILTIN: list[str] = sorted(d for d in os.listdir(_HERE) if os.path.isfile(os.path.join(_HERE, d, "config.json")))
 DEFAULT = "qwen3-0.6b"
-
-
-class UnknownModel(P2PWeightsError, ValueError):
-    """A model that is neither a built-in name nor a config.json (or a folder holding one)."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..errors import P2PWeightsError
+from ..errors import PlanError
 from .registry import architecture_of, registered
 
 if TYPE_CHECKING:
@@ -34,13 +34,6 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 _FP32 = 4
 _VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
-
-
-class PlanError(P2PWeightsError, ValueError):
-    """A plan request that cannot describe a real cluster (zero GPUs, TP not dividing heads, ...).
-
-    The message names the flag to change and how.
-    """
 
 
 def costed_architectures() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Container, Mapping
 
-from ..errors import UnsupportedLayout
+from ..errors import LayoutSpecError, UnsupportedLayout
 
 # Server args that decide a rank's parameter bytes, with sglang 0.5.23's defaults. The replica is
 # built from these and nothing else, so what is not listed here cannot leak into its bytes.
@@ -100,11 +100,6 @@ def _is_whole(value: Any) -> bool:
         return int(value) == float(value)
     except (TypeError, ValueError):
         return False
-
-
-class LayoutSpecError(UnsupportedLayout, ValueError):
-    """A layout no engine can have (ep not dividing tp, ...), or an ``--engine`` spec that cannot be
-    read or names a key the command cannot honour."""
 
 
 @dataclass(frozen=True)
