@@ -12,9 +12,9 @@ import torch
 
 from p2pweights.control import SglangEngine
 from p2pweights.errors import LayoutMismatch, MissingTensors, UnknownParameter, UpdateFailed
-from p2pweights.receiver.engine import check_weights_equal, start_engines
-from p2pweights.replica import ModelReplicas
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.receiver import check_weights_equal, start_engines
+from p2pweights.replica import ModelReplicas
 from p2pweights.sender import WeightSender
 from replica_configs import write_config
 
@@ -220,7 +220,7 @@ def test_sender_memory_stays_bounded_by_slots_and_incomplete_groups(tmp_path):
         sender.connect(_clients(engines))
         slot_bytes = sender._buffers.slot_bytes
         largest_inputs = max(sum(specs[n].nbytes for n in g.hf_names)
-                             for p in sender._prepared for g in p.replica.groups)
+                             for p in sender.prepared for g in p.replica.groups)
         model_bytes = sum(s.nbytes for s in specs.values())
         update = sender.update("m1")
         # every layer's q_proj first: those groups (q/k/v -> qkv_proj) stay incomplete for a while
@@ -230,13 +230,13 @@ def test_sender_memory_stays_bounded_by_slots_and_incomplete_groups(tmp_path):
             update.push(name, t)
             # distinct tensors the sender still references (two engine ranks share the same inputs)
             refs = {t.data_ptr(): t.numel() * t.element_size()
-                    for p in sender._prepared for g in p.stager._staged.values() for t in g.values()}
-            refs.update({t.data_ptr(): t.numel() * t.element_size() for *_, ts in update._placed for t in ts.values()})
+                    for p in sender.prepared for g in p.stager._staged.values() for t in g.values()}
+            refs.update({t.data_ptr(): t.numel() * t.element_size() for t in update.pipeline.placed_tensors()})
             held = sum(refs.values())
             peak = max(peak, held)
-            assert update._placed_input_bytes <= slot_bytes + largest_inputs
+            assert update.pipeline.placed_input_bytes <= slot_bytes + largest_inputs
         update.finish()
-        assert update._placed_input_bytes == 0 and all(p.stager.staged_bytes == 0 for p in sender._prepared)
+        assert update.pipeline.placed_input_bytes == 0 and all(p.stager.staged_bytes == 0 for p in sender.prepared)
         assert peak < 0.75 * model_bytes  # never a full copy of the model's inputs
         assert check_weights_equal(engines[0].url, hf_seed=6)["success"]
         sender.close()

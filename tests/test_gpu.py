@@ -35,8 +35,8 @@ def test_gpu_slots_live_on_the_device_and_are_distinct():
 
 
 def test_loaders_from_gpu_tensors_into_gpu_slots_match_host_slots(tmp_path):
-    from p2pweights.replica import EngineLayout, model_replicas
     from p2pweights.models.checkpoint import random_checkpoint
+    from p2pweights.replica import EngineLayout, model_replicas
     from replica_configs import write_config
 
     cfg = write_config("qwen3", str(tmp_path))
@@ -58,10 +58,11 @@ def test_loaders_from_gpu_tensors_into_gpu_slots_match_host_slots(tmp_path):
 @pytest.mark.parametrize("buffer_device,num_slots", [("cpu", 2), ("cpu", 1), ("cuda", 2)])
 def test_updates_from_gpu_tensors_are_byte_exact(tmp_path, buffer_device, num_slots):
     # host slots fed from GPU tensors go through the GPU staging buffers with their D2H deferred by
-    # one slot (staging.py); small slots make many of them, and one slot checks the no-deadlock path
+    # one slot (StagedHostSlotFiller, sender/gpu_staging.py); small slots make many of them, and one slot
+    # checks the no-deadlock path
     from p2pweights.control import SglangEngine
-    from p2pweights.receiver.engine import check_weights_equal, start_engines
     from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.receiver.engine import check_weights_equal, start_engines
     from p2pweights.sender import WeightSender
     from replica_configs import write_config
 

@@ -70,6 +70,19 @@ def test_malformed_publications_are_refused(bad):
         EnginePublication.from_json(bad)
 
 
+def test_publication_must_equal_the_replica_both_ways():
+    pub = EnginePublication.from_json(["10.0.0.5:15432", TABLE])
+    replica = {name: row[1] * row[2] for name, row in TABLE.items()}
+    pub.check_params(replica, engine="e0 rank 1")  # equal: no error
+    # published, but not in the replica: one-way checks let this through
+    with pytest.raises(LayoutMismatch, match=r"e0 rank 1.*lm_head\.weight: published, but the sender's replica has no"):
+        pub.check_params({n: b for n, b in replica.items() if n != "lm_head.weight"}, engine="e0 rank 1")
+    with pytest.raises(LayoutMismatch, match=r"model\.layers\.0\.mlp\.weight: not published"):
+        pub.check_params({**replica, "model.layers.0.mlp.weight": 64}, engine="e0 rank 1")
+    with pytest.raises(LayoutMismatch, match=r"model\.norm\.weight: published 1024 B, the sender's replica has 2048 B"):
+        pub.check_params({**replica, "model.norm.weight": 2048}, engine="e0 rank 1", hint="same model and flags?")
+
+
 def test_merge_regions():
     assert merge_regions([(10, 5), (0, 10), (30, 1), (15, 0), (31, 4), (2, 3)]) == [(0, 15), (30, 5)]
 

@@ -16,6 +16,7 @@ NIXL (defined by p2pweights; sglang 0.5.23 has no NIXL publisher; see docs/trans
 
 A publication without ``"transport"`` is a Mooncake one. The writer's region check uses the
 parameters' byte ranges merged where they touch (:func:`merge_regions`), never anything wider.
+A sender checks a publication against its replica both ways (:meth:`EnginePublication.check_params`).
 """
 from __future__ import annotations
 
@@ -123,6 +124,22 @@ class EnginePublication:
                 f"engine '{engine}' parameter {param!r}: the sender has {int(source_bytes)} bytes, the engine holds "
                 f"{t.nbytes} ({t.numel} elements x {t.element_size} bytes); refusing to write")
         return t
+
+    def check_params(self, expected: Mapping[str, int], engine: str = "", hint: str = "") -> None:
+        """Both ways: every parameter in ``expected`` ({name: numel x element size}, the sender's
+        replica) is published with that byte count, and every published parameter is expected.
+        Raises LayoutMismatch naming the engine and each parameter that differs."""
+        problems = [f"{n}: published {self.params[n].nbytes} B, the sender's replica has {nbytes} B"
+                    for n, nbytes in expected.items() if n in self.params and self.params[n].nbytes != int(nbytes)]
+        problems += [f"{n}: not published" for n in expected if n not in self.params]
+        problems += [f"{n}: published, but the sender's replica has no such parameter"
+                     for n in self.params if n not in expected]
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+            who = f"engine '{engine}'" if engine else "the engine"
+            raise LayoutMismatch(f"{who} published parameters that differ from the sender's replica of its layout "
+                                 f"({len(problems)} difference(s)): {shown}; refusing to write"
+                                 + (f". {hint}" if hint else ""))
 
     @property
     def total_bytes(self) -> int:

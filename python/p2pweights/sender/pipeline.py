@@ -1,0 +1,122 @@
+"""The slot pipeline: complete (transformed) parameter groups → slots filled by the replica's
+loaders → the writer.
+
+Groups are placed one after another in the open slot (each at a 256-byte aligned offset). Their
+loaders run later, together with the slot's other groups: one ``load_weights`` call per engine
+rank per batch, because sglang's loaders pay a fixed cost per call. A batch is loaded when the
+slot is full or when its HF inputs reach a slot's size (a quarter slot for staged slots, so one
+batch's copy-out overlaps the next batch's loaders), each HF tensor counted once however many
+engine ranks read it. The slot's filler (fillers.py) decides where the loaders write and how the
+complete slot reaches the writer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from .. import transport as transports
+from .fillers import SlotFiller, SlotHandOver
+from .prepared import PreparedRank
+from .report import UpdateTimes
+from .transforms import GroupLoad
+
+_ALIGN = 256  # every group starts at a multiple of this inside a slot
+
+
+class SlotPipeline:
+    """Fills slots with complete groups and hands them to the writer; ``drain`` at the end of an
+    update, ``abort`` on failure (every slot it holds is released, after its device work landed)."""
+
+    def __init__(self, handover: SlotHandOver, choose_filler: Callable[[Mapping[str, Any]], SlotFiller],
+                 times: UpdateTimes):
+        self.handover = handover
+        self._choose = choose_filler
+        self.times = times
+        self._filler: SlotFiller | None = None  # the open slot's filler
+        self._cursor = 0
+        self._rows: list[tuple[int, int, int, int]] = []  # the open slot's writes, loaded so far
+        self._placed: list[GroupLoad] = []  # placed in the open slot, loaders not yet run
+        self._offsets: list[int] = []
+        self._placed_input_bytes = 0  # each placed HF tensor once, however many engine ranks read it
+        self._placed_inputs: set[int] = set()
+
+    @property
+    def placed_input_bytes(self) -> int:
+        """Bytes of the HF tensors placed in the open slot whose loaders have not run yet."""
+        return self._placed_input_bytes
+
+    def placed_tensors(self) -> list[Any]:
+        return [t for load in self._placed for t in load.tensors.values()]
+
+    def place(self, load: GroupLoad) -> None:
+        """Place a complete group in the open slot (closing it first when the group does not fit)."""
+        slot_bytes = self.handover.buffers.slot_bytes
+        if self._filler is not None and self._cursor + load.group.nbytes > slot_bytes:
+            self.close_slot()
+        if self._filler is None:
+            self._open(load.tensors)
+        self._placed.append(load)
+        self._offsets.append(self._cursor)
+        for t in load.tensors.values():
+            if id(t) not in self._placed_inputs:
+                self._placed_inputs.add(id(t))
+                self._placed_input_bytes += int(t.numel()) * t.element_size()
+        self._cursor = -(-(self._cursor + load.group.nbytes) // _ALIGN) * _ALIGN
+        self.times.groups += 1
+        if self._placed_input_bytes >= slot_bytes // self._filler.batch_divisor:
+            self._load_placed()
+
+    def _open(self, inputs: Mapping[str, Any]) -> None:
+        filler = self._choose(inputs)
+        filler.open(next(iter(inputs.values())).device)
+        self._filler, self._cursor = filler, 0
+
+    def _load_placed(self) -> None:
+        """Run the loaders of every placed group (one call per prepared engine rank) and queue
+        their writes to every engine rank that rank's bytes go to."""
+        if not self._placed:
+            return
+        self.handover.poll()
+        t0 = time.perf_counter()
+        by_rank: dict[int, tuple[PreparedRank, list, dict]] = {}
+        for load, offset in zip(self._placed, self._offsets):
+            entry = by_rank.setdefault(id(load.rank), (load.rank, [], {}))
+            entry[1].append((load.group, offset))
+            entry[2].update(load.tensors)
+        target = self._filler.target
+        loaded = [(p, p.replica.load_groups(placed, tensors, target)) for p, placed, tensors in by_rank.values()]
+        extent = max(r.offset + r.nbytes for _, regions in loaded for r in regions)
+        self.times.loading += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p, regions in loaded:
+            entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
+            for t in p.targets:
+                self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
+        self._placed, self._offsets, self._placed_input_bytes, self._placed_inputs = [], [], 0, set()
+        self.times.staging += time.perf_counter() - t0
+        self._filler.loaded(extent)
+
+    def close_slot(self) -> None:
+        """Load what is placed and hand the open slot over (its filler decides how)."""
+        if self._filler is None:
+            return
+        self._load_placed()
+        rows, self._rows = self._rows, []
+        self._filler.close(rows)
+        self._filler = None
+
+    def drain(self) -> None:
+        """The update's last group is placed: close the open slot, hand over the pending one."""
+        self.close_slot()
+        self.handover.flush()
+
+    def abort(self) -> None:
+        """Release every slot held, each after its device work landed; nothing more is written."""
+        self._placed, self._offsets, self._placed_input_bytes, self._placed_inputs = [], [], 0, set()
+        self._rows = []
+        filler, self._filler = self._filler, None
+        try:
+            if filler is not None:
+                filler.abort()
+        finally:
+            self.handover.abort()

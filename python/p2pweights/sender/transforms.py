@@ -1,0 +1,61 @@
+"""Group transforms: the step between a staged parameter group and the replica's loaders.
+
+The stager releases a group when every HF tensor it needs arrived, as a :class:`GroupLoad` (the
+prepared engine rank, the parameter group, its HF tensors). Each transform maps one load to the
+loads it becomes, so a transform may
+
+- rewrite the tensors: other values, names or dtypes (FP8 block quantization turns a BF16
+  ``weight`` into ``weight`` + ``weight_scale_inv`` of an FP8 replica's group);
+- fan one staged group out to several (replica, targets) work items (a draft role's replica
+  loads the same HF tensors as the target's);
+- drop a load (return nothing).
+
+Whatever comes out is loaded as is: the replica checks that the tensors are exactly its group's
+HF inputs, and every write is checked against what the engine published (byte counts).
+Today the sender's default is no transform (identity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from .prepared import PreparedRank
+
+
+@dataclass
+class GroupLoad:
+    """One parameter group of one prepared engine rank and the tensors its loaders get."""
+
+    rank: PreparedRank
+    group: Any  # p2pweights.replica.ParameterGroup of rank.replica
+    tensors: dict[str, Any]  # HF name -> tensor, exactly the group's hf_names
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(int(t.numel()) * t.element_size() for t in self.tensors.values())
+
+
+class GroupTransform:
+    """The transform interface, and the identity transform.
+
+    ``connect(ranks)`` runs at the end of every ``WeightSender.connect`` with the engine ranks
+    the sender prepares (a fan-out transform finds its other replicas there); ``__call__`` maps
+    one staged group to the loads it becomes.
+    """
+
+    def connect(self, ranks: Sequence[PreparedRank]) -> None:
+        pass
+
+    def __call__(self, load: GroupLoad) -> Iterable[GroupLoad]:
+        return (load,)
+
+
+Identity = GroupTransform
+
+
+def apply_transforms(transforms: Sequence[GroupTransform], load: GroupLoad) -> list[GroupLoad]:
+    """The loads one staged group becomes after every transform, in order."""
+    loads = [load]
+    for transform in transforms:
+        loads = [out for each in loads for out in transform(each)]
+    return loads
