@@ -14,8 +14,6 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-from replica_configs import write_config  # noqa: E402
-
 from p2pweights.cli import main  # noqa: E402
 from p2pweights.errors import LayoutMismatch, MissingTensors, UnknownParameter, UnsupportedLayout  # noqa: E402
 from p2pweights.replica import (  # noqa: E402
@@ -29,6 +27,7 @@ from p2pweights.replica import (  # noqa: E402
     sglang_env,
 )
 from p2pweights.replica.check import check_layout, compare_with_reference, reference_model  # noqa: E402
+from replica_configs import write_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -236,7 +235,7 @@ def test_a_partly_written_parameter_is_zeroed_before_each_load(configs):
     group = replica.group_of("model.embed_tokens.weight")
     slot = torch.full((group.nbytes,), 0xAB, dtype=torch.uint8)
     empty = {n: torch.zeros(replica.hf_specs[n].shape, dtype=torch.bfloat16)[:0] for n in group.hf_names}
-    with pytest.raises(Exception):
+    with pytest.raises((RuntimeError, AssertionError, ValueError)):
         replica.materialize_group(group, empty, slot)  # wrong shapes fail in the loader...
     assert bool((slot[:group.regions[0].nbytes] == 0).all())  # ...after the parameter was zeroed
 
@@ -355,15 +354,6 @@ def test_an_architecture_without_a_checkpoint_schema_is_rejected_naming_it(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MysteryForCausalLM"]}))
     with pytest.raises(UnsupportedLayout, match="MysteryForCausalLM"):
         checkpoint_tensors(str(tmp_path))
-
-
-def test_published_bytes_that_differ_are_a_layout_mismatch(configs):
-    replica = ModelReplicas(cache_dir="").get(configs("qwen3"), EngineLayout.parse("tp=2"), 0)
-    published = replica.param_nbytes_all()
-    replica.check_published(published)
-    published["model.layers.1.mlp.down_proj.weight"] += 2
-    with pytest.raises(LayoutMismatch, match="down_proj"):
-        replica.check_published(published)
 
 
 # -- layouts and the replica cache ----------------------------------------------------------------

@@ -126,23 +126,6 @@ class ModelReplica:
     def param_nbytes_all(self) -> dict[str, int]:
         return {n: s.nbytes for n, s in self.mapping.param_specs.items()}
 
-    def check_published(self, published: Mapping[str, int]) -> None:
-        """Compare the engine's published ``{param_name: numel × element size}`` with the replica.
-
-        Raises :class:`LayoutMismatch` naming each parameter that differs, is missing on either
-        side — e.g. an engine on a GPU that fused DeepSeek's shared expert while this host's
-        sglang decided not to (pass ``enforce_shared_experts_fusion`` or
-        ``disable_shared_experts_fusion`` explicitly then).
-        """
-        mine = self.param_nbytes_all()
-        problems = [f"{n}: replica {mine[n]} B, engine {published[n]} B"
-                    for n in mine if n in published and mine[n] != published[n]]
-        problems += [f"{n}: the engine published no such parameter" for n in mine if n not in published]
-        problems += [f"{n}: the replica has no such parameter" for n in published if n not in mine]
-        if problems:
-            shown = "; ".join(problems[:8]) + (f"; (+{len(problems) - 8} more)" if len(problems) > 8 else "")
-            raise LayoutMismatch(f"engine rank {self.rank} ({self.engine.describe()}) differs from its replica: {shown}")
-
     @property
     def total_nbytes(self) -> int:
         return sum(s.nbytes for s in self.mapping.param_specs.values())
