@@ -9,7 +9,6 @@ Targets: P2P <= 0.5 x broadcast; time outside loaders and writes <= 10% of a P2P
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from p2pweights.bench.table import emit
@@ -32,7 +31,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     model = resolve_model(a.model)
-    log = (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     results = []
     for i, transport in enumerate(("mooncake", "nixl")):
         modes = ("p2p", "broadcast") if i == 0 else ("p2p",)

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from p2pweights.control import SglangEngine  # noqa: E402
-from p2pweights.receiver.engine import check_weights_equal, start_engines  # noqa: E402
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
+from p2pweights.receiver import check_weights_equal, start_engines  # noqa: E402
 from p2pweights.sender import WeightSender  # noqa: E402
 from replica_configs import write_config  # noqa: E402
 

@@ -38,6 +38,16 @@ struct GilFreeDelete {
   }
 };
 
+// The exporter behind a slot view: counts as a user of the buffer while any memoryview, numpy
+// array or torch tensor made from it is alive, so close() defers the free (see transfer_buffer.h).
+struct SlotView {
+  py::object owner;  // the TransferBuffer's Python object: it cannot be collected under a view
+  TransferBuffer* buffer;
+  uint8_t* data;
+  size_t length;
+  ~SlotView() { buffer->end_use(1); }
+};
+
 py::dict report_to_dict(const EngineReport& r) {
   py::dict d;
   d["engine"] = r.engine;
@@ -46,6 +56,7 @@ py::dict report_to_dict(const EngineReport& r) {
   d["writes"] = r.writes;
   d["batches"] = r.batches;
   d["skipped_batches"] = r.skipped_batches;
+  d["peak_inflight"] = r.peak_inflight;
   d["seconds"] = r.seconds;
   d["gbps"] = r.gbps;
   d["state"] = r.state;
@@ -81,8 +92,14 @@ PYBIND11_MODULE(_native, m) {
     return d;
   }, "Whether a CUDA runtime was found at run time, which library, and how many devices it sees.");
 
-  py::class_<TransferBuffer, std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>>(
-      m, "TransferBuffer", py::buffer_protocol())
+  py::class_<SlotView>(m, "SlotView", py::buffer_protocol(),
+                       "The exporter of a slot view; holds the transfer buffer open while alive.")
+      .def_buffer([](SlotView& v) -> py::buffer_info {
+        return py::buffer_info(v.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(v.length)}, {1});
+      });
+
+  py::class_<TransferBuffer, std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>>(m, "TransferBuffer")
       .def_static("allocate", [](size_t slot_bytes, int num_slots, const std::string& pin) {
         TransferBuffer* b = nullptr;
         Status s;
@@ -107,23 +124,27 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("pin_mode", [](const TransferBuffer& b) { return pin_mode_name(b.pin_mode()); })
       .def_property_readonly("pin_warning", &TransferBuffer::pin_warning)
       .def_property_readonly("closed", &TransferBuffer::closed)
+      .def_property_readonly("released", &TransferBuffer::released,
+                             "Whether the memory itself was freed (closed, and no view or write left).")
+      .def_property_readonly("users", &TransferBuffer::users, "Live slot views plus batches of writes reading it.")
       .def("slot_address", [](const TransferBuffer& b, int i) {
         if (b.closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
         if (i < 0 || i >= b.num_slots()) check(Status(Code::kInvalidArgument, "slot " + std::to_string(i) + " does not exist"));
         return reinterpret_cast<uint64_t>(b.slot(i));
       })
-      .def("slot_view", [](const TransferBuffer& b, int i) {
-        if (b.closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
+      .def("slot_view", [](py::object self, int i) {
+        TransferBuffer& b = self.cast<TransferBuffer&>();
         if (b.location() != "cpu") check(Status(Code::kInvalidArgument, "a GPU slot has no host view"));
         if (i < 0 || i >= b.num_slots()) check(Status(Code::kInvalidArgument, "slot " + std::to_string(i) + " does not exist"));
-        return py::memoryview::from_memory(b.slot(i), static_cast<ssize_t>(b.slot_bytes()));
-      }, "A writable view of slot i without a copy (numpy.frombuffer / torch.frombuffer).")
-      .def_buffer([](TransferBuffer& b) -> py::buffer_info {
-        if (b.closed() || b.location() != "cpu") check(Status(Code::kInvalidArgument, "no host view of this buffer"));
-        return py::buffer_info(b.base(), 1, py::format_descriptor<uint8_t>::format(), 1,
-                               {static_cast<ssize_t>(b.total_bytes())}, {1});
-      })
-      .def("close", &TransferBuffer::close);
+        if (!b.begin_use()) check(Status(Code::kClosed, "transfer buffer is closed"));
+        py::object exporter = py::cast(new SlotView{self, &b, b.slot(i), b.slot_bytes()}, py::return_value_policy::take_ownership);
+        PyObject* view = PyMemoryView_FromObject(exporter.ptr());
+        if (view == nullptr) throw py::error_already_set();
+        return py::reinterpret_steal<py::memoryview>(view);
+      }, "A writable view of slot i without a copy (numpy.frombuffer / torch.frombuffer). While it, or\n"
+         "anything made from it, is alive, close() defers freeing the memory.")
+      .def("close", &TransferBuffer::close,
+           "Refuses new views and writes; frees the memory now, or when the last view or write ends.");
 
   py::class_<Transport, std::unique_ptr<Transport, GilFreeDelete<Transport>>>(m, "Transport")
       .def_property_readonly("name", &Transport::name)
@@ -225,7 +246,10 @@ PYBIND11_MODULE(_native, m) {
         { py::gil_scoped_release nogil; s = w.submit(slot, writes); }
         check(s);
       }, py::arg("slot"), py::arg("offsets"), py::arg("lengths"), py::arg("engines"), py::arg("remote_addrs"))
-      .def("pending_batches", &PipelinedWriter::pending_batches)
+      .def("pending_batches", &PipelinedWriter::pending_batches,
+           "Batches still reading the slot (queued, in flight, or released but not let go by the transport).")
+      .def("draining_batches", &PipelinedWriter::draining_batches,
+           "Released writes that the transport could not cancel and that may still read their slots.")
       .def("finish", [](PipelinedWriter& w) {
         std::vector<EngineReport> rep;
         Status s;

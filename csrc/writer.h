@@ -1,13 +1,16 @@
 // The pipelined writer: N slots of a transfer buffer, one write thread per engine, each with its
 // own queue, so a stuck engine delays only its own writes. A slot is handed out again (acquire)
-// only after every write reading it has returned: done, failed, or timed out and released.
-// Threads never throw; what happened is recorded per engine and returned by finish().
+// only after every write reading it has returned: done, failed, or timed out and released — and a
+// write the transport could not cancel (release() answered kBusy) keeps its slot until a drain
+// thread sees the transport let go of it. Threads never throw: every error, a transport's
+// exception included, is recorded per engine and returned by finish().
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,6 +57,7 @@ struct EngineReport {
   uint64_t writes = 0;
   uint64_t batches = 0;
   uint64_t skipped_batches = 0;  // batches not posted because the engine had already failed
+  uint64_t peak_inflight = 0;    // most batches posted and not yet returned at once
   double seconds = 0.0;          // first post to last completion in this update
   double gbps = 0.0;
   std::string state = "idle";    // idle | ok | failed
@@ -73,7 +77,9 @@ class PipelinedWriter {
   // Refused while the engine has writes in flight.
   Status remove_engine(int engine);
 
-  // Blocks until a slot has no writes reading it; timeout_s < 0 waits forever.
+  // Blocks until a slot has no writes reading it; timeout_s < 0 waits without a limit, except
+  // that once every slot has been held past the transfer timeout by writes the transport could
+  // not cancel it returns kBusy naming their engines (never a silent hang).
   Status acquire(int* slot, double timeout_s = -1.0);
   // Returns an acquired slot unused (e.g. the loaders failed).
   Status release_slot(int slot);
@@ -81,10 +87,13 @@ class PipelinedWriter {
   // region) before posting any; then queues one batch per engine. The slot is free again when the
   // last batch reading it returns.
   Status submit(int slot, const std::vector<Write>& writes);
-  // Waits for every queued batch, returns the per-engine report and starts a new update.
+  // Waits for every queued batch, returns the per-engine report and starts a new update. An engine
+  // whose transport has been inside one post for longer than the transfer timeout is reported
+  // failed rather than waited for (its later batches of this update are skipped).
   Status finish(std::vector<EngineReport>* report);
 
   int pending_batches(int slot);
+  int draining_batches();  // released writes the transport has not let go of yet
   double transfer_timeout_s() const { return options_.transfer_timeout_s; }
   void close();  // joins the threads; safe twice
 
@@ -92,7 +101,8 @@ class PipelinedWriter {
   struct Batch {
     int slot;
     std::vector<WriteDesc> writes;
-    uint64_t bytes;
+    uint64_t bytes = 0;
+    uint64_t update = 0;  // the update it belongs to: a late return never lands in a newer report
   };
   struct Engine {
     int id;
@@ -101,6 +111,8 @@ class PipelinedWriter {
     std::deque<Batch> queue;
     bool busy = false;
     bool stop = false;
+    bool in_post = false;  // inside transport->post since post_started (finish bounds it)
+    std::chrono::steady_clock::time_point post_started;
     std::condition_variable cv;
     std::thread thread;
     EngineReport report;
@@ -112,9 +124,33 @@ class PipelinedWriter {
     RequestId request;
     std::chrono::steady_clock::time_point deadline;
   };
+  // A released write that may still read its slot (the transport answered kBusy).
+  struct Draining {
+    RequestId request;
+    int slot;
+    std::string engine;
+  };
+  // What one engine thread holds outside the lock; kept across a caught exception so that every
+  // batch is accounted for and no slot stays locked.
+  struct ThreadState {
+    std::deque<InFlight> inflight;  // posted, oldest first
+    std::vector<Batch> posting;     // popped from the queue, not yet in flight (0 or 1)
+  };
   void run_engine(Engine* e);
+  void engine_loop(Engine* e, ThreadState& st);
+  void post_ready(Engine* e, ThreadState& st, std::unique_lock<std::mutex>& lk);
+  void poll_inflight(Engine* e, ThreadState& st, std::unique_lock<std::mutex>& lk);
+  void engine_threw(Engine* e, ThreadState& st, const std::string& what);
+  void run_drain();
   Status check_write(const Write& w) const;  // mu_ held
-  void batch_returned(Engine* e, const Batch& b, const Status& s);  // mu_ held
+  void record(Engine* e, const Batch& b, const Status& s);  // mu_ held
+  // The write reading `slot` was released: Ok frees its read, kBusy hands it to the drain thread.
+  void released(Engine* e, const InFlight& f, const Status& release_status);  // mu_ held
+  void slot_read_ended(int slot);  // mu_ held
+  void skip(Engine* e, const Batch& b);  // mu_ held
+  // Transport verbs never throw by contract; a backend that does anyway becomes a status here.
+  template <typename F>
+  Status guarded(const char* verb, F&& f);
 
   Transport* transport_;
   TransferBuffer* buffer_;
@@ -125,6 +161,11 @@ class PipelinedWriter {
   std::vector<bool> slot_acquired_;
   int next_slot_ = 0;
   std::map<int, std::unique_ptr<Engine>> engines_;
+  uint64_t update_ = 0;
+  std::list<Draining> draining_;
+  std::condition_variable drain_cv_;
+  bool drain_stop_ = false;
+  std::thread drain_thread_;
   bool closed_ = false;
 };
 

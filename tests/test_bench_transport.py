@@ -11,9 +11,9 @@ import pytest
 
 from p2pweights.bench import transport as bench
 from p2pweights.sender.buffers import TransferBuffers
+from p2pweights.sender.writer import PipelinedWriter
 from p2pweights.transport import attach_engine, make_sender_transport
 from p2pweights.transport.peer import PeerProcess, pattern, push_pattern
-from p2pweights.sender.writer import PipelinedWriter
 
 MiB = 1 << 20
 

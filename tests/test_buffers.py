@@ -1,14 +1,22 @@
 """Transfer buffers: alignment, slot sizing, zero-copy views, pinning fallback; settings."""
 from __future__ import annotations
 
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+
 import numpy as np
 import pytest
-import torch
 
 from p2pweights import _native
+from p2pweights.errors import Closed, InvalidWrite
 from p2pweights.sender.buffers import TransferBuffers, slot_size
 from p2pweights.settings import parse_size, settings
-from p2pweights.errors import InvalidWrite
 
 ALIGN = _native.TransferBuffer.alignment
 
@@ -38,10 +46,45 @@ def test_numpy_and_torch_views_share_the_slot_memory():
 
 
 def test_pinning_falls_back_with_one_warning_not_a_crash():
-    with TransferBuffers(ALIGN, 1, pin="auto") as b:
-        assert b.pin_mode in ("cuda_host_register", "mlock", "none")
+    devices = _native.cuda_runtime_info()["device_count"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with TransferBuffers(ALIGN, 1, pin="none") as b:
+            assert b.pin_mode == "none"  # unpinned on request: no warning
+        with TransferBuffers(ALIGN, 1, pin="auto") as b:
+            # 2 MiB fits the default memlock limit: pinned one way or the other, silently
+            assert b.pin_mode == ("cuda_host_register" if devices else "mlock")
+    assert [str(w.message) for w in caught] == []
+    if not devices:
+        # CUDA pinning asked for where it cannot work: unpinned memory and exactly one warning saying why.
+        with pytest.warns(RuntimeWarning) as caught:
+            with TransferBuffers(ALIGN, 1, pin="cuda") as b:
+                assert b.pin_mode == "none"
+                b.slot_array(0)[:] = 1  # and the memory works
+        assert len(caught) == 1
+        assert "not pinned (" in str(caught[0].message)
+        assert "no CUDA runtime" in str(caught[0].message) or "has no device" in str(caught[0].message)
     with pytest.raises(InvalidWrite, match="pin must be"):
         TransferBuffers(ALIGN, 1, pin="bogus")
+
+
+def test_closing_under_a_live_slot_tensor_defers_the_free_until_the_view_dies():
+    b = TransferBuffers(ALIGN, 2, pin="none")
+    t = b.slot_tensor(1)
+    a = b.slot_array(0)[:16]  # a slice of a view holds the memory too
+    b.close()
+    assert b.native.closed and not b.native.released
+    with pytest.raises(Closed):
+        b.slot_tensor(0)  # no new views of a closed buffer
+    t[:4] = 9  # still mapped: no use after free
+    assert t[:4].tolist() == [9] * 4
+    del t
+    gc.collect()
+    assert not b.native.released  # `a` is still alive
+    a[:] = 1
+    del a
+    gc.collect()
+    assert b.native.released and b.native.users == 0
 
 
 def test_closed_buffer_refuses_views():
@@ -71,3 +114,69 @@ def test_sizes_parse_with_units():
     assert parse_size("512MiB") == 512 << 20 and parse_size("1GB") == 10**9 and parse_size(7) == 7
     with pytest.raises(ValueError, match="64MiB"):
         parse_size("lots")
+
+
+_FAKE_CUDART = "int cudaGetDeviceCount(int* n) { *n = 0; return 0; }\n" \
+    "int cudaHostRegister(void* p, unsigned long n, unsigned f) { return 1; }\n" \
+    "int cudaHostUnregister(void* p) { return 0; }\n"
+
+_PROBE = textwrap.dedent("""
+    import ctypes, json, os, sys
+    if sys.argv[1]:
+        ctypes.CDLL(sys.argv[1], mode=os.RTLD_NOW | os.RTLD_GLOBAL)  # what torch's CUDA build does
+    os.environ["P2PW_CUDA_RUNTIME"] = sys.argv[2]
+    from p2pweights import _native
+    info = _native.cuda_runtime_info()
+    mapped = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line})
+    print(json.dumps({"library": info["library"], "mapped": mapped}))
+""")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in libcudart")
+def test_the_cuda_runtime_is_loaded_once_even_when_named_by_another_path(tmp_path):
+    """A runtime already in the process (by soname) is used rather than a second copy by path."""
+    src = tmp_path / "cudart.c"
+    src.write_text(_FAKE_CUDART)
+    copies = []
+    for d in ("torch_lib", "cuda_home"):
+        (tmp_path / d).mkdir()
+        lib = tmp_path / d / "libcudart.so.12"
+        subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcudart.so.12", "-o", str(lib), str(src)], check=True)
+        copies.append(str(lib))
+    torch_copy, named_copy = copies
+
+    def probe(preloaded: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", _PROBE, preloaded, named_copy], check=True, capture_output=True,
+                             text=True, env={**os.environ, "P2PW_CUDA_RUNTIME": ""})
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    already = probe(torch_copy)
+    assert already["mapped"] == [torch_copy], already  # one runtime, the one that was there first
+    assert already["library"] == "libcudart.so.12"
+    fresh = probe("")
+    assert fresh["mapped"] == [named_copy] and fresh["library"] == named_copy  # none loaded: the named one
+
+
+def test_the_native_stub_declares_everything_the_extension_exports():
+    import ast
+    import pathlib
+
+    import p2pweights
+
+    stub = ast.parse((pathlib.Path(p2pweights.__file__).parent / "_native.pyi").read_text())
+    declared: dict[str, set[str]] = {}
+    for node in stub.body:
+        if isinstance(node, ast.ClassDef):
+            declared[node.name] = {n.name if hasattr(n, "name") else n.target.id for n in node.body
+                                   if isinstance(n, (ast.FunctionDef, ast.AnnAssign))}
+        elif isinstance(node, ast.FunctionDef):
+            declared[node.name] = set()
+        elif isinstance(node, ast.AnnAssign):
+            declared[node.target.id] = set()
+    exported = [n for n in dir(_native) if not n.startswith("_") or n == "__version__"]
+    assert sorted(set(exported) - set(declared)) == []
+    for name in exported:
+        obj = getattr(_native, name)
+        if isinstance(obj, type) and name != "Code":
+            own = {m for m in vars(obj) if not m.startswith("_")}
+            assert sorted(own - declared[name]) == [], name

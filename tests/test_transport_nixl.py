@@ -44,3 +44,28 @@ def test_a_completed_request_is_reposted_by_the_next_identical_batch_and_dropped
         assert not backend._kept  # requests of a gone connection are released
         backend.deregister_memory(buf.address)
     backend.close()
+
+
+def test_sender_transport_takes_the_settings_transport_options():
+    from p2pweights.settings import settings
+    from p2pweights.transport import make_sender_transport
+
+    s = settings(transport="nixl", nixl_progress_delay_us=250)
+    t = make_sender_transport(s.transport, **s.transport_options())
+    try:
+        assert t.backend.plugin == s.nixl_backend == "UCX"
+    finally:
+        t.close()
+    with pytest.raises(TypeError, match="takes no option protocol"):
+        make_sender_transport("nixl", protocol="tcp")  # a Mooncake option is refused, not dropped
+
+
+def test_progress_delay_is_read_through_the_settings_registry(monkeypatch):
+    from p2pweights.settings import SettingError
+    from p2pweights.transport.nixl import progress_delay_us
+
+    monkeypatch.setenv("P2PW_NIXL_PROGRESS_DELAY_US", "250")
+    assert progress_delay_us() == 250
+    monkeypatch.setenv("P2PW_NIXL_PROGRESS_DELAY_US", "-3")
+    with pytest.raises(SettingError, match="P2PW_NIXL_PROGRESS_DELAY_US"):
+        progress_delay_us()

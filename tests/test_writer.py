@@ -1,6 +1,7 @@
 """The pipelined writer through the in-process loopback transport (fault injection only)."""
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from p2pweights import _native
+from p2pweights.errors import Busy, Closed, InvalidWrite, NotFound, OutOfRegion, TransferTimeout, UpdateFailed
 from p2pweights.sender.buffers import TransferBuffers
-from p2pweights.errors import InvalidWrite, NotFound, OutOfRegion, TransferTimeout, UpdateFailed
 from p2pweights.sender.writer import PipelinedWriter
 
 SLOT = 2 << 20  # one alignment unit
@@ -195,12 +196,14 @@ def test_acquire_releases_the_gil(rig):
     r = rig(n_engines=1, slots=1)
     r.transport.set_fault(0, delay_s=0.4)
     r.writer.submit(r.writer.acquire(), [(0, 16, 0, r.addr(0))])
-    ticks = []
-    t = threading.Thread(target=lambda: [ticks.append(time.sleep(0.01)) for _ in range(10)])
+    ticks: list[float] = []
+    t = threading.Thread(target=lambda: [ticks.append(time.monotonic()) or time.sleep(0.01) for _ in range(10)])
     t.start()
-    r.writer.release_slot(r.writer.acquire())
+    r.writer.release_slot(r.writer.acquire())  # blocks ~0.4 s: the only slot is being read
+    returned = time.monotonic()
     t.join()
-    assert len(ticks) == 10
+    # Holding the GIL while blocked would stop the ticker until acquire returned.
+    assert sum(tick < returned for tick in ticks) >= 5, (ticks, returned)
 
 
 def test_waiting_on_a_stuck_engine_does_not_busy_wait(rig):
@@ -214,3 +217,191 @@ def test_waiting_on_a_stuck_engine_does_not_busy_wait(rig):
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     assert wall > 1.0
     assert cpu < 0.3 * wall  # a spinning poller would burn a whole core for the whole wait
+
+
+def test_a_batch_submitted_while_the_first_is_polled_is_posted_at_once(rig):
+    """docs/writer.md: two batches in flight per engine, so the second slot's bytes queue behind
+    the first at the transport instead of waiting for it to return."""
+    r = rig(n_engines=1, slots=2)
+    r.transport.set_fault(0, delay_s=0.5)  # holds each batch 0.5 s before its first byte
+    s0 = r.writer.acquire()
+    r.writer.submit(s0, [(0, 4096, 0, r.addr(0))])
+    time.sleep(0.1)  # the engine's thread is now polling the first batch
+    s1 = r.writer.acquire()
+    r.writer.submit(s1, [(0, 4096, 0, r.addr(0, 4096))])
+    report = r.writer.finish().engine("engine-0")
+    assert report.state == "ok" and report.batches == 2
+    assert report.peak_inflight == 2
+
+
+# -- a Python backend behind _native.PyTransport, misbehaving in the ways a real one could --------------
+class Backend:
+    """Copies each batch at post (ctypes.memmove); poll answers DONE. Hooks replace post/poll/release."""
+
+    name = "fake"
+
+    def __init__(self, post=None, poll=None, release=None):
+        self._post, self._poll, self._release = post, poll, release
+        self.next = 1
+
+    def register_memory(self, addr, length, location="cpu"):
+        pass
+
+    def deregister_memory(self, addr):
+        pass
+
+    def connect(self, engine, descriptor):
+        pass
+
+    def disconnect(self, engine):
+        pass
+
+    def post(self, engine, local, remote, lengths):
+        if self._post is not None:
+            return self._post()
+        for lo, re, n in zip(local, remote, lengths):
+            ctypes.memmove(re, lo, n)
+        self.next += 1
+        return self.next
+
+    def poll(self, request):
+        return 0 if self._poll is None else self._poll()
+
+    def release(self, request):
+        return None if self._release is None else self._release()
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def py_rig():
+    made = []
+
+    def make(backend: Backend, slots: int = 1, timeout: float = 5.0):
+        buffers = TransferBuffers(SLOT, slots, pin="none")
+        transport = _native.PyTransport(backend)
+        writer = PipelinedWriter(transport, buffers, transfer_timeout=timeout)
+        region = np.zeros(1 << 20, dtype=np.uint8)
+        transport.connect(0, "fake")
+        writer.add_engine(0, "engine-0", [(region.ctypes.data, region.nbytes)])
+        made.append((writer, transport, buffers, region))
+        return writer, buffers, region
+
+    yield make
+    for writer, transport, buffers, _ in made:
+        writer.close()
+        transport.close()
+        buffers.close()
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+class _BadCode(Exception):
+    p2pw_code = "not a code"
+
+
+def _raise(exc):
+    def f():
+        raise exc
+    return f
+
+
+@pytest.mark.parametrize("hooks, message", [
+    ({"post": _raise(RuntimeError("post exploded"))}, "fake post: post exploded"),
+    ({"post": _raise(_BadCode("odd code"))}, "fake post: odd code"),
+    ({"post": _raise(_Unprintable())}, "unprintable _Unprintable"),
+    ({"post": lambda: "request-7"}, "post returned request-7, not a request id"),
+    ({"post": lambda: -1}, "not a request id"),
+    ({"poll": _raise(ValueError("poll exploded"))}, "fake poll: poll exploded"),
+    ({"poll": lambda: "done"}, "poll returned done, not a status code"),
+    ({"poll": lambda: 7}, "poll returned 7, not a status code"),
+    ({"poll": lambda: (-3, "the engine went away")}, "the engine went away"),
+])
+def test_a_backend_that_raises_or_answers_nonsense_fails_its_engine_never_the_process(py_rig, hooks, message):
+    writer, buffers, region = py_rig(Backend(**hooks))
+    writer.submit(writer.acquire(), [(0, 64, 0, region.ctypes.data)])
+    with pytest.raises(UpdateFailed) as info:
+        writer.finish()
+    assert list(info.value.failures) == ["engine-0"]
+    assert message in info.value.failures["engine-0"]
+    assert writer.pending_batches(0) == 0  # the slot is free again
+    assert writer.acquire(timeout=1.0) == 0
+
+
+def test_finish_is_bounded_by_the_transfer_timeout_when_a_post_blocks(py_rig):
+    unblock = threading.Event()
+    writer, buffers, region = py_rig(Backend(post=lambda: unblock.wait(30) and 1), timeout=1.0)
+    writer.submit(writer.acquire(), [(0, 64, 0, region.ctypes.data)])
+    outcome: list = []
+
+    def finish():
+        t0 = time.monotonic()
+        try:
+            writer.finish()
+            outcome.append(("returned", time.monotonic() - t0))
+        except UpdateFailed as e:
+            outcome.append((e, time.monotonic() - t0))
+
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join(timeout=4.0)
+    unblock.set()  # lets the stuck post return, so the writer can be closed either way
+    t.join()
+    error, elapsed = outcome[0]
+    assert isinstance(error, UpdateFailed), error
+    assert elapsed < 1.0 + 1.0
+    assert "had not returned after" in error.failures["engine-0"]
+    # The late post lands in no later report; the slot comes free once its write is released.
+    assert writer.acquire(timeout=5.0) == 0
+    writer.release_slot(0)
+    assert writer.finish().engine("engine-0").state == "idle"
+
+
+def test_a_write_the_transport_cannot_cancel_keeps_its_slot_until_it_ends(py_rig):
+    """Invariant 2 for Mooncake-like transports: release() after the deadline answers "still
+    reading" (IN_PROGRESS) until the abandoned write ends; only then is the slot handed out."""
+    ended = threading.Event()
+    backend = Backend(poll=lambda: 1, release=lambda: None if ended.is_set() else 1)
+    writer, buffers, region = py_rig(backend, slots=1, timeout=0.5)
+    writer.submit(writer.acquire(), [(0, 64, 0, region.ctypes.data)])
+    with pytest.raises(UpdateFailed, match="transfer timeout"):
+        writer.finish()  # the update fails at the deadline; it does not wait for the abandoned write
+    assert writer.pending_batches(0) == 1 and writer.draining_batches() == 1
+    with pytest.raises(TransferTimeout):
+        writer.acquire(timeout=0.3)
+    with pytest.raises(Busy, match="engine 'engine-0'.*cannot cancel"):
+        writer.acquire()  # no silent hang: past the transfer timeout it says who holds the slots
+    ended.set()
+    assert writer.acquire(timeout=2.0) == 0
+    assert writer.draining_batches() == 0
+
+
+def test_an_update_whose_slots_are_all_held_by_a_failed_engine_fails_naming_it(py_rig):
+    backend = Backend(poll=lambda: 1, release=lambda: 1)  # hung, and never lets go
+    writer, buffers, region = py_rig(backend, slots=1, timeout=0.5)
+    writer.submit(writer.acquire(), [(0, 64, 0, region.ctypes.data)])
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed, match="engine-0") as info:
+        writer.acquire()  # the next slot of the same update
+    assert time.monotonic() - t0 < 0.5 + 1.0
+    assert "transfer timeout" in info.value.failures["engine-0"]
+    backend._release = None  # let go, so the fixture can close
+
+
+def test_closing_the_buffers_with_a_write_in_flight_frees_them_when_it_returns(rig):
+    r = rig(n_engines=1, slots=1)
+    r.transport.set_fault(0, delay_s=0.3)
+    s = r.writer.acquire()
+    r.fill(s, 5)
+    r.writer.submit(s, [(0, 4096, 0, r.addr(0))])
+    r.buffers.close()  # the loopback worker copies from the slot only after this
+    assert r.buffers.native.closed and not r.buffers.native.released
+    assert r.writer.finish().engine("engine-0").bytes == 4096
+    assert r.regions[0][:4096].tolist() == [5] * 4096
+    assert r.buffers.native.released
+    with pytest.raises(Closed):
+        r.writer.submit(r.writer.acquire(timeout=1.0), [(0, 16, 0, r.addr(0))])

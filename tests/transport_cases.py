@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.errors import LayoutMismatch, OutOfRegion, UpdateFailed, WrongTransport
+from p2pweights.sender.buffers import TransferBuffers
+from p2pweights.sender.writer import PipelinedWriter
 from p2pweights.transport import attach_engine, detach_engine, make_sender_transport
 from p2pweights.transport.peer import PeerProcess, pattern, push_pattern
-from p2pweights.sender.writer import PipelinedWriter
 
 MiB = 1 << 20
 SIZE = 256 * MiB
@@ -143,8 +143,11 @@ def test_stopped_engine_fails_at_the_deadline_and_the_other_completes(backend, p
     assert list(info.value.failures) == ["engine1/rank1"]
     assert "transfer timeout" in info.value.failures["engine1/rank1"]
     assert 3.0 <= elapsed < 6.0, elapsed
-    assert info.value.report.engine("engine0/rank0").bytes == SIZE
-    assert a.check(5) == 0
+    if backend == "nixl":  # NIXL cancels the stopped engine's writes: the update goes on for the others
+        assert info.value.report.engine("engine0/rank0").bytes == SIZE
+        assert a.check(5) == 0
+    # Mooncake cannot cancel them: both slots stay read by the stopped engine (invariant 2), so the
+    # update ends there, naming it; engine 0 got what was written before.
 
     # The engine comes back: reconnect it and the next update succeeds everywhere.
     b.cont()

@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -73,8 +72,8 @@ def _replica_and_inputs(model: str, spec: str, rank: int):
     import torch
 
     from p2pweights.models import resolve_model
-    from p2pweights.replica import EngineLayout, model_replicas
     from p2pweights.models.checkpoint import random_tensor
+    from p2pweights.replica import EngineLayout, model_replicas
 
     cfg = resolve_model(model)
     rep = model_replicas().get(cfg, EngineLayout.parse(spec), rank)
@@ -158,10 +157,10 @@ def section_production() -> list[dict]:
                 staging.synchronize()
 
             sec = timed(fill_staged, repeat=3)
-            del staging
+            staging = None  # its GPU buffers go before the next model's
         rows.append({"model": model, "engine": spec, "slots": "cpu via GPU staging", "bytes": total,
                      "groups": len(rep.groups), "seconds": sec, "gbps": gbps(total, sec)})
-        del inputs
+        inputs = None
         torch.cuda.empty_cache()
     return rows
 
@@ -200,12 +199,11 @@ def top_functions(prof, top: int) -> list[dict]:
 
 
 def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
-    import torch
 
     from p2pweights.sender.buffers import TransferBuffers
+    from p2pweights.sender.writer import PipelinedWriter
     from p2pweights.transport import make_sender_transport
     from p2pweights.transport.publication import EnginePublication
-    from p2pweights.sender.writer import PipelinedWriter
 
     sys.path.insert(0, HERE)
     from vram_peer import pattern
@@ -260,7 +258,8 @@ def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
 
 def section_tests() -> list[dict]:
     """tests/test_gpu.py under pytest, here."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gpu.py")],
+    test = os.path.join(ROOT, "tests", "test_gpu.py")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
                           capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"), timeout=600)
     return [{"pytest": (proc.stdout or proc.stderr).strip().splitlines()[-1], "rc": proc.returncode}]
 
@@ -271,8 +270,8 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
 
     from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
-    from p2pweights.receiver.engine import check_weights_equal, start_engine
     from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.receiver import check_weights_equal, start_engine
     from p2pweights.sender import WeightSender
 
     cfg = resolve_model(model)
@@ -303,7 +302,8 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
             equal = None
             if step == steps:
                 equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
-            rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes, "seconds": r.seconds, "data_s": r.data_seconds,
+            rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes,
+                         "seconds": r.seconds, "data_s": r.data_seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
                          "waiting_s": r.waiting_seconds, "staging_s": r.staging_seconds, "control_s": r.control_seconds,
                          "n_slots": r.slots, "connect_s": connect_s,

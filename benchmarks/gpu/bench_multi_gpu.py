@@ -32,9 +32,9 @@ def run_case(model: str, spec: str, steps: int, gpus: int, share: bool = False) 
     from p2pweights.baseline.broadcast import BroadcastSender
     from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
-    from p2pweights.receiver.engine import check_weights_equal, start_engine
-    from p2pweights.replica import EngineLayout
     from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.receiver import check_weights_equal, start_engine
+    from p2pweights.replica import EngineLayout
     from p2pweights.sender import WeightSender
 
     world = EngineLayout.parse(spec).world_size

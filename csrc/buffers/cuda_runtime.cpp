@@ -18,19 +18,22 @@ CudaRuntime& CudaRuntime::get() {
 }
 
 CudaRuntime::CudaRuntime() {
-  // P2PW_CUDA_RUNTIME names the library explicitly; otherwise try the common sonames. A process
-  // that already loaded torch's CUDA build has libcudart mapped, so RTLD_NOLOAD finds it first.
+  // P2PW_CUDA_RUNTIME names the library explicitly; otherwise try the common sonames. A runtime
+  // already in the process (torch's CUDA build maps one) is used whatever its path: loading a
+  // second copy by another path would give two runtimes with separate state. So every candidate is
+  // first looked for among the loaded libraries (RTLD_NOLOAD; a soname matches a library loaded
+  // from any path), and only when none is loaded is one loaded, the named one first.
   const char* forced = std::getenv("P2PW_CUDA_RUNTIME");
-  const char* candidates[] = {forced, "libcudart.so", "libcudart.so.13", "libcudart.so.12",
-                              "libcudart.so.11.0"};
-  for (const char* name : candidates) {
-    if (name == nullptr || *name == '\0') continue;
-    void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-    if (h == nullptr) h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-    if (h != nullptr) {
-      handle_ = h;
-      library_ = name;
-      break;
+  const char* candidates[] = {forced, "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"};
+  for (int pass = 0; pass < 2 && handle_ == nullptr; ++pass) {
+    for (const char* name : candidates) {
+      if (name == nullptr || *name == '\0') continue;
+      void* h = dlopen(name, pass == 0 ? (RTLD_NOW | RTLD_NOLOAD) : (RTLD_NOW | RTLD_LOCAL));
+      if (h != nullptr) {
+        handle_ = h;
+        library_ = name;
+        break;
+      }
     }
   }
   if (handle_ == nullptr) return;

@@ -89,6 +89,40 @@ Status TransferBuffer::wrap(uint64_t addr, size_t slot_bytes, int num_slots, con
 }
 
 void TransferBuffer::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  close_requested_ = true;
+  if (users_ == 0) release_memory();
+}
+
+bool TransferBuffer::closed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return close_requested_ || base_ == nullptr;
+}
+
+bool TransferBuffer::released() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return base_ == nullptr;
+}
+
+int TransferBuffer::users() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return users_;
+}
+
+bool TransferBuffer::begin_use(int n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (close_requested_ || base_ == nullptr) return false;
+  users_ += n;
+  return true;
+}
+
+void TransferBuffer::end_use(int n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  users_ -= n;
+  if (users_ <= 0 && close_requested_) release_memory();
+}
+
+void TransferBuffer::release_memory() {
   if (base_ == nullptr) return;
   if (owned_) {
     const size_t total = total_bytes();
@@ -99,6 +133,11 @@ void TransferBuffer::close() {
   base_ = nullptr;
 }
 
-TransferBuffer::~TransferBuffer() { close(); }
+TransferBuffer::~TransferBuffer() {
+  std::lock_guard<std::mutex> lk(mu_);
+  // A user left at destruction can only be a write the transport could not cancel (abandoned at
+  // its deadline, still reading): leaking the memory is safe, unmapping it under that write is not.
+  if (users_ == 0) release_memory();
+}
 
 }  // namespace p2pw

@@ -2,10 +2,16 @@
 // writer's threads read. Host memory is page-aligned and pinned (CUDA host registration when a CUDA
 // runtime and device exist, else mlock, else unpinned with one warning). GPU memory is owned by the
 // caller (e.g. a torch tensor) and wrapped, so the core never links torch.
+//
+// Users hold the memory open: a slot view (a Python memoryview handed to numpy or torch) and a
+// batch of writes that may still read a slot each count as one. close() while any is alive only
+// marks the buffer closed (no new views or writes); the memory is freed when the last user ends,
+// so neither a live tensor nor a write in flight ever reads freed memory.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "status.h"
@@ -31,8 +37,14 @@ class TransferBuffer {
   TransferBuffer(const TransferBuffer&) = delete;
   TransferBuffer& operator=(const TransferBuffer&) = delete;
 
-  void close();  // unpins and frees (host) or forgets (wrapped); safe twice
-  bool closed() const { return base_ == nullptr; }
+  // Unpins and frees (host) or forgets (wrapped) once no user is left; safe twice.
+  void close();
+  bool closed() const;    // close() was called: no new views or writes
+  bool released() const;  // the memory itself is gone (closed and no user left)
+  // A user that reads or writes the memory: false (and nothing counted) once closed.
+  bool begin_use(int n = 1);
+  void end_use(int n = 1);  // the last user of a closed buffer frees it
+  int users() const;
 
   uint8_t* base() const { return base_; }
   uint64_t address() const { return reinterpret_cast<uint64_t>(base_); }
@@ -49,6 +61,10 @@ class TransferBuffer {
 
  private:
   TransferBuffer() = default;
+  void release_memory();  // mu_ held
+  mutable std::mutex mu_;
+  bool close_requested_ = false;
+  int users_ = 0;
   uint8_t* base_ = nullptr;
   size_t slot_bytes_ = 0;
   int num_slots_ = 0;

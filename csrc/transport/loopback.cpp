@@ -15,6 +15,7 @@ struct LoopbackTransport::Request {
   std::vector<WriteDesc> writes;
   std::atomic<int> code{static_cast<int>(Code::kInProgress)};
   std::atomic<bool> cancelled{false};
+  bool copying = false;  // a chunk is being copied from local memory (mu_): release waits it out
   std::string error;  // written by the worker before code leaves kInProgress
 };
 
@@ -116,12 +117,15 @@ Status LoopbackTransport::poll(RequestId request) {
 }
 
 Status LoopbackTransport::release(RequestId request) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   auto it = requests_.find(request);
   if (it == requests_.end()) return Status(Code::kNotFound, "unknown request");
-  it->second->cancelled = true;
+  std::shared_ptr<Request> req = it->second;
+  req->cancelled = true;
   requests_.erase(it);
   for (auto& [_, p] : peers_) p->cv.notify_all();
+  // A cancelled write stops between chunks; once release returns it reads no local memory.
+  copy_cv_.wait(lk, [&] { return !req->copying; });
   return Status::Ok();
 }
 
@@ -184,15 +188,20 @@ void LoopbackTransport::run_peer(Peer* p) {
           ok = false;
           break;
         }
+        req->copying = true;
         lk.unlock();
         std::memcpy(reinterpret_cast<void*>(w.remote_addr + off), reinterpret_cast<void*>(w.local_addr + off), n);
         sent += n;
         p->bytes += n;
+        lk.lock();
+        req->copying = false;
+        copy_cv_.notify_all();
         if (link > 0) {
+          lk.unlock();
           auto due = link_start + std::chrono::duration<double>(static_cast<double>(sent) / (link * 1e9));
           std::this_thread::sleep_until(due);
+          lk.lock();
         }
-        lk.lock();
       }
       if (!ok) break;
     }

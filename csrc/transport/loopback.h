@@ -49,6 +49,7 @@ class LoopbackTransport final : public Transport {
   void run_peer(Peer* peer);
 
   std::mutex mu_;
+  std::condition_variable copy_cv_;
   std::map<int, std::unique_ptr<Peer>> peers_;
   std::map<RequestId, std::shared_ptr<Request>> requests_;
   std::map<uint64_t, uint64_t> registered_;  // addr -> length

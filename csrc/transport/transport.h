@@ -39,7 +39,10 @@ class Transport {
   virtual Status post(int engine, const std::vector<WriteDesc>& writes, RequestId* request) = 0;
   // kInProgress while running, kOk when every write landed, an error otherwise.
   virtual Status poll(RequestId request) = 0;
-  // Frees the request; cancels it first if still in flight. Always valid once per request.
+  // Frees the request, cancelling it first if still in flight. kOk: the transport no longer reads
+  // the request's local memory. kBusy: it could not cancel a write that may still read it (Mooncake
+  // cannot cancel); call release again later until it answers kOk — the writer keeps the slot
+  // until then (invariant 2).
   virtual Status release(RequestId request) = 0;
   virtual void close() = 0;
 };

@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from ..sender.buffers import TransferBuffers
+from ..sender.writer import PipelinedWriter
 from ..settings import TRANSPORTS, format_size, parse_size, settings
 from ..transport import attach_engine, make_sender_transport
 from ..transport.peer import PeerProcess, pattern, push_pattern
-from ..sender.writer import PipelinedWriter
 from .table import emit
 
 COLUMNS = [

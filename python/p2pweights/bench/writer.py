@@ -14,8 +14,8 @@ import numpy as np
 
 from .. import _native
 from ..sender.buffers import TransferBuffers
-from ..settings import format_size, parse_size
 from ..sender.writer import PipelinedWriter
+from ..settings import format_size, parse_size
 from .table import emit
 
 COLUMNS = [

@@ -36,7 +36,8 @@ def _transports() -> dict[str, dict]:
         "version": _version("mooncake-transfer-engine-non-cuda") or _version("mooncake-transfer-engine")
         or _version("mooncake-transfer-engine-cuda13"),
         "error": why or None,
-        "fix": None if ok else "apt-get install libibverbs1 && pip install mooncake-transfer-engine-non-cuda (GPU: mooncake-transfer-engine)",
+        "fix": None if ok else ("apt-get install libibverbs1 && pip install mooncake-transfer-engine-non-cuda "
+                                "(GPU: mooncake-transfer-engine)"),
     }
     nixl_mod, nixl_why = None, ""
     for mod in ("nixl_cu12", "nixl_cu13", "nixl._api"):

@@ -8,8 +8,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import _native
+from ..errors import Busy, UpdateFailed, failures_of
 from .buffers import TransferBuffers
-from ..errors import UpdateFailed, failures_of
 
 
 @dataclass
@@ -24,6 +24,7 @@ class EngineWriteReport:
     gbps: float
     state: str  # idle | ok | failed
     error: str = ""
+    peak_inflight: int = 0  # most batches posted and not yet returned at once
 
 
 @dataclass
@@ -83,13 +84,30 @@ class PipelinedWriter:
         self._engines.pop(int(engine), None)
 
     def acquire(self, timeout: float | None = None) -> int:
-        return self._native.acquire(-1.0 if timeout is None else float(timeout))
+        """A free slot. When every slot is held past the transfer timeout by writes the transport could
+        not cancel (Mooncake, an engine stopped mid-write), the update cannot go on: it is finished
+        and :class:`UpdateFailed` names the engines that failed; with no failure in this update
+        (leftovers of an earlier one) the :class:`Busy` from the core is raised as is."""
+        try:
+            return self._native.acquire(-1.0 if timeout is None else float(timeout))
+        except Busy as busy:
+            rows = self._native.finish()
+            report = WriteReport([EngineWriteReport(**{k: r[k] for k in EngineWriteReport.__dataclass_fields__})
+                                  for r in rows])
+            if not report.failures:
+                raise
+            raise UpdateFailed(failures_of(rows), report) from busy
 
     def release_slot(self, slot: int) -> None:
         self._native.release_slot(slot)
 
     def pending_batches(self, slot: int) -> int:
+        """Batches still reading the slot (queued, in flight, or released but not let go)."""
         return self._native.pending_batches(slot)
+
+    def draining_batches(self) -> int:
+        """Released writes the transport could not cancel; their slots stay taken until they end."""
+        return self._native.draining_batches()
 
     def submit(self, slot: int, writes: Sequence[tuple[int, int, int, int]] | np.ndarray) -> None:
         """writes: rows of (slot offset, length, engine id, remote address)."""

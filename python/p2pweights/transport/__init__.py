@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Protocol
 
 from .. import _native
-from ..settings import TRANSPORTS, settings
+from ..settings import TRANSPORTS, value
 from .publication import (
     EnginePublication,
     ParamTarget,
@@ -66,44 +66,64 @@ def _check_name(name: str) -> str:
     return name
 
 
+# The options each transport's backend takes (Settings.transport_options() gives the chosen one's).
+OPTIONS = {
+    "mooncake": ("hostname", "protocol", "device", "metadata_server"),
+    "nixl": ("backend", "progress_delay", "agent_name"),
+    "loopback": (),
+}
+
+
+def _options(name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The set options (None = unset: the setting, else the default, applies), each checked to be
+    one this transport takes, so a typo or another transport's option is an error, not ignored."""
+    opts = {k: v for k, v in opts.items() if v is not None}
+    unknown = sorted(set(opts) - set(OPTIONS[name]))
+    if unknown:
+        takes = ", ".join(OPTIONS[name]) or "no options"
+        raise TypeError(f"the {name} transport takes no option {', '.join(unknown)} (it takes {takes})")
+    return opts
+
+
 def make_backend(name: str, **opts: Any):
     """The Python backend object (the protocol PyTransport calls) for mooncake or nixl."""
     if _check_name(name) == "mooncake":
         from .mooncake import MooncakeBackend
 
-        return MooncakeBackend(**opts)
+        return MooncakeBackend(**_options(name, opts))
     if name == "nixl":
         from .nixl import NixlBackend
 
-        if opts.get("backend") is None:
-            opts["backend"] = settings().nixl_backend
-        return NixlBackend(**opts)
+        return NixlBackend(**_options(name, opts))
     raise ValueError(f"{name} has no Python backend")
 
 
 def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Transport":
     """A native Transport for the sender: loopback (in-process, tests), mooncake or nixl.
 
-    name defaults to P2PW_TRANSPORT (mooncake). Options go to the backend:
-    mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin), agent_name.
+    name defaults to P2PW_TRANSPORT (mooncake). Options go to the backend, None meaning unset —
+    so ``make_sender_transport(s.transport, **s.transport_options())`` works for a Settings ``s``:
+    mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin),
+    progress_delay (µs), agent_name. An option the transport does not take is a TypeError.
     """
-    name = _check_name(name or settings().transport)
+    name = _check_name(name or value("P2PW_TRANSPORT"))
     if name == "loopback":
+        _options(name, opts)
         return _native.LoopbackTransport()
     return _native.PyTransport(make_backend(name, **opts))
 
 
 def make_receiver_endpoint(name: str | None = None, **opts: Any) -> ReceiverEndpoint:
     """The engine rank's endpoint for mooncake or nixl (same options as the sender's backend)."""
-    name = _check_name(name or settings().transport)
+    name = _check_name(name or value("P2PW_TRANSPORT"))
     if name == "mooncake":
         from .mooncake import MooncakeReceiver
 
-        return MooncakeReceiver(**opts)
+        return MooncakeReceiver(**_options(name, opts))
     if name == "nixl":
         from .nixl import NixlReceiver
 
-        return NixlReceiver(**opts)
+        return NixlReceiver(**_options(name, opts))
     raise ValueError("the loopback transport has no receiver endpoint")
 
 

@@ -10,10 +10,13 @@ Non-blocking only. Mooncake's Python API has no non-blocking status for a multi-
 the first write of a batch only), so one posted batch of ours is a set of Mooncake single-write
 batches (``transfer_submit_write``), after merging writes that are contiguous on both sides, and
 ``poll`` asks each unfinished one with ``transfer_check_status`` (never blocks). Mooncake cannot
-cancel a write: a released in-flight write is kept as "abandoned" and reaped later, and a
-reconnect to the same peer waits until its abandoned writes ended (see ``connect``).
+cancel a write: a released in-flight write is kept as "abandoned" and reaped later. Until every
+abandoned write of a request ended, ``release`` of that request answers IN_PROGRESS ("still reading
+the slot"), so the native writer does not hand the slot out again (invariant 2); and a reconnect
+to the same peer waits until its abandoned writes ended (see ``connect``), so none lands after
+newer ones.
 
-Knobs (keyword, else environment, else default):
+Knobs (keyword, else the setting, else default; see p2pweights.settings):
   protocol  P2PW_MOONCAKE_PROTOCOL (also MOONCAKE_PROTOCOL)  rdma when an RDMA device exists, else tcp
   device    P2PW_MOONCAKE_DEVICE (also MOONCAKE_DEVICE)      "" (all devices)
   hostname  P2PW_HOSTNAME                                    127.0.0.1 without RDMA, else this host's IP
@@ -24,10 +27,11 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import Busy, NotFound, RemoteDisconnected, TransportError
+from ..settings import value
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
 
 NAME = "mooncake"
@@ -44,16 +48,8 @@ def rdma_devices() -> list[str]:
         return []
 
 
-def _env(*names: str) -> str | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v:
-            return v
-    return None
-
-
 def default_hostname() -> str:
-    h = _env("P2PW_HOSTNAME")
+    h = value("P2PW_HOSTNAME")
     if h:
         return h
     if not rdma_devices():
@@ -67,7 +63,7 @@ def default_hostname() -> str:
 
 
 def default_protocol() -> str:
-    return _env("P2PW_MOONCAKE_PROTOCOL", "MOONCAKE_PROTOCOL") or ("rdma" if rdma_devices() else "tcp")
+    return value("P2PW_MOONCAKE_PROTOCOL") or ("rdma" if rdma_devices() else "tcp")
 
 
 def new_engine(hostname: str | None = None, protocol: str | None = None, device: str | None = None,
@@ -81,7 +77,7 @@ def new_engine(hostname: str | None = None, protocol: str | None = None, device:
                              f"(apt-get install -y libibverbs1). Import error: {e}") from None
     hostname = hostname or default_hostname()
     protocol = protocol or default_protocol()
-    device = device if device is not None else (_env("P2PW_MOONCAKE_DEVICE", "MOONCAKE_DEVICE") or "")
+    device = device if device is not None else (value("P2PW_MOONCAKE_DEVICE") or "")
     te = TransferEngine()
     rc = te.initialize(hostname, metadata_server, protocol, device)
     if rc != 0:
@@ -117,6 +113,9 @@ class _Request:
     pending: list[int]                 # Mooncake batch ids not yet finished
     error: tuple[int, str] | None = None
     bytes: int = 0
+    # batch ids given up on (after a failed piece, or released in flight) that may still read the
+    # slot: release answers IN_PROGRESS until _reap saw each of them end
+    abandoned: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -134,8 +133,10 @@ class MooncakeBackend:
         self.engine, self.session_id = new_engine(hostname, protocol, device, metadata_server)
         self.protocol = protocol or default_protocol()
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._peers: dict[int, _Peer] = {}
         self._requests: dict[int, _Request] = {}
+        self._draining: dict[int, _Request] = {}  # released requests whose abandoned writes still run
         self._abandoned: dict[str, list[int]] = {}  # session -> batch ids released in flight
         self._registered: dict[int, int] = {}
         self._next = 1
@@ -204,11 +205,18 @@ class MooncakeBackend:
         for lo, re, n in coalesce(local, remote, lengths):
             bid = self.engine.transfer_submit_write(peer.session, lo, re, n)
             if bid in _BAD_BATCH or bid < 0:
-                # Writes already submitted keep running; abandon them (reaped later).
-                self._abandon(peer.session, req.pending)
                 if not _peer_alive(peer.session):
-                    raise RemoteDisconnected(f"Mooncake peer {peer.session} is gone (submit failed)")
-                raise TransportError(f"Mooncake transfer_submit_write to {peer.session} failed")
+                    error = (REMOTE_DISCONNECTED, f"Mooncake peer {peer.session} is gone (submit failed)")
+                else:
+                    error = (TRANSPORT_ERROR, f"Mooncake transfer_submit_write to {peer.session} failed")
+                if not req.pending:
+                    raise (RemoteDisconnected if error[0] == REMOTE_DISCONNECTED else TransportError)(error[1])
+                # Pieces already submitted keep running and read the slot: the request is returned
+                # failed, so that its release holds the slot until they ended.
+                pending, req.pending = req.pending, []
+                self._abandon(req, pending)
+                req.error = error
+                break
             req.pending.append(bid)
             req.bytes += n
         with self._lock:
@@ -232,8 +240,8 @@ class MooncakeBackend:
                 continue
             # The rest of this request cannot succeed; its other writes are abandoned (reaped later).
             rest = still + req.pending[i + 1:] + ([bid] if rc != -1 else [])
-            self._abandon(req.session, rest)
             req.pending = []
+            self._abandon(req, rest)
             if rc != -1:  # -2: Mooncake's own timeout, where one is configured
                 req.error = (TIMEOUT, f"Mooncake reported a timeout writing to {req.session}")
             elif _peer_alive(req.session):
@@ -244,33 +252,54 @@ class MooncakeBackend:
         req.pending = still
         return IN_PROGRESS if still else DONE
 
-    def release(self, request: int) -> None:
+    def release(self, request: int) -> int | None:
+        """None once no write of the request can read the sender's memory; IN_PROGRESS while one
+        that Mooncake cannot cancel still runs (the writer asks again and keeps the slot)."""
         with self._lock:
-            req = self._requests.pop(int(request), None)
+            req = self._requests.pop(int(request), None) or self._draining.pop(int(request), None)
         if req is None:
             raise NotFound(f"unknown Mooncake request {request}")
         if req.pending:
-            self._abandon(req.session, req.pending)
+            pending, req.pending = req.pending, []
+            self._abandon(req, pending)
+        if not req.abandoned:
+            return None
+        self._reap()
+        with self._lock:
+            live = {b for bids in self._abandoned.values() for b in bids}
+            req.abandoned = [b for b in req.abandoned if b in live]
+            if req.abandoned:
+                self._draining[int(request)] = req
+                return IN_PROGRESS
+        return None
 
-    def _abandon(self, session: str, batch_ids: list[int]) -> None:
+    def _abandon(self, req: _Request, batch_ids: list[int]) -> None:
         if batch_ids:
+            req.abandoned.extend(batch_ids)
             with self._lock:
-                self._abandoned.setdefault(session, []).extend(batch_ids)
+                self._abandoned.setdefault(req.session, []).extend(batch_ids)
 
     def _reap(self) -> None:
-        """Frees abandoned writes that ended since (transfer_check_status frees them)."""
-        with self._lock:
-            if not self._abandoned:
+        """Frees abandoned writes that ended since (transfer_check_status frees them). One reaper at a
+        time, and a write leaves ``_abandoned`` only once it was seen to end: ``release`` and
+        ``_drain`` read "still running" from it."""
+        with self._reap_lock:
+            with self._lock:
+                work = {session: list(bids) for session, bids in self._abandoned.items()}
+            ended = set()
+            for bids in work.values():
+                for bid in bids:
+                    if self.engine.transfer_check_status(bid) not in (0, -2):
+                        ended.add(bid)
+            if not ended:
                 return
-            work, self._abandoned = self._abandoned, {}
-        keep: dict[str, list[int]] = {}
-        for session, bids in work.items():
-            for bid in bids:
-                if self.engine.transfer_check_status(bid) in (0, -2):
-                    keep.setdefault(session, []).append(bid)
-        with self._lock:
-            for session, bids in keep.items():
-                self._abandoned.setdefault(session, []).extend(bids)
+            with self._lock:
+                for session in list(self._abandoned):
+                    left = [b for b in self._abandoned[session] if b not in ended]
+                    if left:
+                        self._abandoned[session] = left
+                    else:
+                        del self._abandoned[session]
 
     def abandoned_writes(self) -> int:
         with self._lock:

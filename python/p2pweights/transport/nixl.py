@@ -11,8 +11,10 @@ polled with ``check_xfer_state``. A request that completed is kept, keyed by its
 recurs every update — which saves building descriptor lists, ``initialize_xfer`` and
 ``release_xfer_handle`` (Python under the GIL that the loaders need). Failed, timed-out or
 cancelled requests are released (``release_xfer_handle`` cancels in flight), and so is every kept
-one of an engine that disconnects or reconnects. NIXL has no timeout of its own: the native
-writer's deadline is the only one.
+one of an engine that disconnects or reconnects. A request whose handle NIXL refuses to release
+(still busy) answers IN_PROGRESS to ``release``, and the native writer keeps its slot and asks
+again. NIXL has no timeout of its own: the native writer's deadline, which starts before
+``transfer()``, is the only one.
 
 Environment set here before NIXL is imported (``os.environ.setdefault``, so your values win):
   UCX_MODULES=^efa      without it every NIXL process segfaults at exit where rdma-core is installed
@@ -21,12 +23,14 @@ Environment set here before NIXL is imported (``os.environ.setdefault``, so your
                         TCP-only cluster set UCX_NET_DEVICES yourself (e.g. eth0).
 NIXL's Python logger prints to stdout; it is moved to stderr (NIXL_LOG_LEVEL still applies).
 NIXL's Python agent runs its progress thread with no delay (one core busy per process, idle or
-not); ours sleep P2PW_NIXL_PROGRESS_DELAY_US (default 1000 µs) between rounds, see new_agent.
+not); ours sleep ``progress_delay`` µs (keyword, else P2PW_NIXL_PROGRESS_DELAY_US, default 1000)
+between rounds, see new_agent.
 Plugin: keyword ``backend``, else P2PW_NIXL_BACKEND, else SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else UCX.
 
-Known limit: with UCX's cma transport (same host, host memory) ``transfer()`` copies before it
-returns (GIL released). The copy is one-sided (process_vm_writev), so a stopped peer cannot make it
-hang, but that time is spent before the writer's deadline starts.
+With UCX's cma transport (same host, host memory) ``transfer()`` may copy before it returns (GIL
+released); that time counts against the writer's deadline, which starts before the post. A post
+that never returns is bounded too: ``finish()`` reports its engine failed after the transfer
+timeout.
 """
 from __future__ import annotations
 
@@ -37,8 +41,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import settings
 from ..errors import NotFound, RemoteDisconnected, TransportError
+from ..settings import value
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
 
 NAME = "nixl"
@@ -112,8 +116,7 @@ _agent_lock = threading.Lock()
 
 
 def progress_delay_us() -> int:
-    raw = os.environ.get("P2PW_NIXL_PROGRESS_DELAY_US")
-    return int(raw) if raw else 1000
+    return int(value("P2PW_NIXL_PROGRESS_DELAY_US"))
 
 
 def new_agent(name: str, backend: str | None = None, progress_delay: int | None = None):
@@ -121,7 +124,7 @@ def new_agent(name: str, backend: str | None = None, progress_delay: int | None 
     rounds (P2PW_NIXL_PROGRESS_DELAY_US, default 1000; 0 = NIXL's own busy loop, a whole core per
     process even when idle)."""
     api = nixl_api()
-    backend = backend or settings().nixl_backend
+    backend = backend or value("P2PW_NIXL_BACKEND")
     delay = progress_delay_us() if progress_delay is None else int(progress_delay)
     cfg = api.nixl_agent_config(enable_prog_thread=True, backends=[backend])
     try:
@@ -213,12 +216,14 @@ class NixlBackend:
 
     name = NAME
 
-    def __init__(self, *, backend: str | None = None, agent_name: str | None = None):
+    def __init__(self, *, backend: str | None = None, agent_name: str | None = None,
+                 progress_delay: int | None = None):
         self.agent_name = agent_name or f"p2pw-sender-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent, self.plugin = new_agent(self.agent_name, backend)
+        self.agent, self.plugin = new_agent(self.agent_name, backend, progress_delay)
         self._lock = threading.Lock()
         self._peers: dict[int, _Peer] = {}
         self._requests: dict[int, _Request] = {}
+        self._draining: dict[int, Any] = {}  # request id -> handle NIXL refused to release
         self._registered: dict[int, tuple[int, str, int, Any]] = {}  # addr -> (length, mem, dev, reg descs)
         self._abandoned: list[Any] = []
         self._kept: OrderedDict[tuple, Any] = OrderedDict()  # (engine, writes) -> completed request
@@ -335,11 +340,16 @@ class NixlBackend:
         req.error = (TRANSPORT_ERROR, f"NIXL write state {state}")
         return req.error
 
-    def release(self, request: int) -> None:
+    def release(self, request: int) -> int | None:
+        """None once NIXL let go of the request; IN_PROGRESS while it refuses to release a handle
+        that may still read the sender's memory (the writer asks again and keeps the slot)."""
         with self._lock:
             req = self._requests.pop(int(request), None)
-        if req is None:
+            refused = self._draining.pop(int(request), None) if req is None else None
+        if req is None and refused is None:
             raise NotFound(f"unknown NIXL request {request}")
+        if refused is not None:
+            return self._release_or_keep(int(request), refused)
         evicted = None
         with self._lock:
             keep = req.state == DONE and req.error is None and not self._closed and req.engine in self._peers
@@ -347,10 +357,18 @@ class NixlBackend:
                 self._kept[req.key] = req.handle
                 if len(self._kept) > MAX_KEPT_REQUESTS:
                     evicted = self._kept.popitem(last=False)[1]
-        if not keep:
-            self._release_handle(req.handle)
         if evicted is not None:
             self._release_handle(evicted)
+        return None if keep else self._release_or_keep(int(request), req.handle)
+
+    def _release_or_keep(self, request: int, handle: Any) -> int | None:
+        try:
+            self.agent.release_xfer_handle(handle)  # cancels a write still in flight
+        except Exception:
+            with self._lock:
+                self._draining[request] = handle
+            return IN_PROGRESS
+        return None
 
     def _drop_kept(self, engine: int | None = None) -> None:
         """Release the kept requests of one engine (every engine: None)."""
@@ -379,6 +397,9 @@ class NixlBackend:
         self._closed = True
         with self._lock:
             reqs, self._requests = list(self._requests.values()), {}
+            for h in self._draining.values():
+                self._abandoned.append(h)
+            self._draining = {}
             peers, self._peers = list(self._peers.values()), {}
             regs, self._registered = list(self._registered.values()), {}
         for r in reqs:
@@ -402,9 +423,10 @@ class NixlReceiver:
 
     name = NAME
 
-    def __init__(self, *, backend: str | None = None, agent_name: str | None = None):
+    def __init__(self, *, backend: str | None = None, agent_name: str | None = None,
+                 progress_delay: int | None = None):
         self.agent_name = agent_name or f"p2pw-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent, self.plugin = new_agent(self.agent_name, backend)
+        self.agent, self.plugin = new_agent(self.agent_name, backend, progress_delay)
         self._registered: dict[int, Any] = {}
         self._location = "cpu"
         self._closed = False
