@@ -1,24 +1,27 @@
 """Receiver engines as real processes (one per engine rank, sglang's model classes), real Mooncake
 and NIXL on 127.0.0.1: the published tables, one-sided writes of sglang's own bytes, the equality
 check (pass, and a corrupted byte named with its rank), and a killed engine restarted on its port.
+Also the receiver's structure: ranks forked from a single-threaded launcher, no import of the
+broadcast baseline, one reference model shared with check-layout.
 """
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from replica_configs import write_config  # noqa: E402
-
-from p2pweights.sender.buffers import TransferBuffers  # noqa: E402
 from p2pweights.control import SglangEngine, UpdateSession  # noqa: E402
 from p2pweights.errors import EngineError  # noqa: E402
-from p2pweights.receiver.engine import check_weights_equal, start_engine  # noqa: E402
-from p2pweights.transport import EnginePublication, attach_engine, make_sender_transport, param_writes  # noqa: E402
+from p2pweights.receiver import check_weights_equal, start_engine  # noqa: E402
+from p2pweights.sender.buffers import TransferBuffers  # noqa: E402
 from p2pweights.sender.writer import PipelinedWriter  # noqa: E402
+from p2pweights.transport import EnginePublication, attach_engine, make_sender_transport, param_writes  # noqa: E402
+from replica_configs import write_config  # noqa: E402
 
 SLOT = 4 << 20
 
@@ -34,14 +37,14 @@ _references: dict = {}
 
 def reference_params(config: str, engine: str, rank: int, seed: int) -> dict:
     """name -> bytes of what sglang's loader puts into each parameter of that rank (the sender's side)."""
-    from p2pweights.receiver.reference import ReferenceModel, _as_bytes
     from p2pweights.replica.layout import EngineLayout
+    from p2pweights.replica.reference import ReferenceModel, tensor_bytes
 
     key = (config, engine, rank)
     if key not in _references:
         _references[key] = ReferenceModel(config, EngineLayout.parse(engine), rank)
     model, _ = _references[key].loaded(seed)
-    return {n: _as_bytes(p).clone() for n, p in model.named_parameters()}
+    return {n: tensor_bytes(p).clone() for n, p in model.named_parameters()}
 
 
 def write_update(engine, config: str, seed: int, corrupt: tuple[int, str, int] | None = None) -> None:
@@ -169,3 +172,78 @@ def test_a_killed_engine_dies_whole_and_restarts_on_the_same_port(configs):
             client.begin_weight_update()
     finally:
         engine.close()
+
+
+def test_the_launcher_forks_every_rank_from_a_single_threaded_process(dense_engine):
+    """Forking a process that runs threads can leave a lock held forever in the child: the launcher's
+    loop starts no thread, Python or native, before or between its forks."""
+    from p2pweights.receiver.launcher import Launcher
+
+    if dense_engine.launch != "fork":
+        pytest.skip("P2PW_RECEIVER_LAUNCH=spawn: no launcher")
+    launcher = Launcher.current()
+    forks = [f for f in launcher.forks if f["pid"] in dense_engine.pids.values()]
+    assert len(forks) == 2  # one fork per rank of this engine
+    assert all(f["threads"] == 1 for f in forks), forks  # the main thread only
+    # nor did a native thread appear since sglang was imported: what is left are the BLAS pools its
+    # import made, which shut themselves down at a fork (pthread_atfork) and stay down after it
+    assert all(f["os_threads"] <= launcher.ready_event["os_threads"] for f in forks), (forks, launcher.ready_event)
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module an ``import`` statement of ``path`` (a module of ``package``) names, absolute."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_receiver_module_imports_the_broadcast_baseline():
+    """The broadcast path reaches an engine rank only as a BroadcastReceiver it is given."""
+    import p2pweights.receiver as receiver
+
+    modules = sorted(Path(receiver.__file__).parent.glob("*.py"))
+    assert {m.stem for m in modules} >= {"rank", "rank_process", "launcher", "local", "hooks", "region"}
+    for module in modules:
+        imported = _imported_modules(module, "p2pweights.receiver")
+        assert not [n for n in imported if n.startswith("p2pweights.baseline")], module.name
+    # and the reference model the ranks compare with does not import the receiver back (no cycle)
+    import p2pweights.replica.reference as reference
+
+    imported = _imported_modules(Path(reference.__file__), "p2pweights.replica")
+    assert not [n for n in imported if n.startswith("p2pweights.receiver")]
+
+
+def test_check_layout_and_the_receivers_equality_check_use_one_reference_model(configs, monkeypatch):
+    import torch
+
+    from p2pweights.replica import check, reference
+    from p2pweights.replica.layout import EngineLayout
+
+    with pytest.raises(ImportError):
+        import p2pweights.receiver.reference  # noqa: F401 - the receiver's own copy is gone
+    built = []
+    real = reference.reference_model
+
+    def recording(*args, **kwargs):
+        built.append(kwargs.get("post_process", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "reference_model", recording)
+    engine = EngineLayout.parse("tp=2")
+    assert check.check_layout(configs["qwen3"], engine, ranks=[1], seed=4).equal       # check-layout's side
+    received, _ = reference.ReferenceModel(configs["qwen3"], engine, 1).loaded(4)      # an engine rank's side
+    assert built == [False, True]  # both built by the one reference_model; the receiver's post-processed
+    # qwen3's post-processing leaves parameters alone: both references hold the same parameter bytes
+    loaded = dict(real(configs["qwen3"], engine, 1, seed=4).named_parameters())
+    mine = dict(received.named_parameters())
+    assert mine.keys() == loaded.keys()
+    assert all(torch.equal(reference.tensor_bytes(mine[n]), reference.tensor_bytes(p)) for n, p in loaded.items())

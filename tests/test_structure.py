@@ -128,6 +128,7 @@ def test_the_extension_has_a_type_stub():
 
 def test_every_declared_pytest_marker_is_used():
     import re
+
     import tomllib
 
     project = ROOT.parent

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 from . import _native
-from .sender.buffers import TransferBuffers
-from .settings import SettingError, Settings
 from .errors import (
     Busy,
     Closed,
@@ -28,7 +26,9 @@ from .errors import (
     UpdateFailed,
     WrongTransport,
 )
+from .sender.buffers import TransferBuffers
 from .sender.writer import PipelinedWriter, WriteReport
+from .settings import SettingError, Settings
 
 __version__ = _native.__version__
 

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ..settings import parse_size
-from ..control.sglang import SglangEngine, UpdateSession, call_engines
+from ..control import SglangEngine, UpdateSession, call_engines
 from ..errors import EngineError
+from ..settings import REGISTRY
+from ..settings import value as setting
 
 if TYPE_CHECKING:
     import torch
@@ -40,38 +39,62 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "p2pw_broadcast"
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = REGISTRY["P2PW_BROADCAST_BUCKET"].default
 DEFAULT_TIMEOUT = 120.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+class WeightUpdateGroup:
+    """One member of a torch.distributed group of its own (not the default group: the trainer has
+    one, the engine may too), as sglang's ``init_custom_process_group`` makes, from public APIs
+    only: group rank 0 hosts a ``TCPStore`` at ``master_address:master_port`` (or passes its own
+    ``store``), every member wraps it in a ``PrefixStore`` named after the group and builds the
+    backend's process group on it (``ProcessGroupGloo`` / ``ProcessGroupNCCL``). The group is not
+    registered in torch.distributed's global state, so its collectives are its own methods."""
+
+    def __init__(self, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                 group_name: str, timeout: float = DEFAULT_TIMEOUT, store: Any = None):
+        import torch.distributed as dist
+
+        td = datetime.timedelta(seconds=float(timeout))
+        self.backend, self.rank, self.world_size, self.group_name = backend, int(rank), int(world_size), group_name
+        if store is None:
+            store = dist.TCPStore(master_address, int(master_port), self.world_size, is_master=self.rank == 0,
+                                  timeout=td, wait_for_workers=False, multi_tenant=True)
+        self.store = store
+        prefixed = dist.PrefixStore(group_name, store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
+        elif backend == "nccl":
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise EngineError("backend nccl needs a CUDA build of torch; use backend='gloo'")
+            self.pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size, td)
+        else:
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+
+    def broadcast(self, tensor: "torch.Tensor") -> None:
+        """Group rank 0 sends ``tensor``; every other member receives into it (in place)."""
+        self.pg.broadcast(tensor, 0).wait()
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            pg.shutdown()
+        self.store = None
 
 
-def join_weight_update_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                             group_name: str, timeout: float = DEFAULT_TIMEOUT) -> Any:
-    """Join a torch.distributed group of its own (not the default group: the trainer has one, the
-    engine may too), as sglang's ``init_custom_process_group`` does; rank 0 hosts the TCP store.
-    Returns the process group; ``broadcast(t, src=0, group=pg)`` works in it."""
-    from torch.distributed import distributed_c10d as c10d
+class GroupReceiver:
+    """The engine-rank side of the broadcast path: a ``p2pweights.receiver.rank.BroadcastReceiver``
+    (the rank processes' default ``--broadcast-receiver``)."""
 
-    td = datetime.timedelta(seconds=float(timeout))
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", int(rank),
-                                                   int(world_size), timeout=td))
-    store.set_timeout(td)
-    store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                           group_name=group_name, timeout=td)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    def join(self, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+             group_name: str, timeout: float = DEFAULT_TIMEOUT) -> WeightUpdateGroup:
+        return WeightUpdateGroup(backend, master_address, master_port, world_size, rank, group_name, timeout)
 
+    def receive(self, group: WeightUpdateGroup, tensor: "torch.Tensor") -> None:
+        group.broadcast(tensor)
 
-def leave_weight_update_group(pg: Any) -> None:
-    import torch.distributed as dist
-
-    dist.destroy_process_group(pg)
+    def leave(self, group: WeightUpdateGroup) -> None:
+        group.close()
 
 
 def dtype_name(t: "torch.Tensor") -> str:
@@ -101,7 +124,8 @@ class BroadcastSender:
     default nccl when CUDA is available, else gloo. ``bucket_bytes`` (``P2PW_BROADCAST_BUCKET``):
     tensors per ``update_weights_from_distributed`` call, by size. ``timeout``: the group's
     collective timeout, seconds. ``master_address``/``master_port``: where the group's store
-    listens (this process; port default: a free one).
+    listens (this process hosts it; port default: any free one, read ``master_port`` after
+    ``init_group``).
     """
 
     def __init__(self, engines: Sequence[SglangEngine | str], *, backend: str | None = None,
@@ -117,13 +141,12 @@ class BroadcastSender:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = "cpu" if self.backend == "gloo" else "cuda"
         self.master_address = master_address
-        self.master_port = int(master_port) if master_port else free_port(master_address)
+        self.master_port = int(master_port) if master_port else 0
         self.group_name = group_name
-        raw = bucket_bytes if bucket_bytes is not None else os.environ.get("P2PW_BROADCAST_BUCKET")
-        self.bucket_bytes = parse_size(raw) if raw is not None else DEFAULT_BUCKET_BYTES
+        self.bucket_bytes = int(setting("P2PW_BROADCAST_BUCKET", bucket_bytes))
         self.timeout = float(timeout)
         self.flush_cache = flush_cache
-        self.group: Any = None
+        self.group: WeightUpdateGroup | None = None
         self.engine_ranks: dict[str, int] = {}
         self.world_size = 0
 
@@ -141,6 +164,13 @@ class BroadcastSender:
         for e in self.engines:
             offsets[e.name] = offset
             offset += self.engine_ranks[e.name]
+        import torch.distributed as dist
+
+        # this process hosts the group's store, so the engines can be told its port before anyone joins
+        td = datetime.timedelta(seconds=self.timeout)
+        store = dist.TCPStore(self.master_address, self.master_port, self.world_size, is_master=True, timeout=td,
+                              wait_for_workers=False, multi_tenant=True)
+        self.master_port = store.port
         calls: dict[str, Any] = {}
 
         def ask() -> None:
@@ -152,8 +182,8 @@ class BroadcastSender:
         t = threading.Thread(target=ask, name="p2pw-broadcast-init", daemon=True)
         t.start()
         try:
-            self.group = join_weight_update_group(self.backend, self.master_address, self.master_port,
-                                                  self.world_size, 0, self.group_name, self.timeout)
+            self.group = WeightUpdateGroup(self.backend, self.master_address, self.master_port, self.world_size, 0,
+                                           self.group_name, self.timeout, store=store)
         finally:
             t.join(self.timeout + 10)
         result = calls.get("result")
@@ -170,7 +200,7 @@ class BroadcastSender:
         for name, err in calls.errors.items():
             logger.warning("engine %s: destroy_weights_update_group failed: %s", name, err)
         try:
-            leave_weight_update_group(group)
+            group.close()
         except Exception as e:  # noqa: BLE001
             logger.warning("leaving the broadcast group failed: %s", e)
 
@@ -215,8 +245,8 @@ class BroadcastSender:
     def broadcast_bucket(self, bucket: Sequence[tuple[str, "torch.Tensor"]]) -> None:
         """One ``update_weights_from_distributed`` call on every engine (each in a thread) while
         this process broadcasts each tensor of the bucket, in order, from rank 0."""
-        import torch.distributed as dist
-
+        if self.group is None:
+            raise EngineError("the broadcast group is not initialized: call init_group() (or update()) first")
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
@@ -231,7 +261,7 @@ class BroadcastSender:
         t.start()
         try:
             for _, tensor in bucket:
-                dist.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)
+                self.group.broadcast(tensor.detach().to(self.device).contiguous())
         finally:
             t.join(self.timeout + 10)
         result = calls.get("result")

@@ -62,7 +62,7 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
         sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
         _, (urls, names) = conn.recv()  # ("connect", (urls, names))
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
-        specs = {n: s for p in sender._prepared for n, s in p.replica.hf_specs.items()}
+        specs = {n: s for p in sender.prepared for n, s in p.replica.hf_specs.items()}
         conn.send(("connected", None))
         while True:
             cmd, arg = conn.recv()
@@ -152,7 +152,7 @@ class SenderPool:
 def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | None, str]:
     if not enabled:
         return None, ""
-    from ..receiver.engine import check_weights_equal
+    from ..receiver import check_weights_equal
 
     results = [check_weights_equal(e.url, hf_seed=seed) for e in engines]
     bad = [r["message"] for r in results if not r.get("success")]
@@ -235,7 +235,7 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
              transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
              overrides: dict | None = None, progress: Callable[[str], None] = print,
              verbose: bool = False) -> list[StepResult]:
-    from ..receiver.engine import LocalEngine
+    from ..receiver import LocalEngine
 
     t0 = time.perf_counter()
     progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")

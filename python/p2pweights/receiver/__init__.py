@@ -1,9 +1,14 @@
-"""The engine side for any PyTorch engine.
+"""The engine side for any PyTorch engine, split by job.
 
-``ReceiverServer`` serves sglang's control endpoints; ``start_engine`` runs an engine of T rank
-processes holding sglang's model of their rank in one registered region each (``receiver.engine``);
-``check_weights_equal`` asks every rank to compare its bytes with sglang's own loader.
-Registering memory with a transport and publishing it live in ``p2pweights.transport``.
+``ReceiverServer`` (``receiver.server``) serves sglang's control endpoints for any engine given
+``ReceiverHooks``. The rest is an engine made of real sglang model ranks, one process each:
+``receiver.region`` (a rank's parameters in one registered allocation), ``receiver.rank``
+(``EngineRank``), ``receiver.rank_server`` and ``receiver.hooks`` (the leader and its ranks),
+``receiver.rank_process`` and ``receiver.launcher`` (starting rank processes), ``receiver.local``
+(``start_engine``, ``LocalEngine``, ``check_weights_equal``: every rank compares its bytes with
+sglang's own loader, ``p2pweights.replica.reference``). Registering memory with a transport and
+publishing it live in ``p2pweights.transport``. The broadcast baseline plugs in through
+``receiver.rank.BroadcastReceiver``; nothing here imports it.
 """
 from __future__ import annotations
 
@@ -11,13 +16,19 @@ from typing import Any
 
 from .server import ReceiverHooks, ReceiverServer, register_transfer_engine_info
 
-__all__ = ["LocalEngine", "ReceiverHooks", "ReceiverServer", "check_weights_equal", "register_transfer_engine_info",
-           "start_engine", "start_engines"]
+__all__ = ["BroadcastReceiver", "EngineHooks", "EngineRank", "LocalEngine", "ReceiverHooks", "ReceiverServer",
+           "check_weights_equal", "register_transfer_engine_info", "start_engine", "start_engines"]
+
+# name -> the module defining it; imported on first use (they import torch lazily; keep this package light)
+_LAZY = {
+    "LocalEngine": ".local", "check_weights_equal": ".local", "start_engine": ".local", "start_engines": ".local",
+    "EngineRank": ".rank", "BroadcastReceiver": ".rank", "EngineHooks": ".hooks",
+}
 
 
-def __getattr__(name: str) -> Any:  # the engine module imports torch lazily; keep this package light
-    if name in ("LocalEngine", "check_weights_equal", "start_engine", "start_engines"):
-        from . import engine
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,10 @@
 
 For each engine rank: random HF tensors for the config go (a) through the replica path — probe,
 parameter groups, one slot, the replica's loaders — and (b) through sglang's own
-``load_weights`` into a fully materialized CPU model of that rank. Every parameter's bytes are
-compared. Inputs are made per HF name from a seed, so neither path holds the whole checkpoint.
+``load_weights`` into a fully materialized CPU model of that rank (the reference model of
+:mod:`p2pweights.replica.reference`, which the receiver's equality check uses too). Every
+parameter's bytes are compared. Inputs are made per HF name from a seed, so neither path holds the
+whole checkpoint.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..models.checkpoint import checkpoint_tensors, random_tensor
+from . import reference
 from .layout import EngineLayout
-from . import sglang_env
+from .reference import reference_model  # noqa: F401 - callers import it from here too
 from .replica import ModelReplica, ModelReplicas
 
 if TYPE_CHECKING:
@@ -80,19 +83,10 @@ def check_rank(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0,
     t0 = time.perf_counter()
     specs = checkpoint_tensors(config)
     replica = (replicas or ModelReplicas(cache_dir="")).get(config, engine, rank, hf_specs=specs)
-    reference = reference_model(config, engine, rank, seed=seed)
-    result = compare_with_reference(replica, reference, seed=seed)
+    model = reference.reference_model(config, engine, rank, seed=seed)  # the receiver's equality check's, too
+    result = compare_with_reference(replica, model, seed=seed)
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def reference_model(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0) -> "torch.nn.Module":
-    """sglang's own loader into a fully materialized CPU model of the rank (every HF tensor)."""
-    specs = checkpoint_tensors(config)
-    model = sglang_env.materialize(sglang_env.build_model(config, engine, rank), "cpu")
-    with sglang_env.activate(model):
-        model.load_weights((n, random_tensor(n, s, seed)) for n, s in specs.items())
-    return model
 
 
 def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", *, seed: int = 0) -> RankCheck:
@@ -118,7 +112,8 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
             result.params_checked += 1
             result.bytes_checked += region.nbytes
             if want_bytes.numel() != region.nbytes:
-                result.mismatches.append(f"{region.param_name}: {region.nbytes} bytes in the slot, engine holds {want_bytes.numel()}")
+                result.mismatches.append(
+                    f"{region.param_name}: {region.nbytes} bytes in the slot, engine holds {want_bytes.numel()}")
             elif not torch.equal(got, want_bytes):
                 differing = int((got != want_bytes).sum())
                 result.mismatches.append(f"{region.param_name}: {differing} of {region.nbytes} bytes differ")

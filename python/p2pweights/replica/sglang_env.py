@@ -12,6 +12,7 @@ Public API::
     build_model(config, engine, rank, device="meta") # -> torch.nn.Module of that engine rank
     activate(model)                                  # context manager: its runtime context
     materialize(model, device="cpu")                 # real storage, parameters keep class+__dict__
+    replace_parameters(model, make)                  # every parameter over new storage (the one rebuild)
 
 The model is built as a GPU rank's (``ServerArgs(device="cuda")``) so its layout is the
 engine's; nothing runs on a GPU. Never set SGLANG_USE_CPU_ENGINE=1 (CPU loaders differ).
@@ -30,9 +31,10 @@ import tempfile
 import threading
 import types
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import UnsupportedLayout
+from ..settings import value as setting
 from .layout import EngineLayout
 
 if TYPE_CHECKING:
@@ -133,7 +135,7 @@ def _sglang_imports() -> Iterator[None]:
     """Where sglang modules get imported. With P2PW_SGLANG_IMPORT_AS_CPU=1 they see no CUDA."""
     import torch
 
-    if os.environ.get("P2PW_SGLANG_IMPORT_AS_CPU") != "1":
+    if setting("P2PW_SGLANG_IMPORT_AS_CPU") != "1":
         yield
         return
     real_is_available = torch.cuda.is_available
@@ -287,7 +289,9 @@ def parallel_group_ranks(
             for d in range(moe_dp_size)
             for t in range(moe_tp)
         ],
-        "moe_tp_group": [list(range(b + i * moe_tp, b + (i + 1) * moe_tp)) for b in tp_blocks for i in range(moe_ep_size * moe_dp_size)],
+        "moe_tp_group": [
+            list(range(b + i * moe_tp, b + (i + 1) * moe_tp)) for b in tp_blocks for i in range(moe_ep_size * moe_dp_size)
+        ],
     }
     return groups
 
@@ -431,8 +435,22 @@ def install_parameter(sites: list[tuple["torch.nn.Module", str]], param: "torch.
         module._parameters[attr] = param
 
 
+def replace_parameters(model: "torch.nn.Module",
+                       make: Callable[[str, "torch.nn.Parameter"], "torch.Tensor | None"]) -> None:
+    """Rebuild every parameter over ``make(name, old)``'s storage (None keeps ``old``), in
+    ``named_parameters`` order; tied parameters are rebuilt once and stay tied. What
+    :func:`materialize` and the receiver's weight region (``receiver.region``) both use; the
+    replica's slot views swap single parameters with :func:`rebuild_parameter` the same way."""
+    params = dict(model.named_parameters())
+    for name, sites in parameter_sites(model).items():
+        data = make(name, params[name])
+        if data is not None:
+            install_parameter(sites, rebuild_parameter(params[name], data))
+
+
 def materialize(model: "torch.nn.Module", device: str = "cpu", fill: float | None = 0.0) -> "torch.nn.Module":
-    """Give every parameter and buffer real storage on ``device``, in place.
+    """Give every parameter, buffer and tensor attribute still on the meta device real storage on
+    ``device``, in place.
 
     Each parameter keeps its class and ``__dict__`` (``weight_loader`` and friends); tied
     parameters stay tied. ``fill`` (default 0) initializes the storage so padding that loaders
@@ -446,15 +464,14 @@ def materialize(model: "torch.nn.Module", device: str = "cpu", fill: float | Non
             out.fill_(fill)
         return out
 
-    params = dict(model.named_parameters())
-    for name, sites in parameter_sites(model).items():
-        old = params[name]
-        if old.device.type == "meta":
-            install_parameter(sites, rebuild_parameter(old, real(old)))
+    replace_parameters(model, lambda name, old: real(old) if old.device.type == "meta" else None)
     for module in model.modules():
         for attr, buf in module._buffers.items():
             if buf is not None and buf.device.type == "meta":
                 module._buffers[attr] = real(buf)
+        for attr, value in list(vars(module).items()):  # derived tensors some modules keep as attributes
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_meta:
+                setattr(module, attr, real(value))
     return model
 
 
@@ -469,7 +486,6 @@ def run_update_session_hooks(model: "torch.nn.Module", device: str = "cpu") -> N
     (post_load_weights + process_weights_after_loading). For the layouts a replica supports the
     parameter bytes come out unchanged (see docs/replica.md); tests pin that."""
     import torch
-
     from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
 
     with activate(model):

@@ -1,17 +1,18 @@
-"""The equality check (``--check-weight-update-equal``): an engine rank's weights, byte for byte,
-against what sglang's own ``load_weights`` makes of the same full HF tensors in the same process.
+"""The reference model: sglang's model of one engine rank, loaded by sglang's own ``load_weights``
+from the HF tensors ``random_checkpoint(specs, seed)`` makes. The one implementation behind both
+byte-exactness checks:
 
-After an update, each engine rank compares every parameter, buffer and derived tensor (tensor
-attributes that post-processing sets on modules, such as DeepSeek's ``w_kc``/``w_vc``) of its live
-model with a *reference model* of the same rank: sglang's model class, loaded by sglang's
-``load_weights`` from the HF tensors ``random_checkpoint(specs, seed)`` regenerates, then
-post-processed as sglang's ``end_weight_update`` does after a loader ran
-(``restore_weights_before_loading`` -> ``load_weights`` -> ``postprocess_weights``). The live model
-was post-processed by the receiver's own ``end_weight_update`` (``post_load_weights`` +
-``postprocess_weights``), so the check covers both the written bytes and the post-processing.
+- ``p2pweights check-layout`` (:mod:`p2pweights.replica.check`) compares the replica path's slot
+  bytes with the parameters of :func:`reference_model` (as loaded, not post-processed);
+- the receiver's equality check (``--check-weight-update-equal``) compares an engine rank's live
+  model, after the update and its ``end_weight_update``, with a :class:`ReferenceModel` loaded and
+  post-processed as sglang's ``end_weight_update`` does after a loader ran
+  (``restore_weights_before_loading`` -> ``load_weights`` -> ``postprocess_weights``), tensor by
+  tensor (:func:`named_state`: parameters, buffers and derived tensors such as DeepSeek's
+  ``w_kc``/``w_vc``), with :func:`compare_models`.
 
-One reference model per engine-rank process, built on first use and reloaded only when the seed
-changes (:class:`ReferenceModel`).
+Inputs are made per HF name from a seed (``random_tensor``), so neither side of a check holds the
+whole checkpoint twice.
 """
 from __future__ import annotations
 
@@ -21,8 +22,33 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from . import sglang_env
+
 if TYPE_CHECKING:
     import torch
+
+
+def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_process: bool = False,
+                    model: "torch.nn.Module | None" = None) -> "torch.nn.Module":
+    """sglang's own loader into a fully materialized, zeroed CPU model of the rank (every HF tensor of
+    ``random_checkpoint(checkpoint_tensors(config), seed)``). ``post_process``: also run what an update
+    session runs around a loader (restore before, ``postprocess_weights`` after). ``model``: reload
+    this reference (built by an earlier call) instead of building a new one."""
+    import torch
+
+    if model is None:
+        model = sglang_env.materialize(sglang_env.build_model(config, engine, rank, device="meta"), "cpu")
+    from sglang.srt.model_loader.loader import DefaultModelLoader  # importable once build_model prepared sglang
+
+    cpu = torch.device("cpu")
+    with sglang_env.activate(model):
+        if post_process:
+            DefaultModelLoader.restore_weights_before_loading(model, cpu)
+        model.load_weights(random_checkpoint(checkpoint_tensors(config), int(seed)))  # runs post_load_weights
+        if post_process:
+            DefaultModelLoader.postprocess_weights(model, cpu)
+    return model
 
 
 def named_state(model: "torch.nn.Module") -> dict[str, "torch.Tensor"]:
@@ -42,7 +68,8 @@ def named_state(model: "torch.nn.Module") -> dict[str, "torch.Tensor"]:
     return out
 
 
-def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
+def tensor_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    """A tensor's bytes as a flat uint8 tensor (bool as 0/1 bytes)."""
     import torch
 
     t = t.detach().contiguous().reshape(-1)
@@ -110,7 +137,7 @@ def compare_models(live: "torch.nn.Module", reference: "torch.nn.Module", *, ran
             result.mismatches.append(Mismatch(name, f"engine holds {tuple(a.shape)} {a.dtype}, sglang's loader "
                                                     f"makes {tuple(b.shape)} {b.dtype}"))
             continue
-        ab, bb = _as_bytes(a), _as_bytes(b)
+        ab, bb = tensor_bytes(a), tensor_bytes(b)
         result.bytes += ab.numel()
         if not torch.equal(ab, bb):
             differ = (ab != bb).nonzero()
@@ -121,8 +148,8 @@ def compare_models(live: "torch.nn.Module", reference: "torch.nn.Module", *, ran
 
 
 class ReferenceModel:
-    """sglang's model of one engine rank, loaded by sglang's own ``load_weights`` from
-    ``random_checkpoint(specs, seed)`` and post-processed; built once, reloaded per new seed."""
+    """The post-processed :func:`reference_model` of one engine rank, kept by an engine-rank
+    process: built on first use, reloaded only when the seed changes."""
 
     def __init__(self, config: Any, engine: Any, rank: int):
         self.config, self.engine, self.rank = config, engine, int(rank)
@@ -132,28 +159,13 @@ class ReferenceModel:
 
     def loaded(self, seed: int) -> tuple["torch.nn.Module", float]:
         """The reference loaded from seed ``seed`` (and the seconds spent loading it now, 0 if cached)."""
-        import torch
-
-        from ..replica import sglang_env
-        from ..models.checkpoint import checkpoint_tensors, random_checkpoint
-        from .engine import materialize_rank_model
-
         with self._lock:
             if self.model is not None and self.seed == seed:
                 return self.model, 0.0
             t0 = time.perf_counter()
-            if self.model is None:
-                self.model = materialize_rank_model(
-                    sglang_env.build_model(self.config, self.engine, self.rank, device="meta"))
-            from sglang.srt.model_loader.loader import DefaultModelLoader
-
-            specs = checkpoint_tensors(self.config)
             self.seed = None
-            with sglang_env.activate(self.model):
-                cpu = torch.device("cpu")
-                DefaultModelLoader.restore_weights_before_loading(self.model, cpu)
-                self.model.load_weights(random_checkpoint(specs, int(seed)))  # runs post_load_weights itself
-                DefaultModelLoader.postprocess_weights(self.model, cpu)
+            self.model = reference_model(self.config, self.engine, self.rank, seed=int(seed), post_process=True,
+                                         model=self.model)
             self.seed = int(seed)
             return self.model, time.perf_counter() - t0
 

@@ -1,0 +1,132 @@
+"""The leader's hooks (:class:`EngineHooks`): what rank 0's ``ReceiverServer`` does for each control
+call. Every verb runs on rank 0 in this process and on every other rank over HTTP
+(:func:`rank_server.call_rank`), at once; the call answers when all ranks did, and a failing or
+unreachable rank fails it, named.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EngineError
+from .rank_server import call_rank
+from .server import ReceiverHooks
+
+if TYPE_CHECKING:
+    from .rank import EngineRank
+
+
+class EngineHooks(ReceiverHooks):
+    """The leader's hooks: the verbs run on rank 0 here and on every other rank over HTTP, at once."""
+
+    def __init__(self, local: "EngineRank", instance: str):
+        self.local = local
+        self.instance = instance
+        self.world = local.engine.world_size
+        self.rank_urls: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def server_info(self) -> dict:
+        info = dict(self.local.engine.args)
+        info.update({
+            "model_path": self.local.config,
+            "served_model_name": self.local.name,
+            "device": "cuda",  # the layout is a GPU rank's (the memory is host memory here)
+            "remote_instance_weight_loader_start_seed_via_transfer_engine": self.local.transport == "mooncake",
+            "internal_states": [{}],
+            "p2pw_receiver": True,
+            "p2pw_engine_name": self.local.name,
+            "p2pw_transport": self.local.transport,
+            "p2pw_instance": self.instance,
+            "p2pw_ranks_ready": sorted([0, *self.rank_urls]),
+        })
+        return info
+
+    def model_info(self) -> dict:
+        from ..models.checkpoint import load_config
+
+        cfg = load_config(self.local.config)
+        return {"model_path": self.local.config, "tokenizer_path": None, "is_generation": True,
+                "architectures": cfg.get("architectures"), "model_type": cfg.get("model_type")}
+
+    def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
+        url = info.get("p2pw_control_url")
+        if url and rank != 0:
+            with self._lock:
+                self.rank_urls[int(rank)] = str(url)
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> Any:
+        return self.local.weights_by_name(name, truncate_size)
+
+    # -- fan-out ----------------------------------------------------------------------------------
+    def on_all(self, verb: str, body: dict | None = None) -> dict[int, Any]:
+        """Run ``verb`` on every rank concurrently; raise one error naming every rank that failed."""
+        body = body or {}
+        with self._lock:
+            urls = dict(self.rank_urls)
+        missing = [r for r in range(1, self.world) if r not in urls]
+        if missing:
+            raise EngineError(f"engine {self.local.name}: rank(s) {missing} have not registered with the leader "
+                              f"(still starting, or dead)", engine=self.local.name,
+                              rank=missing[0] if len(missing) == 1 else None)
+
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        with ThreadPoolExecutor(max_workers=self.world, thread_name_prefix=f"p2pw-{verb}") as pool:
+            futures = {0: pool.submit(self.local.call, verb, body)}
+            futures.update({r: pool.submit(call_rank, urls[r], r, verb, body) for r in range(1, self.world)})
+            for r, fut in futures.items():
+                try:
+                    results[r] = fut.result()
+                except Exception as e:  # noqa: BLE001 - each rank's failure is named
+                    errors[r] = f"{type(e).__name__}: {e}" if r == 0 else str(e)
+        if errors:
+            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
+            only = next(iter(errors)) if len(errors) == 1 else None
+            raise EngineError(f"engine {self.local.name}: {verb} failed on {len(errors)} rank(s): {lines}",
+                              engine=self.local.name, rank=only)
+        return results
+
+    # -- control verbs ------------------------------------------------------------------------------
+    def on_begin_update(self, selector: str) -> None:
+        self.on_all("begin", {"selector": selector})
+
+    def on_end_update(self) -> None:
+        self.on_all("end")
+
+    def weights_checker(self, request: dict) -> dict:
+        action = request.get("action")
+        if action == "p2pw_compare":
+            if request.get("hf_seed") is None:
+                return {"success": False, "message": "action p2pw_compare needs hf_seed (the seed of "
+                                                     "random_checkpoint the update was made from)"}
+            ranks = self.on_all("compare", {"hf_seed": int(request["hf_seed"]),
+                                            "skip": request.get("skip_tensor_list") or []})
+            per_rank = [ranks[r] for r in sorted(ranks)]
+            bad = [f"rank {r['rank']}: {m['name']}: {m['why']}" for r in per_rank for m in r["mismatches"]]
+            compared = sum(r["compared"] for r in per_rank)
+            if bad:
+                shown = "; ".join(bad[:20]) + (f"; ... {len(bad) - 20} more" if len(bad) > 20 else "")
+                message = f"engine {self.local.name}: {len(bad)} tensor(s) differ from sglang's loader: {shown}"
+            else:
+                message = (f"engine {self.local.name}: all {compared} tensors on {len(per_rank)} rank(s) equal "
+                           f"sglang's loader (hf_seed {request['hf_seed']})")
+            return {"success": not bad, "message": message, "ranks": per_rank, "mismatches": bad}
+        if action == "checksum":
+            ranks = self.on_all("checksum")
+            sums = [ranks[r]["checksum"] for r in sorted(ranks)]
+            return {"success": True, "message": "checksums of every parameter, buffer and derived tensor",
+                    "ranks": sorted(ranks), "per_engine_checksum": sums}
+        return {"success": False, "message": f"action {action!r} is not supported by this receiver "
+                                             f"(p2pw_compare, checksum)"}
+
+    def init_weights_update_group(self, request: dict) -> None:
+        self.on_all("init_group", request)
+
+    def update_weights_from_distributed(self, request: dict) -> None:
+        self.on_all("update_from_distributed", request)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.on_all("destroy_group", {"group_name": group_name})

@@ -1,0 +1,227 @@
+"""One engine rank in this process (:class:`EngineRank`): sglang's model of the rank with its
+parameters in one registered region, its publication, the update session's begin/end, the
+equality check and checksum, and sglang's broadcast path through a :class:`BroadcastReceiver`.
+
+The broadcast path is a plug-in: the rank is given a :class:`BroadcastReceiver` (or the
+``"module:attribute"`` spec of one, resolved on first use), so the receiver never imports the
+broadcast baseline; ``p2pweights.baseline.broadcast.GroupReceiver`` is the one the rank processes
+are started with by default (``--broadcast-receiver``).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from ..settings import value as setting
+from .region import place_parameters
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BroadcastReceiver(Protocol):
+    """How an engine rank takes part in sglang's broadcast path (``/init_weights_update_group``,
+    ``/update_weights_from_distributed``, ``/destroy_weights_update_group``)."""
+
+    def join(self, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+             group_name: str, timeout: float) -> Any:
+        """Join the weight-update group as ``rank`` (group rank 0 is the sender); return its handle."""
+
+    def receive(self, group: Any, tensor: "torch.Tensor") -> None:
+        """Receive group rank 0's next broadcast into ``tensor``."""
+
+    def leave(self, group: Any) -> None:
+        """Leave the group."""
+
+
+def load_broadcast_receiver(spec: str) -> BroadcastReceiver:
+    """``"package.module:attribute"`` -> that object (a class is instantiated with no arguments)."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"broadcast receiver {spec!r}: expected 'package.module:attribute'")
+    obj = getattr(importlib.import_module(module), attr)
+    return obj() if isinstance(obj, type) else obj
+
+
+class EngineRank:
+    """One engine rank in this process: the live model in one registered region, its publication,
+    its post-processing, the equality check and the broadcast path."""
+
+    def __init__(self, config: str, engine: Any, rank: int, transport: str = "mooncake", name: str = "engine",
+                 broadcast: "BroadcastReceiver | str | None" = None):
+        from ..replica import sglang_env
+        from ..replica.layout import EngineLayout
+        from ..replica.reference import ReferenceModel
+        from ..transport import make_receiver_endpoint, params_table
+
+        t0 = time.perf_counter()
+        self.config = os.fspath(config)
+        self.engine = engine if isinstance(engine, EngineLayout) else EngineLayout.parse(str(engine))
+        self.rank = int(rank)
+        self.name = name
+        self.transport = transport
+        if not 0 <= self.rank < self.engine.world_size:
+            raise ValueError(f"rank {rank} is not a rank of an engine of {self.engine.world_size} ranks")
+        self.device = rank_device(self.rank)
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
+        self.model = sglang_env.build_model(self.config, self.engine, self.rank, device="meta")
+        self.region = place_parameters(self.model, device=self.device)
+        self.endpoint = make_receiver_endpoint(transport)
+        self.endpoint.register(self.region.address, self.region.nbytes, self.device)
+        self.publication = self.endpoint.publication(params_table(self.model.named_parameters()), rank=self.rank)
+        self.reference = ReferenceModel(self.config, self.engine, self.rank)
+        self.loaded_weights = False   # a loader ran in this session (the broadcast path)
+        self._broadcast = broadcast
+        self._groups: dict[str, Any] = {}
+        self._group_devices: dict[str, str] = {}  # where a group's broadcast tensors land (nccl: this GPU)
+        self._lock = threading.RLock()
+        self.startup_seconds = time.perf_counter() - t0
+
+    # -- what is published ---------------------------------------------------------------------
+    def published(self) -> tuple[str, dict, dict]:
+        """(session id / agent name, sglang's weights table, extra publication keys such as NIXL's)."""
+        d = self.publication.to_dict()
+        peer, table = d.pop("remote_instance_transfer_engine_info")
+        d.pop("rank", None)
+        return peer, table, d
+
+    # -- the update session ----------------------------------------------------------------------
+    def begin(self, selector: str = "all") -> None:
+        import torch
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        from ..replica import sglang_env
+
+        with self._lock, sglang_env.activate(self.model):
+            DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
+            self.loaded_weights = False
+
+    def end(self) -> None:
+        """sglang's end_weight_update: post_load_weights (unless a loader ran, which did it) and
+        process_weights_after_loading of every module with a quant method."""
+        import torch
+        from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+
+        from ..replica import sglang_env
+
+        with self._lock, sglang_env.activate(self.model):
+            if not self.loaded_weights:
+                post_load_weights(self.model)
+            DefaultModelLoader.postprocess_weights(self.model, torch.device(self.device))
+            self.loaded_weights = False
+
+    # -- checks ------------------------------------------------------------------------------------
+    def compare(self, hf_seed: int, skip: Sequence[str] = ()) -> dict:
+        with self._lock:
+            return self.reference.compare(self.model, int(hf_seed), skip).to_dict()
+
+    def checksum(self) -> dict:
+        from ..replica.reference import named_state, tensor_bytes
+
+        h = hashlib.sha256()
+        with self._lock:
+            for name, t in sorted(named_state(self.model).items()):
+                h.update(name.encode())
+                h.update(tensor_bytes(t).cpu().numpy().tobytes())
+        return {"rank": self.rank, "checksum": h.hexdigest()}
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        params = dict(self.model.named_parameters())
+        if name not in params:
+            return None
+        return params[name].detach()[:truncate_size].float().tolist()
+
+    # -- the broadcast path ------------------------------------------------------------------------
+    def broadcast_receiver(self) -> BroadcastReceiver:
+        if self._broadcast is None:
+            raise RuntimeError(f"engine {self.name} rank {self.rank} has no broadcast receiver (start its rank "
+                               f"processes with --broadcast-receiver MODULE:ATTR)")
+        if isinstance(self._broadcast, str):
+            self._broadcast = load_broadcast_receiver(self._broadcast)
+        return self._broadcast
+
+    def init_group(self, request: dict) -> None:
+        name = request["group_name"]
+        if name in self._groups:
+            raise RuntimeError(f"group {name!r} already exists on rank {self.rank}")
+        self._group_devices[name] = self.device if request["backend"] == "nccl" else "cpu"
+        self._groups[name] = self.broadcast_receiver().join(
+            request["backend"], request["master_address"], int(request["master_port"]), int(request["world_size"]),
+            int(request["rank_offset"]) + self.rank, name, float(request.get("timeout", 120.0)))
+
+    def update_from_distributed(self, request: dict) -> None:
+        import torch
+
+        from ..replica import sglang_env
+
+        group = self._groups.get(request["group_name"])
+        if group is None:
+            raise RuntimeError(f"group {request['group_name']!r} is not initialized on rank {self.rank}; "
+                               f"call init_weights_update_group first")
+        receiver = self.broadcast_receiver()
+        weights = []
+        for name, dtype, shape in zip(request["names"], request["dtypes"], request["shapes"]):
+            t = torch.empty([int(s) for s in shape], dtype=getattr(torch, str(dtype).removeprefix("torch.")),
+                            device=self._group_devices.get(request["group_name"], "cpu"))
+            receiver.receive(group, t)
+            weights.append((name, t))
+        with self._lock, sglang_env.activate(self.model):
+            self.model.load_weights(weights)
+            self.loaded_weights = True
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise RuntimeError(f"the group {group_name!r} does not exist on rank {self.rank}")
+        self.broadcast_receiver().leave(group)
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            try:
+                self.destroy_group(name)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        try:
+            self.endpoint.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- the verbs a leader calls on each rank (same names over HTTP) -------------------------------
+    def call(self, verb: str, body: dict) -> Any:
+        if verb == "begin":
+            return self.begin(body.get("selector", "all"))
+        if verb == "end":
+            return self.end()
+        if verb == "compare":
+            return self.compare(int(body["hf_seed"]), body.get("skip") or ())
+        if verb == "checksum":
+            return self.checksum()
+        if verb == "init_group":
+            return self.init_group(body)
+        if verb == "update_from_distributed":
+            return self.update_from_distributed(body)
+        if verb == "destroy_group":
+            return self.destroy_group(body["group_name"])
+        if verb == "ping":
+            return {"rank": self.rank, "pid": os.getpid()}
+        raise KeyError(f"unknown rank verb {verb!r}")
+
+
+def rank_device(rank: int) -> str:
+    """Where engine rank ``rank`` keeps its parameters: ``P2PW_RECEIVER_GPUS`` ("1,2,3,4": rank r on
+    GPU number r of the list) wins over ``P2PW_RECEIVER_DEVICE`` (cpu, cuda = cuda:0, cuda:N)."""
+    gpus = setting("P2PW_RECEIVER_GPUS")
+    if gpus:
+        listed = gpus.split(",")
+        if rank >= len(listed):
+            raise ValueError(f"P2PW_RECEIVER_GPUS={gpus!r} names {len(listed)} GPU(s); engine rank {rank} needs one")
+        return f"cuda:{listed[rank]}"
+    device = setting("P2PW_RECEIVER_DEVICE")
+    return "cuda:0" if device == "cuda" else device

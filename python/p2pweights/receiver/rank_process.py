@@ -1,0 +1,156 @@
+"""One engine-rank process: build the rank (:class:`EngineRank`), register and publish its region,
+serve until told to stop.
+
+Run one engine rank::
+
+    python -m p2pweights.receiver.rank_process --model CONFIG_DIR --engine tp=2[,ep=..,dp_attention=..] \\
+        --rank R --name ENGINE --transport {mooncake,nixl} [--port P] [--leader URL]
+
+Rank 0 is the leader: it runs the engine's one ``ReceiverServer`` (the engine's URL, sglang's
+routes) with :class:`EngineHooks`, which fan the control verbs out to every rank. Ranks >= 1 serve
+the internal control endpoint (:mod:`rank_server`) and register their regions and that endpoint
+with the leader (``PUT /register_transfer_engine_info``); they exit when the leader goes away (or
+is replaced) and every rank exits when the process that started it does. Each rank prints one
+ready line, a JSON object, on stdout: ``{"event": "ready", "url", "pid", "rank", "control_url",
+"engine", ...}``.
+
+The broadcast path is plugged in by ``--broadcast-receiver MODULE:ATTR`` (a :class:`BroadcastReceiver`;
+``none`` turns it off): the receiver itself imports no baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from ..control import protocol
+from ..errors import EngineError
+from ..settings import TRANSPORTS
+from ..settings import value as setting
+
+logger = logging.getLogger(__name__)
+
+READY_EVENT = "ready"
+SERVER_INFO = protocol.route("server_info").path
+#: the broadcast path's default plug-in, named (not imported): resolved when a group is first joined
+DEFAULT_BROADCAST_RECEIVER = "p2pweights.baseline.broadcast:GroupReceiver"
+
+
+def print_ready(**fields: Any) -> None:
+    # one write(2) of one short line: atomic even when forked ranks share the launcher's stdout pipe
+    os.write(1, (json.dumps({"event": READY_EVENT, **fields}) + "\n").encode())
+
+
+def watch(check: Callable[[], bool], stop: threading.Event, interval: float = 0.5, misses: int = 4,
+          why: str = "") -> None:
+    """Set ``stop`` once ``check`` failed ``misses`` times in a row (a daemon thread)."""
+    def loop() -> None:
+        failed = 0
+        while not stop.wait(interval):
+            try:
+                ok = check()
+            except Exception:  # noqa: BLE001
+                ok = False
+            failed = 0 if ok else failed + 1
+            if failed >= misses:
+                logger.warning("exiting: %s", why)
+                stop.set()
+    threading.Thread(target=loop, name="p2pw-watchdog", daemon=True).start()
+
+
+def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str, host: str = "127.0.0.1",
+               port: int = 0, leader: str | None = None, parent_pid: int | None = None,
+               startup_timeout: float = 120.0, broadcast: Any = DEFAULT_BROADCAST_RECEIVER) -> int:
+    """The body of one rank process: build, register, publish, serve until told to stop."""
+    from .hooks import EngineHooks
+    from .rank import EngineRank
+    from .rank_server import get_json, serve_rank_control
+    from .server import ReceiverServer, register_transfer_engine_info
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if parent_pid:
+        watch(lambda: os.getppid() == parent_pid, stop, why=f"the parent process {parent_pid} is gone")
+
+    er = EngineRank(config, engine, rank, transport=transport, name=name, broadcast=broadcast)
+    peer, table, extra = er.published()
+    closers: list[Callable[[], None]] = []
+    try:
+        if rank == 0:
+            if leader:
+                raise SystemExit("--leader is for ranks >= 1; rank 0 is the leader")
+            instance = uuid.uuid4().hex
+            server = ReceiverServer(EngineHooks(er, instance), host=host, port=port).start()
+            closers.append(server.close)
+            server.register_transfer_engine_info(0, peer, table, extra)
+            url = control_url = server.url
+        else:
+            if not leader:
+                raise SystemExit("ranks >= 1 need --leader URL (rank 0's URL)")
+            httpd = serve_rank_control(er, host, port)
+            closers.append(lambda: (httpd.shutdown(), httpd.server_close()))
+            control_url = f"http://{host}:{httpd.server_address[1]}"
+            deadline = time.monotonic() + startup_timeout
+            while True:  # the leader may still be starting
+                try:
+                    instance = get_json(leader, SERVER_INFO)["p2pw_instance"]
+                    register_transfer_engine_info(leader, rank, peer, table,
+                                                  extra={**extra, "p2pw_control_url": control_url})
+                    break
+                except (OSError, EngineError, KeyError, ValueError, TypeError) as e:
+                    if time.monotonic() > deadline or stop.is_set():
+                        raise SystemExit(f"rank {rank}: cannot register with the leader {leader}: {e}") from e
+                    time.sleep(0.2)
+            url = leader.rstrip("/")
+            watch(lambda: get_json(leader, SERVER_INFO, timeout=2.0).get("p2pw_instance") == instance, stop,
+                  why=f"the leader {leader} is gone or was replaced")
+        print_ready(url=url, control_url=control_url, pid=os.getpid(), rank=rank, engine=name,
+                    transport=transport, peer=peer, region=[er.region.address, er.region.nbytes],
+                    startup_seconds=round(er.startup_seconds, 3))
+        stop.wait()
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+        er.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.receiver.rank_process") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="directory with the model's config.json")
+    p.add_argument("--engine", default="tp=1", help="tp=2[,ep=..,dp_attention=..,<server arg>=v]")
+    p.add_argument("--rank", type=int, default=0, help="this process's engine rank (0 = the leader)")
+    p.add_argument("--name", default="engine0", help="the engine's name (logs, errors)")
+    p.add_argument("--transport", default=setting("P2PW_TRANSPORT"), choices=TRANSPORTS)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="rank 0: the engine's HTTP port; ranks >= 1: the rank's "
+                                                       "control port (0: any free port)")
+    p.add_argument("--leader", default=None, help="ranks >= 1: rank 0's URL")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
+    p.add_argument("--log-level", default=setting("P2PW_LOG_LEVEL"))
+    p.add_argument("--broadcast-receiver", default=DEFAULT_BROADCAST_RECEIVER,
+                   help="MODULE:ATTR of the BroadcastReceiver serving sglang's broadcast routes, or 'none'")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"[%(asctime)s {args.name} rank {args.rank}] %(levelname)s %(name)s: %(message)s")
+    broadcast = None if args.broadcast_receiver.lower() == "none" else args.broadcast_receiver
+    code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=args.transport, host=args.host,
+                      port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: transports' destructors can hang at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
