@@ -27,10 +27,23 @@ def _modules() -> dict[str, pathlib.Path]:
     return mods
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (annotations only; never imported)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
 def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in _runtime_nodes(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -193,11 +193,3 @@ def _normalize_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"engine URL must look like http://host:port, got {url!r}")
     return url
-
-
-def __getattr__(name: str) -> Any:
-    # UpdateSession and call_engines lived here before control.session; keep old imports working
-    if name in ("UpdateSession", "call_engines", "EngineCalls"):
-        from . import session
-        return getattr(session, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
