@@ -256,3 +256,33 @@ def test_native_status_codes_still_map_to_their_classes():
         with pytest.raises(cls, match="why") as info:
             errors.raise_for_status(code, "why")
         assert isinstance(info.value, P2PWeightsError) and info.value.p2pw_code == code
+
+
+def test_a_typed_error_on_an_engine_rank_reaches_the_leader_with_its_class_and_fields():
+    from p2pweights.errors import EngineError, LayoutMismatch
+    from p2pweights.receiver.rank_server import call_rank, serve_rank_control
+
+    class Rank:  # the rank object the internal server calls: .rank and .call(verb, body)
+        rank = 3
+
+        def call(self, verb, body):
+            if verb == "end":
+                raise LayoutMismatch("post-processing changed a byte count", parameter="model.norm.weight",
+                                     hint="check the engine's flags")
+            if verb == "boom":
+                raise RuntimeError("disk on fire")
+            return {"verb": verb, **body}
+
+    httpd = serve_rank_control(Rank(), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert call_rank(url, 3, "begin", {"selector": "all"}) == {"verb": "begin", "selector": "all"}
+        with pytest.raises(LayoutMismatch) as info:
+            call_rank(url, 3, "end", {})
+        assert (info.value.rank, info.value.parameter, info.value.hint) == (3, "model.norm.weight", "check the engine's flags")
+        with pytest.raises(EngineError, match="RuntimeError: disk on fire") as info:
+            call_rank(url, 3, "boom", {})
+        assert info.value.rank == 3
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

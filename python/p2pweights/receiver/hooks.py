@@ -9,7 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineError
+from ..errors import EngineError, P2PWeightsError, error_named
 from .rank_server import call_rank
 from .server import ReceiverHooks
 
@@ -74,6 +74,7 @@ class EngineHooks(ReceiverHooks):
 
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        raised: dict[int, BaseException] = {}
         with ThreadPoolExecutor(max_workers=self.world, thread_name_prefix=f"p2pw-{verb}") as pool:
             futures = {0: pool.submit(self.local.call, verb, body)}
             futures.update({r: pool.submit(call_rank, urls[r], r, verb, body) for r in range(1, self.world)})
@@ -82,11 +83,16 @@ class EngineHooks(ReceiverHooks):
                     results[r] = fut.result()
                 except Exception as e:  # noqa: BLE001 - each rank's failure is named
                     errors[r] = f"{type(e).__name__}: {e}" if r == 0 else str(e)
+                    raised[r] = e
         if errors:
             lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
             only = next(iter(errors)) if len(errors) == 1 else None
-            raise EngineError(f"engine {self.local.name}: {verb} failed on {len(errors)} rank(s): {lines}",
-                              engine=self.local.name, rank=only)
+            message = f"engine {self.local.name}: {verb} failed on {len(errors)} rank(s): {lines}"
+            first = raised[only] if only is not None else None
+            if isinstance(first, P2PWeightsError):  # one rank's typed error keeps its class and fields
+                cls = error_named(type(first).__name__)
+                raise cls(message, **{**first.fields(), "engine": self.local.name, "rank": only})
+            raise EngineError(message, engine=self.local.name, rank=only)
         return results
 
     # -- control verbs ------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """HTTP between an engine's leader (rank 0) and its other ranks.
 
 Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``protocol.RANK_ROUTE_PREFIX``):
-the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500
-``{"ok": false, "error": "<type>: <message>"}``. The verbs are :meth:`EngineRank.call`'s. The
+the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500 with
+the control plane's one error payload (``protocol.error_payload``), so a typed error raised on a
+rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was. The verbs are :meth:`EngineRank.call`'s. The
 leader calls them with :func:`call_rank`; every call goes through the one control-plane client
 (``control.http.request``).
 """
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..control import protocol
 from ..control.http import request
-from ..errors import EngineError, EngineUnreachable
+from ..errors import EngineError, EngineUnreachable, P2PWeightsError
 from .server import send_json
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class _RankHandler(BaseHTTPRequestHandler):
             status, payload = protocol.OK, {"ok": True, "result": self.rank.call(verb, body)}
         except Exception as e:  # noqa: BLE001 - reported to the leader
             logger.exception("rank %d: %s failed", self.rank.rank, verb)
-            status, payload = protocol.ENGINE_FAILED, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            error = e if isinstance(e, P2PWeightsError) else f"{type(e).__name__}: {e}"
+            status, payload = protocol.ENGINE_FAILED, {"ok": False, **protocol.error_payload(error, rank=self.rank.rank)}
         send_json(self, status, payload)
 
 
@@ -65,8 +67,8 @@ def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float = RANK_
     except EngineUnreachable as e:
         raise EngineError(f"rank {rank} ({url}) is unreachable: {e.message}", rank=rank) from e
     if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
-        error = payload.get("error") if isinstance(payload, dict) else None
-        raise EngineError(f"rank {rank}: {error or f'HTTP {status}'}", rank=rank)
+        answer = protocol.ErrorAnswer.of(payload)
+        raise answer.exception(f"rank {rank}: {answer.message or f'HTTP {status}'}", rank=rank)
     return payload["result"]
 
 
