@@ -3,9 +3,9 @@
 Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``protocol.RANK_ROUTE_PREFIX``):
 the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500 with
 the control plane's one error payload (``protocol.error_payload``), so a typed error raised on a
-rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was. The verbs are :meth:`EngineRank.call`'s. The
-leader calls them with :func:`call_rank`; every call goes through the one control-plane client
-(``control.http.request``).
+rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
+The verbs are :meth:`EngineRank.call`'s. The leader calls them with :func:`call_rank`; every call
+goes through the one control-plane client (``control.http.request``).
 """
 from __future__ import annotations
 
