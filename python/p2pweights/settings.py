@@ -161,6 +161,16 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             default_text="300"),
     Setting("P2PW_ENGINE_CONNECT_TIMEOUT", float, 3.0, "seconds to connect to an engine's HTTP server", _positive,
             default_text="3"),
+    Setting("P2PW_API_KEY", _str, None, "bearer key: receivers (`serve --api-key`) require it on every route but "
+            "health; senders send it (`Authorization: Bearer KEY`), as sglang's `--api-key`", secret=True,
+            default_text="unset"),
+    Setting("P2PW_SESSION_LEASE", float, 30.0, "seconds an update session lives without its owner renewing it; "
+            "then it expires (torn if it received writes)", _positive, default_text="30"),
+    # trust in what is written
+    Setting("P2PW_CHECK_FINITE", _str, "", "`1`: refuse NaN/Inf in pushed tensors, naming the tensor, before any "
+            "write", _flag, default_text="unset"),
+    Setting("P2PW_VERIFY", _str, "", "`1`: `update(verify=True)` by default: engine ranks digest what they hold "
+            "and the sender compares before the engines resume", _flag, default_text="unset"),
     # the broadcast baseline
     Setting("P2PW_BROADCAST_BUCKET", parse_size, 256 << 20, "bucket size of the broadcast baseline", _positive,
             default_text="256MiB"),
@@ -236,6 +246,10 @@ class Settings:
     replica_cache_dir: str | None
     engine_timeout: float
     engine_connect_timeout: float
+    api_key: str | None
+    session_lease: float
+    check_finite: str
+    verify: str
 
     def transport_options(self) -> dict[str, Any]:
         """Keyword arguments for the chosen transport's backend (only those that are set)."""
