@@ -26,7 +26,6 @@ from p2pweights.models import (
 from p2pweights.models.checkpoint import checkpoint_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON = os.path.join(HERE, "..", "python")
 
 
 # -- lookup ------------------------------------------------------------------------------------------
@@ -93,7 +92,9 @@ def test_check_layout_takes_a_built_in_name(monkeypatch, capsys):
 @pytest.mark.parametrize("verb", ["check-layout", "demo", "plan"])
 def test_every_command_answers_an_unknown_model_in_one_line_with_exit_code_2(verb):
     argv = {"check-layout": ["--engine", "tp=2"], "demo": [], "plan": ["--trainer", "gpus=2", "--engines", "1x2"]}[verb]
-    env = {**os.environ, "PYTHONPATH": PYTHON}
+    import p2pweights  # the child imports the p2pweights this test imported (source tree or installed)
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(p2pweights.__file__))}
     done = subprocess.run([sys.executable, "-m", "p2pweights", verb, "--model", "qwen3-0.6x", *argv],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr
