@@ -257,8 +257,10 @@ def test_transfer_engine_info_is_served_per_rank_from_what_each_rank_registered(
     register_transfer_engine_info(e.url, 0, "10.0.0.1:15000", {"lm_head.weight": [1 << 20, 4096, 2]})
     register_transfer_engine_info(e.url, 1, "10.0.0.1:15001", {"lm_head.weight": [2 << 20, 4096, 2]})
     via_http = e.client.transfer_engine_info(1)
+    # registered_from: the address the registration came from, filled in by the server from the socket
+    # (never from the body), so a sender can tell whose session id a rank claims
     assert via_http == {"rank": 1, "remote_instance_transfer_engine_info":
-                        ["10.0.0.1:15001", {"lm_head.weight": [2 << 20, 4096, 2]}]}
+                        ["10.0.0.1:15001", {"lm_head.weight": [2 << 20, 4096, 2]}], "registered_from": "127.0.0.1"}
     via_bootstrap = SglangEngine(e.url, bootstrap_url=e.url, name="e0").transfer_engine_info(1)
     assert via_bootstrap == via_http
     with pytest.raises(EngineError, match=r"rank=2.*HTTP 400.*--remote-instance-weight-loader-start-seed-via"):

@@ -12,6 +12,7 @@ VERBS = {
     "check-layout": ("check_layout", "prove the replica path produces sglang's exact bytes for a model and engine flags"),
     "demo": ("demo", "start engines and senders on this machine and run updates (P2P and broadcast)"),
     "bench": ("bench", "benchmarks: writer, transport, ..."),
+    "serve": ("serve", "run one receiver engine (all its ranks) in the foreground, serving sglang's routes"),
 }
 
 

@@ -231,3 +231,40 @@ def raise_for_status(code: int, message: str) -> None:
 def failures_of(engine_reports: Iterable[Mapping[str, object]]) -> dict[str, str]:
     """engine name -> error text for every failed engine of a native writer report."""
     return {str(r["name"]): str(r["error"]) for r in engine_reports if r["state"] == "failed"}
+
+
+class NonFiniteTensor(P2PWeightsError, ValueError):
+    """A pushed tensor holds NaN or Inf and ``check_finite`` (``P2PW_CHECK_FINITE``) is on; nothing of
+    its parameter group was written."""
+
+
+class UnsupportedTensor(P2PWeightsError, TypeError):
+    """A pushed tensor the sender cannot take: e.g. a DTensor that could not be gathered."""
+
+
+class VersionRefused(P2PWeightsError, ValueError):
+    """A weight version that is empty or does not come after the sender's last one or an engine's
+    current one (pass ``force=True`` to set it anyway)."""
+
+
+class SenderGroupError(P2PWeightsError, ValueError):
+    """Several senders of one trainer without the group that coordinates them (pass ``group=``), or
+    senders of one group that disagree (version, control)."""
+
+
+class SessionConflict(EngineError):
+    """An engine's weight-update session belongs to another controller (its owner): this call was
+    refused before it changed anything. The message names the engine, the owner and how old its
+    session is; wait for the owner to finish, or for its lease (``P2PW_SESSION_LEASE``) to expire."""
+
+
+class TornWeights(EngineError):
+    """The engine's weights are torn: an update session expired (its owner stopped renewing it) or
+    was given up after its writes began. The engine stays paused and refuses to generate until a
+    complete update (begin -> every write -> end -> version -> continue) heals it."""
+
+
+class UpdateRefused(EnginesFailed, SessionConflict):
+    """Opening an update was refused, before anything was written, because one or more engines'
+    sessions belong to another controller: an ``EnginesFailed`` (``.failures``, ``.errors`` per
+    engine) that is also a ``SessionConflict``."""

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="P2P transport (default: P2PW_TRANSPORT, else mooncake)")
     p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
     p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
+    p.add_argument("--verify", nargs="?", const="on", default="off", choices=("off", "on", "alternate"),
+                   help="P2P updates with verify=True (engine ranks digest what they hold, the senders compare); "
+                        "'alternate': every second step, to measure its cost in one run (default: %(default)s)")
     p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
     p.add_argument("--verbose", action="store_true",
                    help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
              f"{args.senders} sender(s), {args.steps} step(s), transport {transport}, modes {','.join(modes)}")
     results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
-                       progress=progress, verbose=args.verbose)
+                       progress=progress, verbose=args.verbose, verify=args.verify)
     if args.json:
         print(json.dumps(results_json(results), indent=2))
     else:
@@ -63,11 +66,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal")
         for r in results:
             eq = {True: "yes", False: "NO", None: "-"}[r.equal]
-            print(f"{r.mode:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  "
+            print(f"{r.label:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  "
                   f"{r.gbps:6.2f}  {eq}")
+        verified = [r.seconds for r in results if r.verified]
+        plain = [r.seconds for r in results if r.mode == "p2p" and not r.verified]
+        if verified and plain:
+            v, s = sum(verified) / len(verified), sum(plain) / len(plain)
+            print(f"\np2p mean {s:.3f} s unverified vs {v:.3f} s verified: verify=True costs {v - s:+.3f} s "
+                  f"({(v / s - 1) * 100:+.0f}%)")
         by_mode = {}
         for r in results:
-            by_mode.setdefault(r.mode, []).append(r.seconds)
+            if not r.verified:
+                by_mode.setdefault(r.mode, []).append(r.seconds)
         if "p2p" in by_mode and "broadcast" in by_mode:
             p2p, bc = min(by_mode["p2p"]), min(by_mode["broadcast"])
             print(f"\nbest p2p {p2p:.3f} s vs best broadcast {bc:.3f} s: p2p takes {p2p / bc:.2f}x the broadcast time")

@@ -34,6 +34,12 @@ class StepResult:
     # P2P only, the slowest sender's split of its part of the step (see UpdateReport):
     loading_seconds: float = 0.0  # the replica's loaders filling slots
     waiting_seconds: float = 0.0  # blocked on a free slot or on the last writes
+    verified: bool = False        # update(verify=True): engine ranks digested what they hold (--verify)
+    verify_seconds: float = 0.0   # the slowest sender's verification, part of ``seconds``
+
+    @property
+    def label(self) -> str:
+        return self.mode + ("+verify" if self.verified else "")
 
     @property
     def outside_fraction(self) -> float:
@@ -72,14 +78,15 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
                 tensors = list(random_checkpoint(specs, seed=arg))
                 conn.send(("ready", None))
             elif cmd == "go":
+                version, verify = arg
                 try:
-                    with sender.update(arg, control=False) as update:
+                    with sender.update(version, control=False, verify=verify) as update:
                         for name, t in tensors:
                             update.push(name, t)
                     r = update.report
                     conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
                                         "loading": r.loading_seconds, "waiting": r.waiting_seconds,
-                                        "report": str(r)}))
+                                        "verify": update.verify_seconds, "report": str(r)}))
                 except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
                     conn.send(("failed", f"{type(e).__name__}: {e}"))
                 tensors = None
@@ -131,9 +138,9 @@ class SenderPool:
             c.send(("prepare", step))
         self._expect("ready", timeout=600)
 
-    def go(self, version: str, timeout: float) -> list[tuple[str, Any]]:
+    def go(self, version: str, timeout: float, verify: bool = False) -> list[tuple[str, Any]]:
         for c in self.conns:
-            c.send(("go", version))
+            c.send(("go", (version, verify)))
         return self._expect("done", timeout=timeout)
 
     def close(self) -> None:
@@ -161,7 +168,8 @@ def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | Non
 
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
             overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600,
-            pool: "SenderPool | None" = None, verbose: bool = False) -> list[StepResult]:
+            pool: "SenderPool | None" = None, verbose: bool = False, verify: str = "off") -> list[StepResult]:
+    """verify: "off", "on" (every step verified), "alternate" (even steps verified: its cost, same run)."""
     from ..control import SglangEngine, UpdateSession
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
@@ -178,7 +186,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             pool.prepare(seed)  # the step's HF tensors, made before the clock starts
             session = UpdateSession(clients, f"p2p-{step}")
             session.open()
-            replies = pool.go(f"p2p-{step}", timeout)
+            verified = verify == "on" or (verify == "alternate" and step % 2 == 0)
+            replies = pool.go(f"p2p-{step}", timeout, verified)
             failed = [p for k, p in replies if k == "failed"]
             if failed:
                 session.abort("; ".join(failed))
@@ -190,7 +199,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             done = [p for k, p in replies if k == "done"]
             slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
-                                      equal, why, slowest["loading"], slowest["waiting"]))
+                                      equal, why, slowest["loading"], slowest["waiting"], verified,
+                                      max((p.get("verify", 0.0) for p in done), default=0.0)))
             progress(_row_text(results[-1]))
             if verbose:
                 for i, p in enumerate(done):
@@ -227,14 +237,14 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
 
 def _row_text(r: StepResult) -> str:
     eq = {True: "yes", False: "NO", None: "-"}[r.equal]
-    return (f"{r.mode:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank  "
+    return (f"{r.label:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank  "
             f"{r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  equal: {eq}" + (f"  ({r.detail})" if r.detail and not r.equal else ""))
 
 
 def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int = 2, steps: int = 2,
              transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
              overrides: dict | None = None, progress: Callable[[str], None] = print,
-             verbose: bool = False) -> list[StepResult]:
+             verbose: bool = False, verify: str = "off") -> list[StepResult]:
     from ..receiver import LocalEngine
 
     t0 = time.perf_counter()
@@ -260,7 +270,8 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
     try:
         if "p2p" in modes:
             results += run_p2p(model, running, senders=senders, steps=steps, transport=transport, check=check,
-                               overrides=overrides or {}, progress=progress, pool=pool, verbose=verbose)
+                               overrides=overrides or {}, progress=progress, pool=pool, verbose=verbose,
+                               verify=verify)
         if "broadcast" in modes:
             results += run_broadcast(model, running, steps=steps, check=check, progress=progress)
     finally:

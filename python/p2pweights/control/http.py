@@ -9,9 +9,13 @@ the peer closed meanwhile.
 The two timeouts are separate because they fail for different reasons: a connect that does not
 complete within seconds means the engine is down or unreachable; an answer may legitimately take
 minutes (``end_weight_update`` runs the engine's post-processing).
+
+Authentication is sglang's ``--api-key`` convention: ``Authorization: Bearer KEY`` on every call
+(:func:`bearer`); servers compare it with :func:`key_matches`. docs/security.md has the threat model.
 """
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import socket
@@ -24,15 +28,17 @@ from ..settings import value
 
 def request(method: str, url: str, path: str, *, body: dict | None = None,
             params: Mapping[str, Any] | None = None, timeout: float | None = None,
-            connect_timeout: float | None = None, headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+            connect_timeout: float | None = None, headers: Mapping[str, str] | None = None,
+            api_key: str | None = None) -> tuple[int, Any]:
     """(HTTP status, decoded JSON body — or text when not JSON; None when empty). Raises
     EngineUnreachable (an EngineError) when it cannot connect or the read times out, naming url and path.
 
     ``url`` is the server (``http://host:port``, optionally with a path prefix), ``path`` the route
     (``/pause_generation``), ``params`` the query string. ``timeout`` bounds the wait for each read
     of the answer (``P2PW_ENGINE_TIMEOUT``), ``connect_timeout`` the connect
-    (``P2PW_ENGINE_CONNECT_TIMEOUT``). Any HTTP status is returned, not raised: what a status
-    means is the caller's protocol (see :mod:`p2pweights.control.protocol`).
+    (``P2PW_ENGINE_CONNECT_TIMEOUT``). ``api_key`` (when set) is sent as ``Authorization: Bearer``.
+    Any HTTP status is returned, not raised: what a status means is the caller's protocol (see
+    :mod:`p2pweights.control.protocol`).
     """
     read_s = float(value("P2PW_ENGINE_TIMEOUT", timeout))
     connect_s = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
@@ -41,7 +47,7 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
         raise ValueError(f"control-plane URL must look like http://host:port, got {url!r}")
     target = parts.path.rstrip("/") + path + ("?" + urlencode(params) if params else "")
     what = f"{method} {url.rstrip('/')}{path}" + ("?" + urlencode(params) if params else "")
-    send_headers = {"Accept": "application/json", **(headers or {})}
+    send_headers = {"Accept": "application/json", **bearer(api_key), **(headers or {})}
     data = None
     if body is not None:
         data = json.dumps(body).encode()
@@ -74,6 +80,20 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
     finally:
         conn.close()
     return status, decode(raw)
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that carries ``api_key`` (sglang's convention); none when there is no key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def key_matches(authorization: str | None, api_key: str | None) -> bool:
+    """Whether an ``Authorization`` header value carries ``api_key`` (True when no key is required).
+    Constant-time, so the answer's timing does not reveal how much of a guess was right."""
+    if not api_key:
+        return True
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 def decode(raw: bytes) -> Any:

@@ -38,7 +38,11 @@ UNAUTHORIZED = 401        # sglang's --api-key
 FORBIDDEN = 403
 NOT_FOUND = 404           # no such route; on the bootstrap server: that rank published nothing
 METHOD_NOT_ALLOWED = 405
+REQUEST_TIMEOUT = 408     # the client stalled while sending its request (receiver.http_guard)
+CONFLICT = 409            # the engine's weight-update session is another controller's, or its weights are torn
+PAYLOAD_TOO_LARGE = 413   # a body over the receiver's limit, refused unread
 ENGINE_FAILED = 500       # a hook raised inside the engine; its state is unchanged
+NOT_IMPLEMENTED = 501     # a receiver whose hooks do not implement one of p2pweights' own routes
 SERVICE_UNAVAILABLE = 503  # /health while the engine starts
 
 
@@ -50,6 +54,13 @@ def ok(status: int) -> bool:
 SESSION_ALREADY_OPEN = "already open"           # "a weight-update session is already open; ..."
 NO_SESSION = "no weight-update session"
 SEED_FLAG = "--remote-instance-weight-loader-start-seed-via-transfer-engine"
+
+#: sessions with an owner (docs/protocol.md, "Sessions: owner and lease"): every call an update's
+#: controller makes carries its owner id; begin and renew carry the lease it asks for, in seconds.
+#: sglang ignores both headers.
+SESSION_OWNER_HEADER = "X-P2PW-Session-Owner"
+SESSION_LEASE_HEADER = "X-P2PW-Session-Lease"
+TORN = "torn"                                   # what /health and /server_info say of torn weights
 
 #: a receiver's leader reaches its other engine ranks at ``POST {RANK_ROUTE_PREFIX}<verb>`` (internal)
 RANK_ROUTE_PREFIX = "/p2pw_rank/"
@@ -173,6 +184,24 @@ class RegisterTransferEngineInfoReq(Body):
             raise InvalidRequest(f"field 'transfer_engine_info' needs {', '.join(map(repr, missing))}")
 
 
+@dataclass
+class RenewWeightUpdateReq(Body):
+    """p2pweights' ``POST /renew_weight_update`` (no sglang counterpart): the session's owner renews
+    its lease; ``release``: the owner gives the session up (the engine is then torn until a complete
+    update)."""
+
+    release: bool = False
+
+
+@dataclass
+class WeightsDigestReq(Body):
+    """p2pweights' ``POST /p2pw_weights_digest`` (no sglang counterpart; ``update(verify=True)``):
+    ``names`` maps an engine rank (as a string) to the parameters whose bytes it digests. The answer:
+    ``{"success": true, "algorithm": ..., "ranks": {"<rank>": {param: digest}}}`` (receiver.digest)."""
+
+    names: dict = field(default_factory=dict)
+
+
 # ---- answer bodies ---------------------------------------------------------------------------
 
 
@@ -289,6 +318,7 @@ class Route:
     health: bool = False
     bootstrap: bool = False
     called: bool = True
+    p2pw: bool = False   # p2pweights' own route: a receiver serves it, sglang does not
 
     @property
     def sglang_body(self) -> str | None:
@@ -321,6 +351,10 @@ ROUTES: tuple[Route, ...] = (
     Route("update_weights_from_distributed", "/update_weights_from_distributed", "POST", _P,
           UpdateWeightsFromDistributedReq),
     Route("destroy_weights_update_group", "/destroy_weights_update_group", "POST", _P, DestroyWeightsUpdateGroupReq),
+    # p2pweights' own (a receiver's): the session owner's lease
+    Route("renew_weight_update", "/renew_weight_update", "POST", _P, RenewWeightUpdateReq, p2pw=True),
+    # p2pweights' own: digests of what engine ranks hold, for update(verify=True)
+    Route("p2pw_weights_digest", "/p2pw_weights_digest", "POST", _P, WeightsDigestReq, p2pw=True),
     # the engine-info bootstrap server's routes (--engine-info-bootstrap-port, default 6789); a
     # receiver serves them on its one port
     Route("get_transfer_engine_info", "/get_transfer_engine_info", "GET", _G, query=("rank",), bootstrap=True),
@@ -334,6 +368,7 @@ BY_PATH: dict[str, Route] = {r.path: r for r in ROUTES}
 BY_VERB: dict[str, Route] = {r.verb: r for r in ROUTES if r.called}
 HEALTH_PATHS = frozenset(r.path for r in ROUTES if r.health)
 BOOTSTRAP_PATHS = frozenset(r.path for r in ROUTES if r.bootstrap)
+OWN_PATHS = frozenset(r.path for r in ROUTES if r.p2pw)  # p2pweights-only routes
 
 
 def route(verb: str) -> Route:
@@ -404,6 +439,11 @@ def hint_for(verb: str, status: int, message: str) -> str:
                 "(or a p2pweights.receiver server)")
     if status in (UNAUTHORIZED, FORBIDDEN):
         return "the engine requires an API key: pass api_key= (its --api-key or --admin-api-key)"
+    if status == CONFLICT and TORN in message:
+        return "only a complete update (begin, every write, end, version, continue) heals torn weights"
+    if status == CONFLICT:
+        return ("another controller owns this engine's weight-update session: wait for it to finish, or "
+                "for its lease (P2PW_SESSION_LEASE) to expire")
     if verb == "begin_weight_update" and SESSION_ALREADY_OPEN in message:
         return ("a previous update left this engine's weight-update session open (it failed after the "
                 "writes began); UpdateSession resumes such a session, or end it by hand")

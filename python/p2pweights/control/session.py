@@ -11,6 +11,11 @@ Engines are told to end the update and bump their version only after every write
 succeeded (DESIGN invariant 3). What happens to an engine whose update failed is explained on
 ``UpdateSession``. Failures are raised as one ``EnginesFailed`` (an ``UpdateFailed`` and an
 ``EngineError``) naming each failed engine; ``.engine`` / ``.rank`` name the first.
+
+A session has an owner (docs/protocol.md, "Sessions: owner and lease"): every ``UpdateSession`` is
+a controller with its own owner id (``control.lease``), sent on every call; a receiver refuses
+other controllers' calls while the session is live (``SessionConflict``), and the owner renews
+its lease while it writes.
 """
 from __future__ import annotations
 
@@ -18,10 +23,14 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from ..errors import EngineError, EnginesFailed
+from ..errors import EngineError, EnginesFailed, SessionConflict, UpdateRefused
+from ..settings import value as setting
+from .lease import CLAIMS, LeaseRenewer, new_owner_id
 from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
 from .sglang import SglangEngine
 
@@ -51,6 +60,22 @@ def _engines_failed(verb: str, errors: Mapping[str, BaseException]) -> EnginesFa
     return EnginesFailed(dict(errors), what=verb)
 
 
+#: where call_engines records (verb, seconds, engines) while ``recording_verbs()`` is active
+_verb_log: ContextVar[list | None] = ContextVar("p2pw_verb_log", default=None)
+
+
+@contextmanager
+def recording_verbs() -> Iterator[list[tuple[str, float, int]]]:
+    """Within the block, every ``call_engines`` of this thread appends (verb, seconds, number of
+    engines) to the list it yields: the sender logs each control phase from it."""
+    log: list[tuple[str, float, int]] = []
+    token = _verb_log.set(log)
+    try:
+        yield log
+    finally:
+        _verb_log.reset(token)
+
+
 def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEngine], Any], *args: Any,
                  **kwargs: Any) -> EngineCalls:
     """Run ``verb`` (an SglangEngine method name, or a callable taking the engine) on every engine
@@ -67,6 +92,7 @@ def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEn
             return getattr(engine, verb)(*args, **kwargs)
         return verb(engine, *args, **kwargs)
 
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=min(len(engines), 64), thread_name_prefix=f"p2pw-{label}") as pool:
         futures = {e.name: pool.submit(one, e) for e in engines}
         for name, fut in futures.items():
@@ -74,6 +100,9 @@ def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEn
                 calls.results[name] = fut.result()
             except Exception as e:  # noqa: BLE001 - every engine's failure is data here
                 calls.errors[name] = e
+    log = _verb_log.get()
+    if log is not None:
+        log.append((label, time.perf_counter() - t0, len(engines)))
     return calls
 
 
@@ -103,9 +132,20 @@ class UpdateSession:
             ...  # every one-sided write; raise if any failed
         # here: every engine ended the update, bumped its version, and generates again
 
-    Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``.
-    If an engine's ``begin`` answers that a session is already open (a previous update failed
-    after its writes began and left it so) the session is resumed: the new writes cover every byte.
+    Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``,
+    as ``owner`` (default: a new id, :func:`control.lease.new_owner_id`) with a lease of ``lease``
+    seconds (``P2PW_SESSION_LEASE``), renewed every third of it while the session is open. Before
+    anything is sent, an engine that another session of this process holds is refused
+    (``SessionConflict``); a receiver refuses an engine whose session another controller owns
+    (HTTP 409, ``SessionConflict`` naming the owner and its session's age). Either way no engine of
+    this update is written, and the engines it paused are continued. A receiver whose previous
+    session was given up or expired (torn weights) is taken over (``resumed``): this update
+    rewrites every byte and heals it. A session an sglang server says is already open is resumed
+    only by its own ``owner=`` (sglang cannot say whose it is); otherwise ``SessionConflict``.
+
+    Just before ending, every engine that keeps a lease renews it once more with a short timeout
+    (its leader pings every rank): an engine that does not answer, lost its session, or has a
+    rank that does not answer is named, not ended, and left paused; the others finish.
 
     Success (the block returns): ``end_weight_update`` -> ``update_weight_version`` ->
     ``continue_generation`` on every engine. An engine whose ``end`` fails is not bumped and is left
@@ -116,13 +156,16 @@ class UpdateSession:
     the update or bump its version (DESIGN invariant 3). What happens next is ``on_failure``:
 
     - ``"stay_paused"`` (default): every engine stays paused with its session open and its old
-      version. Why: after ``begin`` an sglang engine's parameters may be partly overwritten and, for
+      version; a receiver is told the owner gave the session up (its weights are torn: it refuses
+      to generate until a complete update, which any controller may start at once). Why: after
+      ``begin`` an sglang engine's parameters may be partly overwritten and, for
       in-place-quantized models, unpacked (``restore_weights_before_loading``); its weights are
       neither the old nor the new version. Continuing would serve samples from an undefined model
       labelled with the old version (silently poisoned rollouts); ending would run the
       post-processing on torn weights and close the session as if it had succeeded. The engine is
-      safe to resume by the next update (which rewrites every byte), or by hand
-      (``end_weight_update`` + ``continue_generation``) if you accept the torn weights.
+      healed by the next update (which takes the session over and rewrites every byte), or by hand
+      (``begin`` to take it over, ``end_weight_update`` + ``continue_generation``) if you accept the
+      torn weights.
     - ``"continue"``: ``continue_generation`` without ending or bumping: the engine serves again
       right away, on partly written weights, under the old version label, with its session open.
       Only for trainers that tolerate that (unquantized models, off-policy-tolerant RL).
@@ -136,7 +179,7 @@ class UpdateSession:
 
     def __init__(self, engines: SglangEngine | Iterable[SglangEngine], version: str | int, *,
                  pause_mode: str = "abort", selector: str = "all", on_failure: str = "stay_paused",
-                 torch_empty_cache: bool = True):
+                 torch_empty_cache: bool = True, owner: str | None = None, lease: float | None = None):
         self.engines = [engines] if isinstance(engines, SglangEngine) else list(engines)
         if not self.engines:
             raise ValueError("UpdateSession needs at least one engine")
@@ -155,6 +198,10 @@ class UpdateSession:
         self.outcome: dict[str, str] = {}
         self.errors: dict[str, BaseException] = {}
         self.resumed: set[str] = set()   # engines whose session a previous update had left open
+        self.owner = owner or new_owner_id()  # this controller, on every call (protocol.SESSION_OWNER_HEADER)
+        self.owner_given = owner is not None
+        self.lease = float(setting("P2PW_SESSION_LEASE", lease))
+        self._renewer = LeaseRenewer(self.lease, call_engines)
         self._state = "new"              # new -> open -> committed | aborted
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         self._lock = threading.Lock()
@@ -181,6 +228,15 @@ class UpdateSession:
             if self._state != "new":
                 raise RuntimeError(f"UpdateSession.open() called twice (state {self._state})")
             self._state = "opening"
+        try:
+            CLAIMS.claim(self.engines, self.owner)  # before anything is sent
+        except SessionConflict as e:
+            self._state = "aborted"
+            self.errors[e.engine] = e
+            self.outcome = {n.name: RESUMED_GENERATION if n.name != e.engine else FAILED for n in self.engines}
+            raise UpdateRefused(dict(self.errors), what="opening the weight update") from None
+        for e in self.engines:
+            e.session_owner = self.owner
         paused = call_engines(self.engines, "pause_generation", self.pause_mode)
         self.paused_at = time.perf_counter()  # the update's measured time starts here
         self.errors.update(paused.errors)
@@ -190,11 +246,14 @@ class UpdateSession:
             self.errors.update(begun.errors)
         if not self.errors:
             self._state = "open"
+            self._renewer.start()
             return
-        # roll back: nothing has been written yet
+        # roll back: nothing has been written yet; an engine another controller owns is not touched
         by_name = {e.name: e for e in self.engines}
+        owned_elsewhere = {n for n, err in self.errors.items() if isinstance(err, SessionConflict)}
         opened_fresh = [by_name[n] for n in (begun.results if begun else {}) if n not in self.resumed]
-        only_paused = [by_name[n] for n in paused.results if not (begun and n in begun.results)]
+        only_paused = [by_name[n] for n in paused.results
+                       if not (begun and n in begun.results) and n not in owned_elsewhere]
         ended = call_engines(opened_fresh, "end_weight_update")
         continued = call_engines(list(only_paused) + [by_name[n] for n in ended.results],
                                  "continue_generation", self.torch_empty_cache)
@@ -211,12 +270,19 @@ class UpdateSession:
             else:
                 self.outcome[n] = RESUMED_GENERATION
         self._state = "aborted"
+        self._renewer.release([by_name[n] for n in self.resumed])  # taken over torn: torn again
+        self._done()
+        if owned_elsewhere:  # an EnginesFailed that is also a SessionConflict
+            raise UpdateRefused(dict(self.errors), what="opening the weight update")
         raise _engines_failed("opening the weight update", self.errors)
 
     def commit(self) -> None:
         """Every write succeeded: end -> bump version -> continue on every engine."""
         self._require_open("commit")
-        ended = call_engines(self.engines, "end_weight_update")
+        stalled = self._renewer.check_in(self.engines)  # a stalled engine or rank is named now, in seconds
+        self.errors.update(stalled)
+        ended = call_engines([e for e in self.engines if e.name not in stalled], "end_weight_update")
+        self._renewer.stop()
         self.errors.update(ended.errors)
         done = [e for e in self.engines if e.name in ended.results]
         bumped = call_engines(done, "update_weight_version", self.version)
@@ -228,11 +294,13 @@ class UpdateSession:
         for e in self.engines:
             if e.name not in self.errors:
                 self.outcome[e.name] = UPDATED
-            elif e.name in ended.errors:
+            elif e.name in ended.errors or e.name in stalled:
                 self.outcome[e.name] = LEFT_PAUSED
             else:
                 self.outcome[e.name] = FAILED
         self._state = "committed"
+        self._renewer.release([e for e in self.engines if e.name not in ended.results])  # torn until healed
+        self._done()
         if self.errors:
             raise _engines_failed(f"finishing weight update {self.version}", self.errors)
 
@@ -253,18 +321,69 @@ class UpdateSession:
         else:
             for e in self.engines:
                 self.outcome[e.name] = LEFT_PAUSED
+        self._renewer.stop()
+        self._renewer.release(self.engines)  # torn until a complete update, which anyone may start now
+        self._done()
+
+    def roll_back(self, reason: str = "") -> None:
+        """The update failed before any write: end the session without a version bump and
+        continue generation (the weights are untouched; ``end`` re-derives the same buffers), as a
+        failed ``open`` does. Engines whose session a previous update had left open (``resumed``:
+        torn weights) stay paused. Never raises for the engines' sake."""
+        self._require_open("roll_back")
+        self._state = "aborted"
+        fresh = [e for e in self.engines if e.name not in self.resumed]
+        if reason:
+            logger.warning("weight update %s failed before any write (%s): engines end the session without a "
+                           "version bump and continue", self.version, reason)
+        ended = call_engines(fresh, "end_weight_update")
+        by_name = {e.name: e for e in self.engines}
+        continued = call_engines([by_name[n] for n in ended.results], "continue_generation", self.torch_empty_cache)
+        for n, err in list(ended.errors.items()) + list(continued.errors.items()):
+            self.errors.setdefault(n, err)
+        for e in self.engines:
+            self.outcome[e.name] = (FAILED if e.name in self.errors else LEFT_PAUSED if e.name in self.resumed
+                                    else ROLLED_BACK)
+        self._renewer.stop()
+        self._renewer.release([e for e in self.engines if e.name in self.resumed or e.name in self.errors])
+        self._done()
 
     def _begin(self, engine: SglangEngine) -> dict:
         try:
-            return engine.begin_weight_update(self.selector)
+            answer = engine.begin_weight_update(self.selector, lease=self.lease)
         except EngineError as e:
-            if SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e):
-                logger.warning("engine %s: resuming the weight-update session a failed update left open",
-                               engine.name)
-                with self._lock:
-                    self.resumed.add(engine.name)
-                return {"success": True, "message": "resumed an open weight-update session"}
-            raise
+            if not (SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e)):
+                raise
+            if not self.owner_given:  # never a silent resume of a session that may be someone else's
+                raise SessionConflict(
+                    f"engine {engine.name} ({engine.base_url}): a weight-update session is already open and this "
+                    f"update did not open it (an sglang server cannot say whose it is); refused before writing",
+                    engine=engine.name, hint="if a failed update of yours left it open, end it by hand "
+                    "(end_weight_update, continue_generation: its weights may be torn), or open the update "
+                    "with the owner= that opened it") from e
+            logger.warning("engine %s: owner %s resumes its own weight-update session", engine.name, self.owner)
+            with self._lock:
+                self.resumed.add(engine.name)
+            try:  # a receiver keeps a lease on it (sglang has no renew route)
+                self._renewer.keep(engine, float(engine.renew_weight_update(lease=self.lease)["lease"]))
+            except (EngineError, KeyError, TypeError, ValueError):
+                pass
+            return {"success": True, "message": "resumed this owner's open weight-update session"}
+        if isinstance(answer, dict) and answer.get("lease") is not None:
+            self._renewer.keep(engine, float(answer["lease"]))
+        if isinstance(answer, dict) and answer.get("took_over"):
+            logger.warning("engine %s: took over a torn weight-update session; this update heals it", engine.name)
+            with self._lock:
+                self.resumed.add(engine.name)
+        return answer
+
+    def _done(self) -> None:
+        """The session is over for this controller: no more owner id on its calls, no claim."""
+        self._renewer.stop()
+        for e in self.engines:
+            if e.session_owner == self.owner:
+                e.session_owner = None
+        CLAIMS.release(self.engines, self.owner)
 
     def _require_open(self, what: str) -> None:
         if self._state != "open":

@@ -28,7 +28,8 @@ class SglangEngine:
     there directly, else through the HTTP server's ``/remote_instance_transfer_engine_info`` proxy.
     ``timeout`` bounds each answer (``P2PW_ENGINE_TIMEOUT``), ``connect_timeout`` each connect
     (``P2PW_ENGINE_CONNECT_TIMEOUT``): an engine that is down fails in about that long.
-    ``api_key`` is sent as ``Authorization: Bearer`` (sglang's ``--api-key`` / ``--admin-api-key``).
+    ``api_key`` is sent as ``Authorization: Bearer`` on every call (sglang's ``--api-key`` /
+    ``--admin-api-key``; a receiver's ``--api-key``); default ``P2PW_API_KEY``.
     """
 
     def __init__(
@@ -45,7 +46,10 @@ class SglangEngine:
         self.name = name or urlsplit(self.base_url).netloc
         self.timeout = float(value("P2PW_ENGINE_TIMEOUT", timeout))
         self.connect_timeout = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
-        self.api_key = api_key
+        self.api_key: str | None = value("P2PW_API_KEY", api_key)
+        #: the owner id of the update session this client's calls belong to (UpdateSession sets it
+        #: while it owns a session on this engine): sent on every call, see protocol.SESSION_OWNER_HEADER
+        self.session_owner: str | None = None
 
     def __repr__(self) -> str:
         return f"SglangEngine(name={self.name!r}, base_url={self.base_url!r})"
@@ -95,10 +99,22 @@ class SglangEngine:
         """``POST /continue_generation {"torch_empty_cache": ...}``."""
         return self._json("continue_generation", body=p.ContinueGenerationReq(bool(torch_empty_cache)))
 
-    def begin_weight_update(self, selector: str = "all") -> dict:
+    def begin_weight_update(self, selector: str = "all", lease: float | None = None) -> dict:
         """``POST /begin_weight_update {"selector": ...}``: opens the engine's weight-update session
-        (sglang restores in-place-packed quantized weights so they can be overwritten)."""
-        return self._json("begin_weight_update", body=p.BeginWeightUpdateReq(selector=selector))
+        (sglang restores in-place-packed quantized weights so they can be overwritten). A receiver
+        records ``session_owner`` as its owner, with a lease of ``lease`` seconds (its own
+        ``P2PW_SESSION_LEASE`` when None) that the owner renews; it answers ``lease``."""
+        return self._json("begin_weight_update", body=p.BeginWeightUpdateReq(selector=selector),
+                          headers=_lease_header(lease))
+
+    def renew_weight_update(self, release: bool = False, lease: float | None = None,
+                            timeout: float | None = None) -> dict:
+        """``POST /renew_weight_update {"release": ...}`` (a receiver's route; sglang has none): the
+        session's owner renews its lease (the engine's leader also checks every rank answers), or
+        with ``release`` gives the session up (the engine is torn until a complete update).
+        ``timeout`` bounds this one call (default: the client's)."""
+        return self._json("renew_weight_update", body=p.RenewWeightUpdateReq(release=bool(release)),
+                          headers=_lease_header(lease), timeout=timeout)
 
     def end_weight_update(self) -> dict:
         """``POST /end_weight_update {}``: closes the session; the engine runs its post-processing
@@ -154,21 +170,26 @@ class SglangEngine:
     # ---- HTTP -------------------------------------------------------------------------------
 
     def _json(self, verb: str, *, body: p.Body | None = None, params: Mapping[str, Any] | None = None,
-              base: str | None = None) -> Any:
-        _, payload = self._call(verb, body=body, params=params, base=base)
+              base: str | None = None, headers: Mapping[str, str] | None = None,
+              timeout: float | None = None) -> Any:
+        _, payload = self._call(verb, body=body, params=params, base=base, headers=headers, timeout=timeout)
         return payload
 
     def _call(self, verb: str, *, body: p.Body | None = None, params: Mapping[str, Any] | None = None,
-              base: str | None = None, expect_ok: bool = True) -> tuple[int, Any]:
-        """One call of ``verb``'s route; (status, answer: JSON, text, or {} when empty)."""
+              base: str | None = None, expect_ok: bool = True, headers: Mapping[str, str] | None = None,
+              timeout: float | None = None) -> tuple[int, Any]:
+        """One call of ``verb``'s route; (status, answer: JSON, text, or {} when empty). ``headers``
+        are added to the client's own (the key, the session owner); ``timeout`` overrides the client's."""
+        extra_headers = headers
         route = p.route(verb)
         base = base or self.base_url
         target = route.path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        headers = {**(headers or {}), **_owner_header(self.session_owner), **(extra_headers or {})} or None
         try:
             status, answer = http.request(route.method, base, route.path,
                                           body=p.encode(body) if body is not None else None, params=params,
-                                          timeout=self.timeout, connect_timeout=self.connect_timeout,
+                                          timeout=timeout or self.timeout, connect_timeout=self.connect_timeout,
                                           headers=headers)
         except EngineUnreachable as e:
             raise EngineUnreachable(f"engine {self.name}: {e.message}", engine=self.name, hint=e.hint) from e
@@ -183,6 +204,14 @@ class SglangEngine:
             raise EngineError(f"{context}: HTTP {status} with a body that is not JSON: {p._clip(answer)}",
                               engine=self.name, hint="is this URL an sglang server?")
         return status, answer
+
+
+def _owner_header(owner: str | None) -> dict[str, str]:
+    return {p.SESSION_OWNER_HEADER: owner} if owner else {}
+
+
+def _lease_header(lease: float | None) -> dict[str, str] | None:
+    return {p.SESSION_LEASE_HEADER: f"{float(lease):g}"} if lease is not None else None
 
 
 def _normalize_url(url: str) -> str:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, P2PWeightsError, error_named
-from .rank_server import call_rank
+from .rank_server import call_rank, ping_timeout
 from .server import ReceiverHooks
 
 if TYPE_CHECKING:
@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 class EngineHooks(ReceiverHooks):
     """The leader's hooks: the verbs run on rank 0 here and on every other rank over HTTP, at once."""
 
-    def __init__(self, local: "EngineRank", instance: str):
+    def __init__(self, local: "EngineRank", instance: str, api_key: str | None = None):
         self.local = local
         self.instance = instance
+        self.api_key = api_key  # the engine's key: its ranks' internal endpoints require it too
         self.world = local.engine.world_size
         self.rank_urls: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -61,8 +62,9 @@ class EngineHooks(ReceiverHooks):
         return self.local.weights_by_name(name, truncate_size)
 
     # -- fan-out ----------------------------------------------------------------------------------
-    def on_all(self, verb: str, body: dict | None = None) -> dict[int, Any]:
-        """Run ``verb`` on every rank concurrently; raise one error naming every rank that failed."""
+    def on_all(self, verb: str, body: dict | None = None, timeout: float | None = None) -> dict[int, Any]:
+        """Run ``verb`` on every rank concurrently; raise one error naming every rank that failed.
+        ``timeout`` bounds each rank's answer (default ``rank_server.rank_timeout()``)."""
         body = body or {}
         with self._lock:
             urls = dict(self.rank_urls)
@@ -77,7 +79,8 @@ class EngineHooks(ReceiverHooks):
         raised: dict[int, BaseException] = {}
         with ThreadPoolExecutor(max_workers=self.world, thread_name_prefix=f"p2pw-{verb}") as pool:
             futures = {0: pool.submit(self.local.call, verb, body)}
-            futures.update({r: pool.submit(call_rank, urls[r], r, verb, body) for r in range(1, self.world)})
+            futures.update({r: pool.submit(call_rank, urls[r], r, verb, body, timeout, api_key=self.api_key)
+                            for r in range(1, self.world)})
             for r, fut in futures.items():
                 try:
                     results[r] = fut.result()
@@ -96,19 +99,31 @@ class EngineHooks(ReceiverHooks):
         return results
 
     # -- control verbs ------------------------------------------------------------------------------
+    def check_ranks(self) -> None:
+        """Every rank answers a ping within ``rank_server.ping_timeout()``, or the error names the
+        one that did not (a stopped or wedged rank is found in seconds, not at a verb's long timeout)."""
+        self.on_all("ping", timeout=ping_timeout())
+
+    def on_renew_lease(self) -> None:
+        self.check_ranks()
+
     def on_begin_update(self, selector: str) -> None:
+        self.check_ranks()
         self.on_all("begin", {"selector": selector})
 
     def on_end_update(self) -> None:
+        self.check_ranks()
         self.on_all("end")
 
     def weights_checker(self, request: dict) -> dict:
         action = request.get("action")
         if action == "p2pw_compare":
-            if request.get("hf_seed") is None:
-                return {"success": False, "message": "action p2pw_compare needs hf_seed (the seed of "
+            try:  # a bad body is a 400 (success false), never a 500
+                seed = int(request["hf_seed"])
+            except (KeyError, TypeError, ValueError):
+                return {"success": False, "message": "action p2pw_compare needs hf_seed, an integer (the seed of "
                                                      "random_checkpoint the update was made from)"}
-            ranks = self.on_all("compare", {"hf_seed": int(request["hf_seed"]),
+            ranks = self.on_all("compare", {"hf_seed": seed,
                                             "skip": request.get("skip_tensor_list") or []})
             per_rank = [ranks[r] for r in sorted(ranks)]
             bad = [f"rank {r['rank']}: {m['name']}: {m['why']}" for r in per_rank for m in r["mismatches"]]
@@ -127,6 +142,10 @@ class EngineHooks(ReceiverHooks):
                     "ranks": sorted(ranks), "per_engine_checksum": sums}
         return {"success": False, "message": f"action {action!r} is not supported by this receiver "
                                              f"(p2pw_compare, checksum)"}
+
+    def weights_digest(self, names: dict[int, list[str]]) -> dict[int, dict[str, str]]:
+        """Every rank digests the parameters named for it, at once (ranks not named answer {})."""
+        return self.on_all("digest", {"names": {str(r): list(ns) for r, ns in names.items()}})
 
     def init_weights_update_group(self, request: dict) -> None:
         self.on_all("init_group", request)

@@ -8,8 +8,10 @@ single-threaded and starts no thread: one ``select`` over its stdin (the request
 pipe that SIGCHLD and SIGTERM write to; it reaps its children and watches its parent from the same
 loop. Protocol, one JSON object per line:
 
-- stdin: ``{"op": "spawn", "id": N, "argv": [...], "log": PATH}`` (``argv``: the rank process's
-  arguments, see :mod:`p2pweights.receiver.rank_process`);
+- stdin: ``{"op": "spawn", "id": N, "argv": [...], "log": PATH, "env": {...}}`` (``argv``: the rank
+  process's arguments, see :mod:`p2pweights.receiver.rank_process`; ``env``: variables set in the
+  rank before it starts, e.g. the engine's ``P2PW_API_KEY``, which must not be an argument that
+  every local user can read in the process list);
 - stdout: ``{"event": "launcher_ready", "pid", "os_threads"}``, ``{"event": "spawned", "id",
   "pid", "threads", "os_threads"}`` (the Python and OS threads of the launcher at the moment it
   forked), each rank's ready line, ``{"event": "exit", "pid", "code"}``.
@@ -111,6 +113,7 @@ def _shutdown(children: set[int]) -> None:
 def _fork_rank(req: dict, wake: tuple[int, int]) -> int:
     """Fork one rank process; in the child, run it and never return."""
     argv, log = list(req["argv"]), str(req["log"])
+    env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
     pid = os.fork()
     if pid:
         return pid
@@ -128,6 +131,7 @@ def _fork_rank(req: dict, wake: tuple[int, int]) -> int:
         os.close(null)
         sys.stdin = open(os.devnull)
         sys.stderr = os.fdopen(2, "w", buffering=1)
+        os.environ.update(env)
         from .rank_process import main
 
         main(argv + ["--parent-pid", str(os.getppid())])
@@ -304,14 +308,16 @@ class Launcher:
         with self._lock:
             return self._exited.setdefault(pid, threading.Event())
 
-    def spawn(self, argv: list[str], log: str, on_ready: Callable[[dict], None], timeout: float) -> ForkedRank:
+    def spawn(self, argv: list[str], log: str, on_ready: Callable[[dict], None], timeout: float,
+              env: dict | None = None) -> ForkedRank:
         if not self._up.wait(timeout) or self.proc.poll() is not None:
             raise EngineError(f"the receiver launcher did not start; log {self.log_path}:\n{tail(self.log_path)}")
         with self._lock:
             self._next += 1
             ident = self._next
             slot = self._spawned[ident] = {"event": threading.Event(), "pid": None}
-        self.proc.stdin.write((json.dumps({"op": "spawn", "id": ident, "argv": argv, "log": log}) + "\n").encode())
+        request = {"op": "spawn", "id": ident, "argv": argv, "log": log, "env": dict(env or {})}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         if not slot["event"].wait(timeout) or slot["pid"] is None:
             raise EngineError(f"the receiver launcher did not fork; log {self.log_path}:\n{tail(self.log_path)}")

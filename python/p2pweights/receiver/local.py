@@ -1,7 +1,7 @@
 """Engines of rank processes on this host, from Python (the tests, the demo, the benchmarks)::
 
     engine = start_engine(config_dir, "tp=2", transport="mooncake", name="engine0")  # T processes
-    engine.url                              # http://127.0.0.1:PORT, sglang's routes
+    engine.url                              # http://127.0.0.1:PORT, sglang's routes (api_key=: keyed)
     check_weights_equal(engine.url, hf_seed=7)  # {"success", "message", "ranks": [...]}
     engine.kill(rank=1); engine.restart()     # faults: same port again
     engine.close()
@@ -42,11 +42,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalEngine:
     """An engine of T rank processes on this host (``start_engine`` starts one): ``url``, ``pids``,
-    ``kill(rank)``, ``restart()``, ``close()``. Restarts reuse the leader's port."""
+    ``kill(rank)``, ``restart()``, ``close()``. Restarts reuse the leader's port. ``api_key``
+    (default ``P2PW_API_KEY``): the engine's key, given to its ranks in their environment."""
 
     def __init__(self, model: str, engine: str = "tp=1", *, transport: str = "mooncake", name: str = "engine0",
                  host: str = "127.0.0.1", port: int = 0, env: dict | None = None, startup_timeout: float = 120.0,
-                 log_dir: str | None = None, launch: str | None = None, broadcast_receiver: str | None = None):
+                 log_dir: str | None = None, launch: str | None = None, broadcast_receiver: str | None = None,
+                 api_key: str | None = None):
         from ..replica.layout import EngineLayout
 
         self.model = os.fspath(model)
@@ -61,6 +63,7 @@ class LocalEngine:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"p2pw-{name}-")
         self.launch = setting("P2PW_RECEIVER_LAUNCH", launch)
         self.broadcast_receiver = broadcast_receiver
+        self.api_key: str | None = setting("P2PW_API_KEY", api_key)
         self.procs: dict[int, Any] = {}
         self.ready: dict[int, dict] = {}
         self._ready_events: dict[int, threading.Event] = {}
@@ -94,11 +97,13 @@ class LocalEngine:
                 event.set()
 
             launcher = Launcher.get(self.env, self.log_dir)
-            self.procs[rank] = launcher.spawn(args, self.log_path(rank), on_ready, self.startup_timeout)
+            self.procs[rank] = launcher.spawn(args, self.log_path(rank), on_ready, self.startup_timeout,
+                                              env=self._key_env())
             return
         cmd = [sys.executable, "-m", RANK_PROCESS_MODULE, *args, "--parent-pid", str(os.getpid())]
         log = open(self.log_path(rank), "ab")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                env={**self.env, **self._key_env()})
         log.close()
         self.procs[rank] = proc
 
@@ -113,6 +118,10 @@ class LocalEngine:
                     event.set()
             event.set()  # EOF: the process ended
         threading.Thread(target=read, name=f"p2pw-{self.name}-rank{rank}-stdout", daemon=True).start()
+
+    def _key_env(self) -> dict:
+        # always set, "" when there is none: the launcher's own environment may hold another key
+        return {"P2PW_API_KEY": self.api_key or ""}
 
     def start(self, wait: bool = True) -> "LocalEngine":
         """Spawn every rank at once (ranks >= 1 register with the leader when it is up)."""
@@ -206,17 +215,19 @@ def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_pref
     return engines
 
 
-def check_weights_equal(url: str, hf_seed: int, skip: Sequence[str] = (), timeout: float = RANK_TIMEOUT) -> dict:
+def check_weights_equal(url: str, hf_seed: int, skip: Sequence[str] = (), timeout: float = RANK_TIMEOUT, *,
+                        api_key: str | None = None) -> dict:
     """Ask an engine (its leader's URL) for the equality check after an update made from
     ``random_checkpoint(specs, hf_seed)``: ``POST /weights_checker {"action": "p2pw_compare",
     "hf_seed": N}``. Returns the answer (``success``, ``message``, ``ranks``, ``mismatches``)
-    whether equal or not; raises EngineError only when the check could not run."""
+    whether equal or not; raises EngineError only when the check could not run. ``api_key``: the
+    engine's key (default ``P2PW_API_KEY``)."""
     body: dict[str, Any] = {"action": "p2pw_compare", "hf_seed": int(hf_seed)}
     if skip:
         body["skip_tensor_list"] = list(skip)
     try:
         status, payload = request("POST", url, protocol.route("weights_checker").path, body=body, timeout=timeout,
-                                  connect_timeout=CONNECT_TIMEOUT)
+                                  connect_timeout=CONNECT_TIMEOUT, api_key=setting("P2PW_API_KEY", api_key))
     except EngineUnreachable as e:
         raise EngineError(f"engine {url}: the equality check could not reach it: {e.message}") from e
     if status not in (protocol.OK, protocol.BAD_REQUEST) or not isinstance(payload, dict) or "success" not in payload:

@@ -76,6 +76,7 @@ class EngineRank:
         self.endpoint = make_receiver_endpoint(transport)
         self.endpoint.register(self.region.address, self.region.nbytes, self.device)
         self.publication = self.endpoint.publication(params_table(self.model.named_parameters()), rank=self.rank)
+        self.publication.registered = [(self.region.address, self.region.nbytes)]  # senders check entries lie inside
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -131,6 +132,13 @@ class EngineRank:
                 h.update(name.encode())
                 h.update(tensor_bytes(t).cpu().numpy().tobytes())
         return {"rank": self.rank, "checksum": h.hexdigest()}
+
+    def digest(self, names: Sequence[str]) -> dict[str, str]:
+        """The digest of the bytes this rank holds for each named parameter (``verify=True``)."""
+        from .digest import parameter_digests
+
+        with self._lock:
+            return parameter_digests(self.model, names, engine=self.name, rank=self.rank)
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         params = dict(self.model.named_parameters())
@@ -203,6 +211,8 @@ class EngineRank:
             return self.compare(int(body["hf_seed"]), body.get("skip") or ())
         if verb == "checksum":
             return self.checksum()
+        if verb == "digest":
+            return self.digest((body.get("names") or {}).get(str(self.rank), []))
         if verb == "init_group":
             return self.init_group(body)
         if verb == "update_from_distributed":

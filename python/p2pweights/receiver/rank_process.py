@@ -14,6 +14,10 @@ is replaced) and every rank exits when the process that started it does. Each ra
 ready line, a JSON object, on stdout: ``{"event": "ready", "url", "pid", "rank", "control_url",
 "engine", ...}``.
 
+The engine's API key is ``P2PW_API_KEY`` in the rank's environment, never a flag (a command line
+is readable by every local user): the leader's server and every rank's internal endpoint require
+it, and ranks >= 1 send it to register with the leader.
+
 The broadcast path is plugged in by ``--broadcast-receiver MODULE:ATTR`` (a :class:`BroadcastReceiver`;
 ``none`` turns it off): the receiver itself imports no baseline.
 """
@@ -67,13 +71,16 @@ def watch(check: Callable[[], bool], stop: threading.Event, interval: float = 0.
 
 def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str, host: str = "127.0.0.1",
                port: int = 0, leader: str | None = None, parent_pid: int | None = None,
-               startup_timeout: float = 120.0, broadcast: Any = DEFAULT_BROADCAST_RECEIVER) -> int:
-    """The body of one rank process: build, register, publish, serve until told to stop."""
+               startup_timeout: float = 120.0, broadcast: Any = DEFAULT_BROADCAST_RECEIVER,
+               api_key: str | None = None) -> int:
+    """The body of one rank process: build, register, publish, serve until told to stop.
+    ``api_key``: the engine's key (default ``P2PW_API_KEY``)."""
     from .hooks import EngineHooks
     from .rank import EngineRank
     from .rank_server import get_json, serve_rank_control
     from .server import ReceiverServer, register_transfer_engine_info
 
+    api_key = setting("P2PW_API_KEY", api_key)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -88,21 +95,22 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
             if leader:
                 raise SystemExit("--leader is for ranks >= 1; rank 0 is the leader")
             instance = uuid.uuid4().hex
-            server = ReceiverServer(EngineHooks(er, instance), host=host, port=port).start()
+            server = ReceiverServer(EngineHooks(er, instance, api_key=api_key), host=host, port=port,
+                                    api_key=api_key).start()
             closers.append(server.close)
             server.register_transfer_engine_info(0, peer, table, extra)
             url = control_url = server.url
         else:
             if not leader:
                 raise SystemExit("ranks >= 1 need --leader URL (rank 0's URL)")
-            httpd = serve_rank_control(er, host, port)
+            httpd = serve_rank_control(er, host, port, api_key=api_key)
             closers.append(lambda: (httpd.shutdown(), httpd.server_close()))
             control_url = f"http://{host}:{httpd.server_address[1]}"
             deadline = time.monotonic() + startup_timeout
             while True:  # the leader may still be starting
                 try:
-                    instance = get_json(leader, SERVER_INFO)["p2pw_instance"]
-                    register_transfer_engine_info(leader, rank, peer, table,
+                    instance = get_json(leader, SERVER_INFO, api_key=api_key)["p2pw_instance"]
+                    register_transfer_engine_info(leader, rank, peer, table, api_key=api_key,
                                                   extra={**extra, "p2pw_control_url": control_url})
                     break
                 except (OSError, EngineError, KeyError, ValueError, TypeError) as e:
@@ -110,7 +118,8 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
                         raise SystemExit(f"rank {rank}: cannot register with the leader {leader}: {e}") from e
                     time.sleep(0.2)
             url = leader.rstrip("/")
-            watch(lambda: get_json(leader, SERVER_INFO, timeout=2.0).get("p2pw_instance") == instance, stop,
+            watch(lambda: get_json(leader, SERVER_INFO, timeout=2.0, api_key=api_key).get("p2pw_instance") == instance,
+                  stop,
                   why=f"the leader {leader} is gone or was replaced")
         print_ready(url=url, control_url=control_url, pid=os.getpid(), rank=rank, engine=name,
                     transport=transport, peer=peer, region=[er.region.address, er.region.nbytes],

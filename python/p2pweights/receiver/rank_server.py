@@ -5,11 +5,11 @@ the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or 
 the control plane's one error payload (``protocol.error_payload``), so a typed error raised on a
 rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
 The verbs are :meth:`EngineRank.call`'s. The leader calls them with :func:`call_rank`; every call
-goes through the one control-plane client (``control.http.request``).
+goes through the one control-plane client (``control.http.request``). With an API key the endpoint
+answers 401 to a call without it, and refuses bodies as the engine's server does (:mod:`.http_guard`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ..control import protocol
 from ..control.http import request
 from ..errors import EngineError, EngineUnreachable, P2PWeightsError
+from ..settings import value as setting
+from . import http_guard
 from .server import send_json
 
 if TYPE_CHECKING:
@@ -25,12 +27,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RANK_TIMEOUT = 600.0           # leader -> rank control calls (end and the check can take a while)
+RANK_TIMEOUT = 600.0           # a client's equality check (check_weights_equal) on a whole engine
 CONNECT_TIMEOUT = 3.0
+
+
+def rank_timeout() -> float:
+    """How long the leader waits for a rank's answer: just under ``P2PW_ENGINE_TIMEOUT``, so the
+    leader names a stalled rank before the trainer's own call to the leader gives up."""
+    return 0.9 * float(setting("P2PW_ENGINE_TIMEOUT"))
+
+
+def ping_timeout() -> float:
+    """A live rank answers ``ping`` at once (no lock, no work); one that does not within
+    ``P2PW_ENGINE_CONNECT_TIMEOUT`` is stopped or wedged."""
+    return float(setting("P2PW_ENGINE_CONNECT_TIMEOUT"))
 
 
 class _RankHandler(BaseHTTPRequestHandler):
     rank: "EngineRank"
+    api_key: str | None = None
+    timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
         logger.debug(format, *args)
@@ -38,19 +54,30 @@ class _RankHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         verb = self.path.removeprefix(protocol.RANK_ROUTE_PREFIX)
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length) or b"{}")
+            http_guard.check_key(self, self.api_key)
+            body = http_guard.read_json_object(self)
+        except http_guard.RequestRefused as e:
+            return send_json(self, e.status, {"ok": False, **e.payload()})
+        if not self.path.startswith(protocol.RANK_ROUTE_PREFIX):
+            return send_json(self, protocol.NOT_FOUND, {"ok": False, **protocol.error_payload(
+                f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
+        try:
             status, payload = protocol.OK, {"ok": True, "result": self.rank.call(verb, body)}
         except Exception as e:  # noqa: BLE001 - reported to the leader
-            logger.exception("rank %d: %s failed", self.rank.rank, verb)
+            # a plain KeyError is the caller's: EngineRank.call's "unknown rank verb", or a missing argument
+            bad_input = isinstance(e, KeyError) and not isinstance(e, P2PWeightsError)
+            if not bad_input:
+                logger.exception("rank %d: %s failed", self.rank.rank, verb)
             error = e if isinstance(e, P2PWeightsError) else f"{type(e).__name__}: {e}"
-            status, payload = protocol.ENGINE_FAILED, {"ok": False, **protocol.error_payload(error, rank=self.rank.rank)}
+            status = protocol.BAD_REQUEST if bad_input else protocol.ENGINE_FAILED
+            payload = {"ok": False, **protocol.error_payload(error, rank=self.rank.rank)}
         send_json(self, status, payload)
 
 
-def serve_rank_control(rank: "EngineRank", host: str, port: int) -> ThreadingHTTPServer:
-    """Start rank ``rank``'s control endpoint on ``host:port`` (0: a free port), in a daemon thread."""
-    handler = type("_BoundRankHandler", (_RankHandler,), {"rank": rank})
+def serve_rank_control(rank: "EngineRank", host: str, port: int, api_key: str | None = None) -> ThreadingHTTPServer:
+    """Start rank ``rank``'s control endpoint on ``host:port`` (0: a free port), in a daemon thread;
+    with ``api_key``, only calls that carry it are run."""
+    handler = type("_BoundRankHandler", (_RankHandler,), {"rank": rank, "api_key": api_key or None})
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="p2pw-rank-control",
@@ -58,12 +85,15 @@ def serve_rank_control(rank: "EngineRank", host: str, port: int) -> ThreadingHTT
     return httpd
 
 
-def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float = RANK_TIMEOUT) -> Any:
+def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None = None, *,
+              api_key: str | None = None) -> Any:
     """Run ``verb`` on the rank whose control endpoint is ``url``; its result, or EngineError naming
-    the rank (unreachable, or the verb failed there)."""
+    the rank (unreachable, or the verb failed there). ``api_key``: the engine's key. ``timeout``:
+    default :func:`rank_timeout`."""
     try:
-        status, payload = request("POST", url, protocol.RANK_ROUTE_PREFIX + verb, body=body, timeout=timeout,
-                                  connect_timeout=CONNECT_TIMEOUT)
+        status, payload = request("POST", url, protocol.RANK_ROUTE_PREFIX + verb, body=body,
+                                  timeout=timeout or rank_timeout(),
+                                  connect_timeout=CONNECT_TIMEOUT, api_key=api_key)
     except EngineUnreachable as e:
         raise EngineError(f"rank {rank} ({url}) is unreachable: {e.message}", rank=rank) from e
     if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
@@ -72,9 +102,9 @@ def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float = RANK_
     return payload["result"]
 
 
-def get_json(url: str, path: str, timeout: float = CONNECT_TIMEOUT) -> Any:
+def get_json(url: str, path: str, timeout: float = CONNECT_TIMEOUT, *, api_key: str | None = None) -> Any:
     """``GET url+path`` answered 200: its JSON (EngineError otherwise, EngineUnreachable when down)."""
-    status, payload = request("GET", url, path, timeout=timeout, connect_timeout=timeout)
+    status, payload = request("GET", url, path, timeout=timeout, connect_timeout=timeout, api_key=api_key)
     if status != protocol.OK:
         raise EngineError(f"GET {url}{path}: HTTP {status}: {str(payload)[:300]}")
     return payload

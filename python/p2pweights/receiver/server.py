@@ -44,7 +44,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..control import http
 from ..control import protocol as p
-from ..errors import EngineUnreachable, InvalidRequest, P2PWeightsError
+from ..errors import EngineUnreachable, InvalidRequest, P2PWeightsError, SessionConflict, TornWeights
+from ..settings import value as setting
+from . import http_guard
+from . import session as sessions
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,17 @@ class ReceiverHooks:
         """The parameter's first ``truncate_size`` rows (a tensor or nested lists); None if unknown."""
         return None
 
+    def weights_digest(self, names: dict[int, list[str]]) -> dict[int, dict[str, str]]:
+        """``POST /p2pw_weights_digest`` (``update(verify=True)``): for each engine rank, the digest
+        (``p2pweights.receiver.digest``) of the bytes it holds for each named parameter. Raise
+        NotImplementedError (the default) to answer 501 (an sglang server answers 404: no route)."""
+        raise NotImplementedError("this engine does not digest its weights (/p2pw_weights_digest)")
+
+    def on_renew_lease(self) -> None:
+        """The session's owner renewed its lease: check, cheaply, that every rank of the engine still
+        answers; raise (naming the rank) when one does not, so a stalled rank is found while the
+        owner still holds the engine."""
+
     def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
         """A rank registered its regions (``PUT /register_transfer_engine_info``); ``info`` is the whole
         ``transfer_engine_info`` object, extra keys included (keys starting with ``p2pw_`` are for the
@@ -139,17 +153,26 @@ class ReceiverServer:
 
     ``port=0`` picks a free port (read it from ``.url`` / ``.port`` after ``start``).
     ``weight_version`` is the version reported before the first update (sglang's default: "default").
+    ``api_key`` (default ``P2PW_API_KEY``): every route but the health routes answers 401 without
+    ``Authorization: Bearer KEY`` (sglang's ``--api-key``). ``max_body``: bytes a request body may
+    have (413 above it); ``read_timeout``: seconds a client may stall while sending a request
+    (408, connection closed); see :mod:`.http_guard`.
     """
 
     def __init__(self, hooks: ReceiverHooks | None = None, host: str = "127.0.0.1", port: int = 0, *,
-                 weight_version: str = "default"):
+                 weight_version: str = "default", api_key: str | None = None,
+                 max_body: int = http_guard.MAX_BODY_BYTES, read_timeout: float = http_guard.READ_TIMEOUT):
         self.hooks = hooks if hooks is not None else ReceiverHooks()
+        self.api_key: str | None = setting("P2PW_API_KEY", api_key)
+        self.max_body = int(max_body)
+        self.read_timeout = float(read_timeout)
         self.host = host
         self._requested_port = int(port)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._state_lock = threading.Lock()      # guards the fields below; held only briefly
-        self._control_lock = threading.Lock()    # one control hook at a time
+        self._control_lock = threading.RLock()   # one control hook at a time (re-taken inside sessions.gated)
+        self.session = sessions.SessionKeeper()  # the session's owner, lease and torn mark (receiver.session)
         self.weight_version = str(weight_version)
         self.paused = False
         self.updating = False
@@ -165,12 +188,13 @@ class ReceiverServer:
             raise RuntimeError("ReceiverServer was closed; create a new one")
         if self._httpd is not None:
             return self
-        handler = type("_BoundHandler", (_Handler,), {"receiver": self})
+        handler = type("_BoundHandler", (_Handler,), {"receiver": self, "timeout": self.read_timeout})
         self._httpd = ThreadingHTTPServer((self.host, self._requested_port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"p2pw-receiver-{self.port}", daemon=True)
         self._thread.start()
+        self.session.engine = self.url
         logger.info("p2pweights receiver control server on %s", self.url)
         return self
 
@@ -255,11 +279,13 @@ class ReceiverServer:
 
     def _begin(self, req: p.BeginWeightUpdateReq) -> dict:
         with self._control_lock:
-            if self.updating:
-                raise _Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
             if not self.paused:
                 raise _Conflict("generation is running; call pause_generation() before begin_weight_update() "
                                 "(p2pweights writes land in live parameter memory)")
+            if self.updating and self.session.owner is None:  # torn: taken over, not begun again
+                return p.encode(p.Ack(message=f"took over a {p.TORN} weight-update session: a complete update heals it"))
+            if self.updating:
+                raise _Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
             self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
         return p.encode(p.Ack())
@@ -291,6 +317,20 @@ class ReceiverServer:
         answer.setdefault("message", "")
         # sglang's answer either way (an unequal check is a result, not an error)
         return (p.OK if answer["success"] else p.BAD_REQUEST), answer
+
+    def _weights_digest(self, req: p.WeightsDigestReq) -> tuple[int, dict]:
+        from .digest import ALGORITHM
+
+        try:
+            names = {int(r): [str(n) for n in ns] for r, ns in req.names.items()}
+        except (TypeError, ValueError):
+            raise InvalidRequest("field 'names' must map an engine rank to a list of parameter names") from None
+        try:  # not under the control lock: it only reads, and the caller wrote before asking
+            digests = self.hooks.weights_digest(names)
+        except NotImplementedError as e:
+            raise _Refused(str(e), p.NOT_IMPLEMENTED) from None
+        return p.OK, {"success": True, "algorithm": ALGORITHM,
+                      "ranks": {str(r): dict(d) for r, d in digests.items()}}
 
     def _get_weights_by_name(self, req: p.GetWeightsByNameReq) -> tuple[int, Any]:
         value = self.hooks.get_weights_by_name(req.name, req.truncate_size)
@@ -352,13 +392,15 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> Non
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)
-    except (BrokenPipeError, ConnectionResetError):
+    except OSError:  # broken pipe, reset, or a write past the socket's timeout
         logger.debug("client left before the answer to %s", handler.path)
+        handler.close_connection = True
 
 
 class _Handler(BaseHTTPRequestHandler):
     receiver: ReceiverServer  # set on the bound subclass
     server_version = "p2pweights-receiver"
+    timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -374,6 +416,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         parts = urlsplit(self.path)
+        try:  # before any route is looked at: the key, then a whole, well-formed body (http_guard)
+            if parts.path not in p.HEALTH_PATHS:
+                http_guard.check_key(self, self.receiver.api_key, limit=self.receiver.max_body)
+            body = http_guard.read_json_object(self, self.receiver.max_body)
+        except http_guard.RequestRefused as e:
+            return self._send(e.status, e.payload())
         route = p.BY_PATH.get(parts.path)
         if route is None:
             return self._send(p.NOT_FOUND, p.error_payload(f"Not Found: {parts.path}"))
@@ -382,9 +430,11 @@ class _Handler(BaseHTTPRequestHandler):
                 f"Method Not Allowed: {parts.path} takes {' or '.join(route.methods)}"))
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         try:
-            body = self._read_body()
             req = p.decode(route.body, body) if route.body is not None else None
-            status, payload = getattr(self, "_do_" + route.verb)(req, query)
+            status, payload = sessions.gated(self.receiver, route.verb, self.headers,
+                                             lambda: getattr(self, "_do_" + route.verb)(req, query))
+        except (SessionConflict, TornWeights) as e:
+            status, payload = p.CONFLICT, p.error_payload(e)
         except InvalidRequest as e:
             status, payload = p.BAD_REQUEST, p.error_payload(e)
         except _Conflict as e:
@@ -398,29 +448,16 @@ class _Handler(BaseHTTPRequestHandler):
                                                         f"{type(e).__name__}: {what}")
         self._send(status, payload)
 
-    def _read_body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise InvalidRequest(f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the body must be a JSON object")
-        return body
-
     def _send(self, status: int, payload: Any) -> None:
         send_json(self, status, payload)
 
     # ---- one method per verb: (request body, query) -> (status, answer) ---------------------
 
     def _do_health(self, req: None, query: dict) -> tuple[int, Any]:
-        return p.OK, None
+        return p.OK, self.receiver.session.health()  # None (sglang's empty body) unless updating or torn
 
     def _do_server_info(self, req: None, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver.hooks.server_info()
+        return p.OK, {**self.receiver.hooks.server_info(), "p2pw_weight_update": self.receiver.session.state()}
 
     def _do_model_info(self, req: None, query: dict) -> tuple[int, Any]:
         return p.OK, self.receiver._model_info()
@@ -442,6 +479,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _do_register_transfer_engine_info(self, req: p.RegisterTransferEngineInfoReq, query: dict) -> tuple[int, Any]:
         info = req.transfer_engine_info
         extra = {k: v for k, v in info.items() if k not in ("session_id", "weights_info_dict")}
+        extra["registered_from"] = self.client_address[0]  # the server's word, not the registrant's: senders check it
         self.receiver.register_transfer_engine_info(req.tp_rank, info["session_id"], info["weights_info_dict"], extra)
         return p.OK, "OK"
 
@@ -466,6 +504,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _do_get_weights_by_name(self, req: p.GetWeightsByNameReq, query: dict) -> tuple[int, Any]:
         return self.receiver._get_weights_by_name(req)
 
+    def _do_p2pw_weights_digest(self, req: p.WeightsDigestReq, query: dict) -> tuple[int, Any]:
+        return self.receiver._weights_digest(req)
+
     def _do_init_weights_update_group(self, req: p.InitWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
         return self.receiver._init_weights_update_group(req)
 
@@ -475,6 +516,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _do_destroy_weights_update_group(self, req: p.DestroyWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
         return self.receiver._destroy_weights_update_group(req)
+
+    def _do_renew_weight_update(self, req: p.RenewWeightUpdateReq, query: dict) -> tuple[int, Any]:
+        return p.OK, sessions.renew(self.receiver, req.release, self.headers)
 
 
 def _rank(query: dict) -> int:
@@ -488,21 +532,24 @@ def _rank(query: dict) -> int:
 
 
 def register_transfer_engine_info(url: str, rank: int, session_id: str, weights_info: dict,
-                                  timeout: float = 10.0, *, extra: dict | None = None) -> None:
+                                  timeout: float = 10.0, *, extra: dict | None = None,
+                                  api_key: str | None = None) -> None:
     """Publish one rank's regions to an engine's server (a ReceiverServer, or sglang's bootstrap
     server on --engine-info-bootstrap-port): ``PUT /register_transfer_engine_info`` with sglang's body
     ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}``. ``extra`` keys go
-    into ``transfer_engine_info`` too (a ReceiverServer publishes them; sglang ignores them)."""
+    into ``transfer_engine_info`` too (a ReceiverServer publishes them; sglang ignores them).
+    ``api_key`` (default ``P2PW_API_KEY``): the engine's key; without it a keyed server answers 401."""
     route = p.route("register_transfer_engine_info")
     body = p.RegisterTransferEngineInfoReq(int(rank), {**(extra or {}), "session_id": session_id,
                                                         "weights_info_dict": weights_info})
     try:
         status, answer = http.request(route.method, url, route.path, body=p.encode(body), timeout=timeout,
-                                      connect_timeout=timeout)
+                                      connect_timeout=timeout, api_key=setting("P2PW_API_KEY", api_key))
     except EngineUnreachable as e:
         raise EngineUnreachable(f"cannot register rank {rank}'s transfer-engine info: {e.message}", rank=int(rank),
                                 hint=e.hint) from e
     if status != p.OK:
         said = p.ErrorAnswer.of(answer)
         raise said.exception(f"registering rank {rank}'s transfer-engine info at {url} failed: "
-                             f"HTTP {status}: {said.message}", rank=int(rank))
+                             f"HTTP {status}: {said.message}", rank=int(rank),
+                             hint=p.hint_for("register_transfer_engine_info", status, said.message) or None)

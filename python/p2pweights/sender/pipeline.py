@@ -39,6 +39,7 @@ class SlotPipeline:
         self._offsets: list[int] = []
         self._placed_input_bytes = 0  # each placed HF tensor once, however many engine ranks read it
         self._placed_inputs: set[int] = set()
+        self.digests: Any = None  # verify=True: a sender.verify.WrittenDigests, fed every loaded parameter
 
     @property
     def placed_input_bytes(self) -> int:
@@ -86,6 +87,9 @@ class SlotPipeline:
         target = self._filler.target
         loaded = [(p, p.replica.load_groups(placed, tensors, target)) for p, placed, tensors in by_rank.values()]
         extent = max(r.offset + r.nbytes for _, regions in loaded for r in regions)
+        if self.digests is not None:  # queued after the loaders, before the slot goes to the writer
+            for p, regions in loaded:
+                self.digests.add(p, regions, target)
         self.times.loading += time.perf_counter() - t0
         t0 = time.perf_counter()
         for p, regions in loaded:

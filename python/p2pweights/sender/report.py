@@ -1,7 +1,10 @@
 """What one update reports: bytes, seconds and where the time went, per update and per engine rank."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
 
 from ..settings import format_size
 
@@ -43,6 +46,24 @@ class UpdateReport:
     control_seconds: float  # engine control plane (begin/end/version/continue), outside `seconds`'s writes
     engines: list[EngineRankReport]
     data_seconds: float = 0.0  # from the same start to the last write completed (before end_weight_update)
+    validate_seconds: float = 0.0  # version checks at update() and the first push's checks, before the pause
+    pause_seconds: float = 0.0  # pause_generation + begin_weight_update (sender 0 of a group; else 0)
+    senders: int = 1  # senders of the trainer's group that wrote this update
+    skipped: list[str] = field(default_factory=list)  # pushed names the engines load nothing from (tied)
+    control: dict[str, float] = field(default_factory=dict)  # control verb -> seconds (this sender's calls)
+
+    def engine(self, name: str) -> EngineRankReport:
+        """The report of one engine rank by its target name (``engine/rankN``)."""
+        for e in self.engines:
+            if f"{e.engine}/rank{e.rank}" == name:
+                return e
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON types (``json.dumps(report.to_dict())``)."""
+        d = asdict(self)
+        d["gbps"] = self.gbps
+        return d
 
     @property
     def gbps(self) -> float:
@@ -59,3 +80,31 @@ class UpdateReport:
             lines.append(f"  {e.engine} rank {e.rank}: {format_size(e.bytes)} {e.seconds:.3f} s {e.gbps:.2f} GB/s {e.state}"
                          + (f" ({e.error})" if e.error else ""))
         return "\n".join(lines)
+
+
+class Progress:
+    """Progress lines on stderr for long work (connect of many engine ranks): the first after
+    ``after`` seconds, then at most one every ``every`` seconds, and a last one if any was shown."""
+
+    def __init__(self, what: str, total: int, *, after: float = 5.0, every: float = 5.0, stream: TextIO | None = None):
+        self.what, self.total = what, total
+        self.after, self.every = after, every
+        self.stream = stream
+        self._t0 = self._last = time.monotonic()
+        self._shown = False
+
+    def step(self, done: int, detail: str = "") -> None:
+        now = time.monotonic()
+        if now - self._t0 < self.after or (self._shown and now - self._last < self.every):
+            return
+        self._print(done, detail, now)
+
+    def done(self) -> None:
+        if self._shown:
+            self._print(self.total, "done", time.monotonic())
+
+    def _print(self, done: int, detail: str, now: float) -> None:
+        self._shown, self._last = True, now
+        stream = self.stream if self.stream is not None else sys.stderr
+        print(f"p2pweights: {self.what}: {done}/{self.total} ({now - self._t0:.1f} s){' ' + detail if detail else ''}",
+              file=stream, flush=True)

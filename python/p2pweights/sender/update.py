@@ -1,63 +1,190 @@
-"""One weight update in flight: it only orchestrates the slot pipeline.
+"""One weight update in flight: it only orchestrates the slot pipeline and the senders' steps.
 
-push: stage (until a parameter group is complete) → transform → place into a slot (the pipeline
-loads and hands slots to the writer); finish: drain the pipeline, wait for every write, then end
-the engines' update session. Any failure releases every slot and tells no engine to end.
+update():  the version checks (this sender's last version, the engines' current one) -> the
+           senders agree (group.py).
+push:      inputs (tied, DTensor, cast, finite; inputs.py) -> stage (until a parameter group is
+           complete; name, shape, dtype checked) -> transform -> at the first push that passed
+           every check, sender 0 pauses the engines -> place into a slot (the pipeline loads and
+           hands slots to the writer).
+finish:    drain the pipeline, wait for every write, every sender's writes returned -> sender 0
+           ends the session, bumps the version and continues generation.
+A failure anywhere releases every slot and tells no engine to end; then the failure policy
+(``on_failure``): before any write of any sender the engines end the session without a version
+bump and generate again ("resume_if_unwritten", the default); after a write they stay paused with
+their session open and their old version, and the next complete update heals them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 from ..control import SglangEngine, UpdateSession
-from ..errors import P2PWeightsError, UpdateFailed
+from ..control.protocol import PAUSE_MODES
+from ..control.session import call_engines, recording_verbs
+from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from .fillers import FillerChoice, SlotHandOver
+from .group import SenderGroup, SenderStatus, all_failures, others_failures
+from .inputs import TrainerInputs, check_version_order
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
 from .report import EngineRankReport, UpdateReport, UpdateTimes
 from .transforms import GroupLoad, GroupTransform, apply_transforms
+from .verify import WrittenDigests, verify_written
 from .writer import PipelinedWriter, WriteReport
+
+logger = logging.getLogger("p2pweights.sender")
+
+ON_FAILURE = ("resume_if_unwritten", "leave_paused")
+UNTOUCHED = "nothing was written and the engines were not paused"
+ROLLED_BACK = "nothing was written: the engines ended the session without a version bump and generate again"
+LEFT_PAUSED = ("writes may have landed: the engines stay paused with their session open at their old version; "
+               "the next complete update heals them")
+KEPT_PAUSED = ("on_failure='leave_paused': the engines stay paused with their session open at their old version; "
+               "the next complete update heals them")
+NOT_CONTROLLED = "this update does not control the engines (control=False): their coordinator decides"
 
 
 class Update:
-    """One weight update: push() every HF tensor of this sender's stage, then finish()."""
+    """One weight update: push() every HF tensor of this sender's stage, then finish().
+
+    ``outcome`` says, after a failure, what happened to the engines (one of the module's notes).
+    """
 
     def __init__(self, ranks: Sequence[PreparedRank], engines: Sequence[SglangEngine], writer: PipelinedWriter,
                  version: Any, *, control: bool = True, transforms: Sequence[GroupTransform] = (),
-                 staging_for: Callable[[Any], Any] | None = None):
+                 staging_for: Callable[[Any], Any] | None = None, group: SenderGroup | None = None,
+                 inputs: TrainerInputs | None = None, pause_mode: str = "abort",
+                 on_failure: str = "resume_if_unwritten", previous_version: str | None = None, force: bool = False,
+                 metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
+                 owner: str | None = None, lease: float | None = None):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
         self.version = str(version)
         self._ranks = list(ranks)
+        self._engines = list(engines)
         self._writer = writer
         self._transforms = tuple(transforms)
+        self._group = group or SenderGroup()
+        self._inputs = inputs
+        self._on_failure = on_failure
+        self._metrics = metrics
+        self._on_success = on_success
+        self._controls = control and self._group.controller
         self.times = UpdateTimes()
         handover = SlotHandOver(writer, self.times)
         self.pipeline = SlotPipeline(handover, FillerChoice(handover, staging_for), self.times)
-        self._session: UpdateSession | None = None
+        self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
+        self.pipeline.digests = self._digests
+        self.verify_seconds = 0.0
+        # owner: the sender's one controller id, so that its next update may resume a session this
+        # one left open on an sglang server (which cannot say whose a session is)
+        self._session = (UpdateSession(self._engines, self.version, pause_mode=pause_mode, owner=owner,
+                                       lease=lease)
+                         if self._controls else None)
         self.report: UpdateReport | None = None
-        self._finished = False
+        self.outcome = ""
+        self._phase = "new"  # new -> open -> done | failed
+        self._pipeline_raised = False
+        self._verbs: dict[str, float] = {}
+        self._validate_seconds = self._pause_seconds = 0.0
+        self._t0 = time.perf_counter()
         for p in self._ranks:
             p.stager.reset()
-        if control:
-            t0 = time.perf_counter()
-            self._session = UpdateSession(list(engines), self.version)
-            self._session.open()  # pause + begin
-            self.times.control += time.perf_counter() - t0
+        self._start(control, previous_version, force)
+
+    # -- the steps every sender takes -------------------------------------------------------------
+    def _start(self, control: bool, previous_version: str | None, force: bool) -> None:
+        """Version checks, then the senders agree (or every one of them raises)."""
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            engine_versions: dict[str, str] = {}
+            if self._controls and not force:
+                calls = call_engines(self._engines, "weight_version")
+                calls.raise_for_errors()
+                engine_versions = calls.results
+            check_version_order(self.version, previous_version, engine_versions, force=force)
+        except P2PWeightsError as e:
+            error = e
+        me = self._group.index
+        why = {f"sender {me}": f"{type(error).__name__}: {error}"} if error is not None else {}
+        statuses = self._gather(SenderStatus(me, why, version=self.version, control=bool(control)))
+        if error is not None:
+            self._phase = "failed"
+            raise error
+        others = others_failures(statuses, me)
+        if others:
+            self._phase = "failed"
+            raise UpdateFailed(others, what=f"starting weight update {self.version}")
+        versions = {s.version for s in statuses}
+        if len(versions) > 1 or len({s.control for s in statuses}) > 1:
+            self._phase = "failed"
+            raise SenderGroupError(
+                f"the senders of the group disagree on update({sorted(versions)}, control="
+                f"{sorted({s.control for s in statuses})}): every sender of a group must call update() with "
+                f"the same version and control", hint="call sender.update(step) with one step on every rank")
+        self._validate_seconds = time.perf_counter() - t0
+        logger.info("update %s: validated the version on %d sender(s) in %.3f s", self.version, len(statuses),
+                    self._validate_seconds)
+
+    def _open(self) -> None:
+        """Every sender's first push passed its checks: sender 0 pauses the engines and opens their
+        session; nobody writes before it did."""
+        t0 = time.perf_counter()
+        me = self._group.index
+        statuses = self._gather(SenderStatus(me))
+        others = others_failures(statuses, me)
+        if others:
+            self._phase, self.outcome = "failed", UNTOUCHED
+            raise self._failed(others, f"weight update {self.version}", UNTOUCHED)
+        self._validate_seconds += self.times.staging  # the first pushes' checks, before the pause
+        error: Exception | None = None
+        if self._session is not None:
+            try:
+                self._control(self._session.open)  # pause + begin
+            except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
+                error = e
+        statuses = self._gather(SenderStatus(me, _control_failures(error)))
+        if error is not None:
+            self._phase, self.outcome = "failed", UNTOUCHED
+            raise error
+        failures = all_failures(statuses)
+        if failures:
+            self._phase, self.outcome = "failed", UNTOUCHED
+            raise self._failed(failures, f"opening weight update {self.version}", UNTOUCHED)
+        self._phase = "open"
+        self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
         self._t0 = self._session.paused_at if self._session is not None else time.perf_counter()
+        if self._session is not None:
+            logger.info("update %s: paused and opened %d engine(s) in %.3f s (%s)", self.version, len(self._engines),
+                        self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
 
+    # -- the trainer's calls ----------------------------------------------------------------------
     def __enter__(self) -> "Update":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.finish()
-        elif not self._finished:
-            self._abort(f"{exc_type.__name__}: {exc}")
+        elif self._phase in ("new", "open"):
+            self._abort(exc)
+            if isinstance(exc, BaseException):
+                self._note(exc)
 
     def push(self, hf_name: str, tensor: Any) -> None:
-        """Stage one full HF tensor (CPU or GPU, any order); complete groups are transformed and
-        placed in a slot at once."""
+        """Stage one full HF tensor (CPU or GPU, any order; a DTensor is gathered); complete groups
+        are transformed and placed in a slot at once. A refused push (bad name, shape, dtype,
+        NaN) leaves the update as it was: push the right tensor, or leave the block to fail it."""
+        self._require_active()
         t0 = time.perf_counter()
+        if self._inputs is not None:
+            tensor = self._inputs.prepare(hf_name, tensor)
+            if tensor is None:
+                return  # a tied name: the engine loads nothing from it
         loads: list[GroupLoad] = []
         for p in self._ranks:
             done = p.stager.push(hf_name, tensor)
@@ -65,44 +192,189 @@ class Update:
                 group_index, tensors = done
                 loads += apply_transforms(self._transforms, GroupLoad(p, p.replica.groups[group_index], tensors))
         self.times.staging += time.perf_counter() - t0
-        for load in loads:
-            self.pipeline.place(load)
+        if self._phase == "new":
+            self._open()
+        try:
+            for load in loads:
+                self.pipeline.place(load)
+        except BaseException:
+            self._pipeline_raised = True  # a slot may have reached the writer
+            raise
 
     def push_many(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         for name, t in named_tensors:
             self.push(name, t)
 
     def finish(self) -> UpdateReport:
-        """Waits for every write; then (with control) ends the update and bumps the version on every
-        engine. Raises MissingTensors or UpdateFailed (naming each failed engine) otherwise."""
-        if self._finished:
-            if self.report is None:
-                raise P2PWeightsError("this update already failed")
+        """Waits for every write of every sender; then sender 0 ends the update and bumps the
+        version on every engine. Raises MissingTensors or UpdateFailed (naming each failed engine
+        or sender, and saying what became of the engines) otherwise."""
+        if self._phase == "done":
             return self.report
+        self._require_active()
         try:
             for p in self._ranks:
                 p.stager.check_complete()
-            self.pipeline.drain()
+            if self._phase == "new":
+                self._open()
+            try:
+                self.pipeline.drain()
+            except BaseException:
+                self._pipeline_raised = True
+                raise
         except BaseException as e:
-            self._abort(str(e))
+            if self._phase in ("new", "open"):
+                self._abort(e)
+                self._note(e)
             raise
         t0 = time.perf_counter()
         rep: WriteReport = self._writer.finish(raise_on_failure=False)
         self.times.waiting += time.perf_counter() - t0
-        if rep.failures:
-            self._abort("; ".join(f"{n}: {why}" for n, why in rep.failures.items()))
-            raise UpdateFailed(rep.failures, rep)
         data_seconds = time.perf_counter() - self._t0
+        logger.info("update %s: writes done: %d bytes to %d engine rank(s) in %.3f s", self.version, rep.bytes,
+                    len(rep.engines), data_seconds)
+        me = self._group.index
+        differ = self._verify(rep)  # verify=True: before any engine is told to end (it stays paused)
+        statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
+                                             written=self._written))
+        failures = all_failures(statuses)
+        if failures:
+            self._end_failed(statuses, "; ".join(f"{n}: {why}" for n, why in failures.items()))
+            raise self._failed({**failures, **differ}, f"weight update {self.version}", self.outcome, rep)
+        error: Exception | None = None
         if self._session is not None:
-            t0 = time.perf_counter()
-            self._session.commit()  # end_weight_update, update_weight_version, continue_generation
-            self.times.control += time.perf_counter() - t0
+            try:
+                self._control(self._session.commit)  # end_weight_update, update_weight_version, continue_generation
+            except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
+                error = e
+            logger.info("update %s: ended, versioned and continued %d engine(s): %s", self.version,
+                        len(self._engines), self._verbs_text("end_weight_update", "update_weight_version",
+                                                              "continue_generation"))
+        statuses = self._gather(SenderStatus(me, _control_failures(error)))
+        self._phase = "done"
+        failures = all_failures(statuses)
+        if error is not None or failures:
+            self._phase, self.outcome = "failed", "finishing the update failed on the engines named"
+            self._count_failure(failures)
+            if error is not None:
+                raise error
+            raise self._failed(failures, f"finishing weight update {self.version}", self.outcome, rep)
         seconds = time.perf_counter() - self._t0
-        self._finished = True
-        self.report = self._report(rep, seconds, data_seconds)
+        self.report = self._report(rep, seconds, data_seconds, len(statuses))
+        if self._metrics is not None:
+            self._metrics.succeeded(seconds, {e.engine: e.bytes for e in self.report.engines})
+        logger.info("update %s: done in %.3f s (%d bytes)", self.version, seconds, rep.bytes)
+        if self._on_success is not None:
+            self._on_success(self)
         return self.report
 
-    def _report(self, rep: WriteReport, seconds: float, data_seconds: float) -> UpdateReport:
+    def _verify(self, rep: WriteReport) -> dict[str, BaseException]:
+        """verify=True and every write returned: engine rank -> the error naming its first differing
+        parameter (sender/verify.py); {} when equal, or not asked."""
+        if self._digests is None or rep.failures:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            verify_written(self._ranks, self._digests, self.version)
+        except UpdateFailed as e:
+            return {n: e.errors.get(n) or P2PWeightsError(why) for n, why in e.failures.items()}
+        finally:
+            self.verify_seconds = time.perf_counter() - t0
+            logger.info("update %s: verified in %.3f s", self.version, self.verify_seconds)
+        return {}
+
+    def abort(self, reason: str = "abandoned by the caller") -> str:
+        """Give the update up (as leaving its block on an error does); returns ``outcome``."""
+        if self._phase in ("new", "open"):
+            self._abort(P2PWeightsError(reason))
+        return self.outcome
+
+    # -- failure ------------------------------------------------------------------------------------
+    @property
+    def _written(self) -> bool:
+        return self.times.slots > 0 or self._pipeline_raised
+
+    def _abort(self, error: BaseException) -> None:
+        """This sender failed (``error``): release its slots, then take the step the others are at."""
+        me = self._group.index
+        why = {f"sender {me}": f"{type(error).__name__}: {error}"}
+        if self._phase == "new":  # the others wait for our first push, at the ready step
+            self._phase, self.outcome = "failed", UNTOUCHED
+            self._gather(SenderStatus(me, why))
+            self._count_failure(why)
+            return
+        try:
+            self.pipeline.abort()
+        finally:
+            self._writer.finish(raise_on_failure=False)  # every write returned before the slots are reused
+        statuses = self._gather(SenderStatus(me, why, written=self._written))
+        self._end_failed(statuses, str(error))
+
+    def _end_failed(self, statuses: list[SenderStatus], reason: str) -> None:
+        """Sender 0 applies the failure policy and tells the others what became of the engines."""
+        self._phase = "failed"
+        note = ""
+        if self._session is not None:
+            written = any(s.written for s in statuses)
+            if not written and self._on_failure == "resume_if_unwritten":
+                self._control(self._session.roll_back, reason)
+                note = ROLLED_BACK
+            else:
+                self._session.abort(reason)
+                note = LEFT_PAUSED if written else KEPT_PAUSED
+            failed = {n: str(e) for n, e in self._session.errors.items()}
+            if failed:
+                note += f" (control calls failed on {', '.join(sorted(failed))})"
+        me = self._group.index
+        ended = self._gather(SenderStatus(me, note=note))
+        self.outcome = note or next((s.note for s in ended if s.note), "") or NOT_CONTROLLED
+        self._count_failure(all_failures(statuses))
+        logger.warning("update %s failed: %s", self.version, self.outcome)
+
+    def _failed(self, failures: dict[str, str], what: str, outcome: str, report: Any = None) -> UpdateFailed:
+        err = UpdateFailed(failures, report, what=what)
+        err.args = (f"{err.message}\n  engines: {outcome}",)
+        return err
+
+    def _count_failure(self, failures: Any) -> None:
+        if self._metrics is not None and failures:
+            self._metrics.failed(failures)
+
+    def _require_active(self) -> None:
+        if self._phase == "failed":
+            raise P2PWeightsError(f"update {self.version} already failed ({self.outcome}); start a new update")
+        if self._phase == "done":
+            raise P2PWeightsError(f"update {self.version} already finished; start a new update")
+
+    def _note(self, exc: BaseException) -> None:
+        """The error says what became of the engines (Python >= 3.11 prints notes under it)."""
+        if self.outcome and self.outcome not in str(exc) and hasattr(exc, "add_note"):
+            exc.add_note(f"p2pweights: update {self.version} failed; {self.outcome}")
+
+    def _gather(self, status: SenderStatus) -> list[SenderStatus]:
+        try:
+            return self._group.gather(status)
+        except Exception as e:  # noqa: BLE001 - a sender died or the group timed out
+            self._phase = "failed"
+            self.outcome = (f"the senders' group broke ({type(e).__name__}: {e}); engines a session was opened on "
+                            f"stay paused with it open")
+            raise UpdateFailed({"sender group": str(e)}, what=f"weight update {self.version}") from e
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _control(self, verb: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            with recording_verbs() as log:
+                return verb(*args)
+        finally:
+            self.times.control += time.perf_counter() - t0
+            for name, seconds, _ in log:
+                self._verbs[name] = self._verbs.get(name, 0.0) + seconds
+
+    def _verbs_text(self, *names: str) -> str:
+        return ", ".join(f"{n.strip('_')} {self._verbs[n]:.3f} s" for n in names if n in self._verbs)
+
+    def _report(self, rep: WriteReport, seconds: float, data_seconds: float, senders: int) -> UpdateReport:
         by_id = {e.engine: e for e in rep.engines}
         engines = []
         for p in self._ranks:
@@ -112,13 +384,15 @@ class Update:
         tm = self.times
         return UpdateReport(self.version, seconds, rep.bytes, tm.groups, tm.slots, tm.staging, tm.loading,
                             max((e.seconds for e in rep.engines), default=0.0), tm.waiting, tm.control, engines,
-                            data_seconds)
+                            data_seconds, self._validate_seconds, self._pause_seconds, senders,
+                            list(self._inputs.skipped) if self._inputs is not None else [],
+                            {n.strip("_"): s for n, s in self._verbs.items()})
 
-    def _abort(self, reason: str) -> None:
-        self._finished = True
-        try:
-            self.pipeline.abort()
-        finally:
-            self._writer.finish(raise_on_failure=False)  # every write returned before the slots are reused
-            if self._session is not None:
-                self._session.abort(reason)
+
+def _control_failures(error: Exception | None) -> dict[str, str]:
+    """What sender 0's failed control step tells the others: engine -> why."""
+    if error is None:
+        return {}
+    if isinstance(error, UpdateFailed):
+        return dict(error.failures)
+    return {getattr(error, "engine", None) or "engines": f"{type(error).__name__}: {error}"}

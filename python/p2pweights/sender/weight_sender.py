@@ -6,6 +6,8 @@
     print(update.report)
 
 Each PP stage (and each data replica, ``sender_index`` of ``num_senders``) runs its own sender; the
+senders of one trainer share its torch.distributed group (``group=``): sender 0 of the group
+drives the engines' session and the version is bumped after every sender's writes (group.py). The
 planner's rule (:func:`p2pweights.planner.assign.assign_engine_ranks`) picks the engine ranks it prepares
 and the engines it writes them to. An update runs the slot pipeline (update.py): a parameter group
 is staged until complete, transformed (transforms.py), loaded by the replica's own sglang loaders
@@ -20,18 +22,25 @@ from typing import Any, Sequence
 
 from .. import transport as transports
 from ..control import SglangEngine
-from ..errors import P2PWeightsError
+from ..control.lease import new_owner_id
+from ..errors import P2PWeightsError, SenderGroupError
+from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
 from ..planner.assign import Engine as PlanEngine
 from ..planner.assign import assign_engine_ranks
 from ..settings import Settings, settings
-from ..transport.publication import EnginePublication
+from ..transport.publication import EnginePublication, check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
 from .gpu_staging import GpuStaging
+from .group import SenderGroup
+from .inputs import TrainerInputs
+from .metrics import metrics_for
 from .prepared import EngineTarget, PreparedRank
+from .report import Progress
 from .stager import GroupStager
 from .transforms import GroupTransform
 from .update import Update
+from .verify import check_engines_digest
 from .writer import PipelinedWriter
 
 
@@ -39,21 +48,34 @@ class WeightSender:
     """Writes a trainer rank's weights into the engine ranks the planner gives it.
 
     model: the HF config (directory, config.json path or dict) the engines serve.
-    sender_index / num_senders: this rank among the data replicas of its PP stage.
+    group: the trainer's torch.distributed process group of every sender (gloo or NCCL): sender 0
+    of it controls the engines' session, each update waits for every sender's writes before the
+    version is bumped, and a failure anywhere fails every sender. Needed with several senders.
+    sender_index / num_senders: this rank among the data replicas of its PP stage (default: its
+    rank and size in ``group`` when pp_size is 1, else 0 of 1).
     pp_stage / pp_size: the trainer's pipeline stage; the sender pushes only that stage's tensors.
     replicas: the ModelReplicas to take replicas from (default: the process-wide one, so every
     sender of the process shares one replica per shard layout).
     transforms: GroupTransforms run, in order, on every complete parameter group before its
     loaders (default none: the loaders get the pushed tensors).
+    metrics: a prometheus_client registry (True: the default one) for update seconds, bytes and
+    failures per engine (sender/metrics.py); without prometheus_client, nothing.
     Other keywords override P2PW_ settings (see p2pweights.settings), transport options included.
     """
 
-    def __init__(self, model: Any, *, sender_index: int = 0, num_senders: int = 1, pp_stage: int = 0,
-                 pp_size: int = 1, replicas: Any = None, transforms: Sequence[GroupTransform] = (),
+    def __init__(self, model: Any, *, sender_index: int | None = None, num_senders: int | None = None,
+                 pp_stage: int = 0, pp_size: int = 1, replicas: Any = None,
+                 transforms: Sequence[GroupTransform] = (), group: Any = None, metrics: Any = None,
                  **overrides: Any):
         from ..models.checkpoint import load_config
         from ..replica import model_replicas
 
+        self.group = SenderGroup(group)
+        from_group = group is not None and pp_size == 1
+        if sender_index is None:
+            sender_index = self.group.index if from_group else 0
+        if num_senders is None:
+            num_senders = self.group.size if from_group else 1
         if not 0 <= sender_index < num_senders:
             raise ValueError(f"sender_index {sender_index} is not in [0, num_senders={num_senders})")
         if not 0 <= pp_stage < pp_size:
@@ -73,6 +95,10 @@ class WeightSender:
         self._engines: list[SglangEngine] = []
         self._next_writer_id = 0
         self._closed = False
+        self._metrics = metrics_for(metrics)
+        self._update: Update | None = None  # the update in flight
+        self.last_version: str | None = None  # of this sender's last complete update
+        self.owner = new_owner_id()  # the controller id of every session this sender opens
 
     # -- connect ---------------------------------------------------------------------------------
     @property
@@ -86,9 +112,11 @@ class WeightSender:
 
     def _client(self, engine: SglangEngine | str) -> SglangEngine:
         if isinstance(engine, SglangEngine):
+            if engine.api_key is None:  # a client made without a key gets the sender's (api_key=)
+                engine.api_key = self.settings.api_key
             return engine
         return SglangEngine(engine, timeout=self.settings.engine_timeout,
-                            connect_timeout=self.settings.engine_connect_timeout)
+                            connect_timeout=self.settings.engine_connect_timeout, api_key=self.settings.api_key)
 
     def connect(self, engines: Sequence[SglangEngine | str]) -> None:
         """Plan, build (or reuse) replicas, connect every target engine rank. Call again with a new
@@ -102,10 +130,16 @@ class WeightSender:
         from ..replica.layout import EngineLayout
 
         clients = [self._client(e) for e in engines]
-        layouts = [EngineLayout.from_server_info(c.server_info()) for c in clients]
+        infos = [c.server_info() for c in clients]
+        layouts = [EngineLayout.from_server_info(info) for info in infos]
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
         mine = [p for p in plan if p.sender == self.sender_index]
-        ranks = [self._prepare(layouts[entry.engines[0]], entry.engine_rank) for entry in mine]
+        progress = Progress("connect: engine ranks prepared (replica + loader probe)", len(mine))
+        ranks = []
+        for i, entry in enumerate(mine):
+            ranks.append(self._prepare(layouts[entry.engines[0]], entry.engine_rank))
+            progress.step(i + 1)
+        progress.done()
         publications: list[tuple[PreparedRank, SglangEngine, EnginePublication]] = []
         for p, entry in zip(ranks, mine):
             for e in entry.engines:
@@ -113,6 +147,8 @@ class WeightSender:
                 pub = EnginePublication.from_json(client.transfer_engine_info(entry.engine_rank))
                 self._check_publication(p, client, pub)
                 publications.append((p, client, pub))
+        info_of = {c.name: info for c, info in zip(clients, infos)}  # each rank's session is its own, none shared
+        check_sessions([session_claim(client, pub, info_of[client.name]) for _, client, pub in publications])
         self._disconnect_all()
         attached: list[EngineTarget] = []
         try:
@@ -142,6 +178,7 @@ class WeightSender:
         """Invariant 1, both ways: the engine rank published exactly the replica's parameters, each
         with the replica's byte count, for this sender's transport."""
         pub.check_transport(self.settings.transport, engine=client.name)
+        pub.check_regions(engine=client.name)  # no overlap, inside the registered memory
         pub.check_params({n: s.nbytes for n, s in p.replica.param_specs.items()},
                          engine=f"{client.name} rank {p.rank}",
                          hint=f"is it serving the same model and flags ({client.base_url})?")
@@ -182,14 +219,67 @@ class WeightSender:
         self._ranks, self._engines = [], []
 
     # -- update ----------------------------------------------------------------------------------
-    def update(self, version: Any, *, control: bool = True) -> Update:
-        """An update as a context manager. control=True drives the engines' update session
-        (pause, begin; end, version, continue on success) — leave it to one coordinator when
-        several senders write to the same engines (control=False on the others)."""
-        if not self._ranks:
+    def update(self, version: Any, *, control: bool = True, pause_mode: str = "abort",
+               on_failure: str = "resume_if_unwritten", force: bool = False, cast: bool = False,
+               check_finite: bool | None = None, verify: bool | None = None) -> Update:
+        """An update as a context manager.
+
+        control: drive the engines' session (pause, begin; end, version, continue on success). With
+        ``group=``, sender 0 of the group drives it for all; without a group, one sender only
+        (several senders or PP stages need ``group=``, or control=False and a coordinator).
+        pause_mode: sglang's ``pause_generation`` mode (abort, retract, in_place).
+        on_failure: "resume_if_unwritten" (default: an update that failed before any write ends the
+        session without a version bump and resumes the engines) or "leave_paused" (always leave
+        them paused, session open). After a write they stay paused either way, until the next
+        complete update.
+        force: set ``version`` even if it does not come after this sender's last one and the
+        engines' current one (numerically when both are numbers, else it must differ).
+        cast: cast pushed tensors of another float dtype to the checkpoint's dtype.
+        check_finite: refuse NaN/Inf naming the tensor (default: ``P2PW_CHECK_FINITE``).
+        verify: before the session ends, every engine rank written digests what it holds and a
+        difference fails the update naming rank and parameter, engines left paused (default:
+        ``P2PW_VERIFY``; refused here, before any pause, against engines without the digest route).
+
+        The version is checked here, before anything else; names, shapes, dtypes, tied names and
+        NaN at each push; the engines are paused only at the first push that passed them.
+        """
+        if not self._engines:
             raise P2PWeightsError("connect(engines) before update()")
-        return Update(self._ranks, self._engines, self._writer, version, control=control,
-                      transforms=self.transforms, staging_for=self._staging_for)
+        if control and self.group.size == 1 and self.num_senders * self.pp_size > 1:
+            raise SenderGroupError(
+                f"{self.num_senders} sender(s) x {self.pp_size} PP stage(s) with control=True and no group: each "
+                f"sender would end the update and bump the version while another still writes",
+                hint="pass the trainer's process group: WeightSender(..., group=torch.distributed.group.WORLD) "
+                     "(or a coordinator's UpdateSession and update(..., control=False))")
+        if self._update is not None and self._update._phase in ("new", "open"):
+            raise P2PWeightsError(f"update {self._update.version} of this sender is still in flight; finish it "
+                                  f"(or leave its with-block) before update({version!r})")
+        if check_finite is None:
+            check_finite = self.settings.check_finite == "1"
+        verify = self.settings.verify == "1" if verify is None else bool(verify)
+        if verify:
+            check_engines_digest(self._engines)
+        specs = {n: s for p in self._ranks for n, s in p.replica.hf_specs.items()}
+        tied = model_spec(architecture_of(self.config)).tied_names(self.config) if self._has_spec() else {}
+        inputs = TrainerInputs(specs, tied, cast=cast, check_finite=check_finite,
+                               where=f"sender {self.sender_index}")
+        self._update = Update(self._ranks, self._engines, self._writer, version, control=control,
+                              transforms=self.transforms, staging_for=self._staging_for, group=self.group,
+                              inputs=inputs, pause_mode=pause_mode, on_failure=on_failure,
+                              previous_version=self.last_version, force=force, metrics=self._metrics,
+                              on_success=self._updated, verify=verify, owner=self.owner,
+                              lease=self.settings.session_lease)
+        return self._update
+
+    def _updated(self, update: Update) -> None:
+        self.last_version = update.version
+
+    def _has_spec(self) -> bool:
+        try:
+            model_spec(architecture_of(self.config))
+        except P2PWeightsError:
+            return False
+        return True
 
     def close(self) -> None:
         if self._closed:

@@ -20,6 +20,12 @@ Knobs (keyword, else the setting, else default; see p2pweights.settings):
   protocol  P2PW_MOONCAKE_PROTOCOL (also MOONCAKE_PROTOCOL)  rdma when an RDMA device exists, else tcp
   device    P2PW_MOONCAKE_DEVICE (also MOONCAKE_DEVICE)      "" (all devices)
   hostname  P2PW_HOSTNAME                                    127.0.0.1 without RDMA, else this host's IP
+
+Where it listens (measured with Mooncake 0.3.13, docs/security.md): the RPC/handshake port (the
+session id's port) on 0.0.0.0 and the TCP data port on [::] (dual stack), whatever the hostname.
+The vendor hard-codes the wildcard; ``MC_TCP_BIND_ADDRESS`` only picks the address advertised under
+a metadata server (set here from the hostname), it binds nothing. ``MC_MIN_RPC_PORT`` /
+``MC_MAX_RPC_PORT`` (outside 32768-60999) confine both ports to a range a firewall rule can name.
 """
 from __future__ import annotations
 
@@ -76,6 +82,8 @@ def new_engine(hostname: str | None = None, protocol: str | None = None, device:
                              "mooncake-transfer-engine-non-cuda (CPU); it also needs libibverbs1 "
                              f"(apt-get install -y libibverbs1). Import error: {e}") from None
     hostname = hostname or default_hostname()
+    if metadata_server != "P2PHANDSHAKE":  # there Mooncake advertises this, else its first LAN address
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
     protocol = protocol or default_protocol()
     device = device if device is not None else (value("P2PW_MOONCAKE_DEVICE") or "")
     te = TransferEngine()

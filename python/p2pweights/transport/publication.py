@@ -17,13 +17,24 @@ NIXL (defined by p2pweights; sglang 0.5.23 has no NIXL publisher; see docs/trans
 A publication without ``"transport"`` is a Mooncake one. The writer's region check uses the
 parameters' byte ranges merged where they touch (:func:`merge_regions`), never anything wider.
 A sender checks a publication against its replica both ways (:meth:`EnginePublication.check_params`).
+
+p2pweights receivers also publish the memory they registered with the transport,
+``"registered_memory": [[addr, nbytes], ...]``, and the address their registration came from as the
+engine's server saw it, ``"registered_from": "ip"`` (sglang's publisher has neither). At connect a
+sender refuses (:class:`~p2pweights.errors.LayoutMismatch`, naming engine, rank and parameters) a
+table whose entries overlap or leave the registered memory (:meth:`EnginePublication.check_regions`),
+and a session id that is not the rank's own (:func:`check_sessions`); docs/transports.md says what
+"own" means.
 """
 from __future__ import annotations
 
 import base64
+import bisect
+import ipaddress
 import json
+import socket
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import LayoutMismatch, UnknownParameter, WrongTransport
 
@@ -82,6 +93,9 @@ class EnginePublication:
     agent_metadata: bytes = b""    # NIXL only
     location: str = ""             # NIXL only: "cpu" or "cuda:N" (memory type of the peer's regions)
     regions: list[tuple[int, int]] = field(default_factory=list)
+    # what the rank registered with its transport, (addr, nbytes); empty: not published (sglang)
+    registered: list[tuple[int, int]] = field(default_factory=list)
+    registered_from: str = ""      # the address the rank's registration came from (p2pweights receivers)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -141,6 +155,50 @@ class EnginePublication:
                                  f"({len(problems)} difference(s)): {shown}; refusing to write"
                                  + (f". {hint}" if hint else ""))
 
+    def check_regions(self, engine: str = "") -> None:
+        """Refuse a table that would make one write land on another parameter or outside the
+        engine's memory: entries that overlap (sorted by address, O(n log n)), and, when the rank
+        published its registered memory, entries not wholly inside one registered range.
+        Raises LayoutMismatch naming the engine, the rank and the parameter(s)."""
+        who = _who(engine, self.rank)
+        rows = sorted((t.data_ptr, t.data_ptr + t.nbytes, name) for name, t in self.params.items() if t.nbytes > 0)
+        overlaps: list[str] = []
+        reach_end, reach_name = -1, ""   # the furthest end so far and whose it is
+        for start, end, name in rows:
+            if start < reach_end:
+                overlaps.append(f"{name} [0x{start:x}, 0x{end:x}) overlaps {reach_name} (ends at 0x{reach_end:x})")
+            if end > reach_end:
+                reach_end, reach_name = end, name
+        if overlaps:
+            first = overlaps[0].split(" ", 1)[0]
+            raise LayoutMismatch(f"{who} published {len(overlaps)} parameter(s) whose memory overlaps another's: "
+                                 f"{_shown(overlaps)}; a write into one would overwrite the other, refusing to "
+                                 f"connect", engine=engine or None, rank=self.rank, parameter=first,
+                                 hint="the engine's weights table is corrupt or forged; restart the engine")
+        if not self.registered:
+            return
+        ranges = merge_regions(self.registered)
+        starts = [a for a, _ in ranges]
+        outside = []
+        for start, end, name in rows:
+            i = bisect.bisect_right(starts, start) - 1
+            if i < 0 or end > ranges[i][0] + ranges[i][1]:
+                outside.append(f"{name} [0x{start:x}, 0x{end:x})")
+        if outside:
+            regs = ", ".join(f"[0x{a:x}, 0x{a + n:x})" for a, n in ranges[:4])
+            raise LayoutMismatch(f"{who} published {len(outside)} parameter(s) outside the memory it registered "
+                                 f"({regs}): {_shown(outside)}; refusing to connect", engine=engine or None,
+                                 rank=self.rank, parameter=outside[0].split(" ", 1)[0],
+                                 hint="the engine's weights table is corrupt or forged; restart the engine")
+
+    @property
+    def session_host(self) -> str:
+        """The host of a Mooncake session id ``host:port`` (``[v6]:port`` too); "" for NIXL."""
+        if self.transport != "mooncake":
+            return ""
+        host = self.peer.rsplit(":", 1)[0] if ":" in self.peer else self.peer
+        return host.strip("[]")
+
     @property
     def total_bytes(self) -> int:
         return sum(p.nbytes for p in self.params.values())
@@ -157,6 +215,10 @@ class EnginePublication:
         if self.transport == "nixl":
             d["agent_metadata"] = base64.b64encode(self.agent_metadata).decode("ascii")
             d["location"] = self.location or "cpu"
+        if self.registered:
+            d["registered_memory"] = [[int(a), int(n)] for a, n in self.registered]
+        if self.registered_from:
+            d["registered_from"] = self.registered_from
         return d
 
     def extra(self) -> dict[str, Any]:
@@ -178,6 +240,8 @@ class EnginePublication:
         transport = "mooncake"
         meta = b""
         location = ""
+        registered: list[tuple[int, int]] = []
+        registered_from = ""
         if isinstance(data, Mapping):
             if "error" in data and "remote_instance_transfer_engine_info" not in data:
                 raise ValueError(f"the engine answered with an error: {data['error']}")
@@ -193,6 +257,11 @@ class EnginePublication:
                 if not meta:
                     raise ValueError("a NIXL publication without 'agent_metadata'")
                 location = str(data.get("location", "cpu"))
+            rows = data.get("registered_memory") or []
+            if not isinstance(rows, list) or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rows):
+                raise ValueError("'registered_memory' must be [[addr, nbytes], ...]")
+            registered = [(int(a), int(n)) for a, n in rows]
+            registered_from = str(data.get("registered_from") or "")
         else:
             info = data
         if not isinstance(info, (list, tuple)) or len(info) != 2 or not isinstance(info[1], Mapping):
@@ -207,7 +276,129 @@ class EnginePublication:
                 raise ValueError(f"parameter {name!r}: expected [data_ptr, numel, element_size], got {row!r}")
             params[str(name)] = ParamTarget(int(row[0]), int(row[1]), int(row[2]))
         return cls(transport=transport, peer=str(peer), params=params, rank=None if rank is None else int(rank),
-                   agent_metadata=meta, location=location)
+                   agent_metadata=meta, location=location, registered=registered,
+                   registered_from=registered_from)
+
+
+def _who(engine: str, rank: int | None) -> str:
+    who = f"engine '{engine}'" if engine else "the engine"
+    return who + (f" rank {rank}" if rank is not None else "")
+
+
+def _shown(items: Sequence[str], limit: int = 6) -> str:
+    return "; ".join(items[:limit]) + (f"; (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _addresses(host: str) -> set[str]:
+    """Every IP address ``host`` names (itself when it is one); empty when it does not resolve."""
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
+def _is_loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr).is_loopback
+
+
+def _is_local(addr: str) -> bool:
+    """An address of this machine: one a socket can bind to."""
+    if _is_loopback(addr):
+        return True
+    family = socket.AF_INET6 if ipaddress.ip_address(addr).version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def host_is_engines(session_host: str, engine_hosts: Iterable[str], is_local: Callable[[str], bool] = _is_local) -> bool:
+    """True when ``session_host`` is an address of one of ``engine_hosts`` (the host in the engine's
+    URL as the sender reached it, its bootstrap server's, the address the rank registered from).
+    An engine reached on a loopback address runs on this machine: then any address of this machine
+    is its own (sglang advertises the node's IP even when the trainer talks to it on 127.0.0.1)."""
+    session = _addresses(session_host)
+    if not session:
+        return False
+    for host in engine_hosts:
+        if not host:
+            continue
+        addrs = _addresses(host)
+        if session & addrs:
+            return True
+        if addrs and all(_is_loopback(a) for a in addrs) and all(is_local(a) for a in session):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class SessionClaim:
+    """One engine rank's publication as a sender reached it: the engine's name, the hosts it was
+    reached at (its URL, its bootstrap server), and whether the host rule applies to it."""
+
+    engine: str
+    hosts: tuple[str, ...]
+    publication: EnginePublication
+    check_host: bool = True
+
+
+def session_claim(engine: Any, publication: EnginePublication, server_info: Mapping[str, Any] | None = None
+                  ) -> SessionClaim:
+    """The claim of one engine rank's publication, from the engine's client (``name``, ``base_url``,
+    ``bootstrap_url``, as ``control.SglangEngine``) and its ``/server_info``: an engine over several
+    nodes (``nnodes`` > 1) has ranks that advertise their own node's address, so only the distinct
+    rule applies to it."""
+    from urllib.parse import urlsplit
+
+    hosts = tuple(urlsplit(u).hostname or "" for u in (engine.base_url, getattr(engine, "bootstrap_url", None)) if u)
+    nodes = int((server_info or {}).get("nnodes") or 1)
+    return SessionClaim(str(engine.name), hosts, publication, check_host=nodes <= 1)
+
+
+def check_sessions(claims: Sequence[SessionClaim], is_local: Callable[[str], bool] = _is_local) -> None:
+    """Every engine rank's session id is its own (docs/transports.md, "Publication checks"):
+
+    - host (Mooncake): the session id's host is the engine's host as the sender reached it (its
+      URL's or bootstrap server's host; any address of this machine when that is a loopback
+      address), or the address the rank registered from (``registered_from``). Not applied to an
+      engine whose ``check_host`` is False (ranks spread over several nodes), to one whose hosts do
+      not resolve here (a client that reaches it by other means), nor to NIXL (agent names carry no
+      host).
+    - distinct: no two engine ranks claim the same session id (Mooncake) or agent name (NIXL);
+      an engine that published another engine's session would have the sender write into that one.
+
+    Raises LayoutMismatch naming the engine and rank (and, for a shared session, both claimants)."""
+    owners: dict[tuple[str, str], SessionClaim] = {}
+    for c in claims:
+        pub = c.publication
+        who = _who(c.engine, pub.rank)
+        key = (pub.transport, pub.peer)
+        first = owners.setdefault(key, c)
+        if first is not c and (first.engine, first.publication.rank) != (c.engine, pub.rank):
+            raise LayoutMismatch(
+                f"{who} published session {pub.peer!r}, which {_who(first.engine, first.publication.rank)} "
+                f"published too: a session belongs to one engine rank; refusing to connect to either",
+                engine=c.engine, rank=pub.rank,
+                hint="an engine is serving another engine's weights table (forged, or a stale registration); "
+                     "restart it, and protect the control plane with an API key")
+        host = pub.session_host
+        # an engine client whose host does not resolve here reaches it by other means: nothing to judge by
+        if c.check_host and host and any(_addresses(h) for h in c.hosts if h):
+            hosts = (*c.hosts, pub.registered_from)
+            if not host_is_engines(host, hosts, is_local):
+                reached = ", ".join(h for h in hosts if h)
+                raise LayoutMismatch(
+                    f"{who} published session {pub.peer!r}, whose host {host} is not the engine's ({reached}): "
+                    f"the sender would write into another machine's memory; refusing to connect",
+                    engine=c.engine, rank=pub.rank,
+                    hint="reach the engine at the address its transfer engine advertises, or restart it if its "
+                         "weights table was forged")
 
 
 @dataclass(frozen=True)

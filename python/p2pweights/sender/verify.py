@@ -1,0 +1,109 @@
+"""``update(verify=True)`` (``P2PW_VERIFY=1``): are the bytes the engine ranks hold the bytes this
+sender wrote?
+
+While the writes are in flight the pipeline digests every parameter's bytes in the slot it was
+loaded into (:meth:`WrittenDigests.add`; on the slot's device, no synchronization); once every write
+returned, :func:`verify_written` asks each engine for its ranks' digests of the same parameters
+(``POST /p2pw_weights_digest``, served by p2pweights receivers) and compares. A difference fails
+the update naming the engine, the rank and the parameter, before any engine is told to end the
+update: the engines stay paused with the old version. The digest is :mod:`p2pweights.receiver.digest`'s.
+
+sglang 0.5.23 has no such route, and its ``/weights_checker`` cannot answer the question: its
+``checksum`` action hashes every tensor of the whole model after post-processing (a value the
+sender cannot compute from the slots), and ``snapshot``/``compare`` compare the engine with its
+own earlier state. :func:`check_engines_digest` refuses ``verify=True`` against such an engine
+before the update pauses anything.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from ..control import protocol as p
+from ..control.session import call_engines
+from ..errors import EngineError, P2PWeightsError, UpdateFailed
+from ..receiver.digest import digest_sums, digest_text
+
+if TYPE_CHECKING:
+    from ..control import SglangEngine
+    from .prepared import PreparedRank
+
+_ROUTE = "p2pw_weights_digest"
+
+
+class WrittenDigests:
+    """The digest of every parameter this sender loaded into a slot, per prepared engine rank."""
+
+    def __init__(self) -> None:
+        self._sums: dict[tuple[int, str], Any] = {}   # (id(prepared rank), param) -> [S, R, C] on the slot's device
+
+    def add(self, rank: "PreparedRank", regions: Iterable[Any], target: Any) -> None:
+        """Digest the slot bytes each region (``param_name``, ``offset``, ``nbytes``) was loaded into."""
+        for r in regions:
+            self._sums[(id(rank), r.param_name)] = digest_sums(target[r.offset:r.offset + r.nbytes])
+
+    def of(self, rank: "PreparedRank") -> dict[str, str]:
+        """``{param: digest}`` of what was written for ``rank`` (synchronizes with the slots' devices)."""
+        import torch
+
+        mine = [(name, sums) for (rid, name), sums in self._sums.items() if rid == id(rank)]
+        if not mine:
+            return {}
+        by_device: dict[Any, list[tuple[str, Any]]] = {}
+        for name, sums in mine:
+            by_device.setdefault(sums.device, []).append((name, sums))
+        out = {}
+        for items in by_device.values():  # one synchronization per device
+            rows = torch.stack([s for _, s in items]).cpu().tolist()
+            out.update({name: digest_text(row) for (name, _), row in zip(items, rows)})
+        return out
+
+
+def _ask(engine: "SglangEngine", names: dict[str, list[str]]) -> dict:
+    # SglangEngine's one call path: its URL, timeouts, API key, typed errors and hints
+    return engine._json(_ROUTE, body=p.WeightsDigestReq(names=names))
+
+
+def check_engines_digest(engines: Sequence["SglangEngine"]) -> None:
+    """Refuse verify=True, before anything is paused, when an engine does not serve the digest
+    route (an sglang server: 404). Raises EngineError naming each such engine."""
+    asked = call_engines(engines, _ask, {})
+    if not asked.errors:
+        return
+    lines = "; ".join(f"{name}: {e}" for name, e in asked.errors.items())
+    first = next(iter(asked.errors))
+    raise EngineError(f"verify=True needs every engine to digest the weights it holds (POST /{_ROUTE}, served by "
+                      f"p2pweights receivers); {lines}", engine=first,
+                      hint="sglang 0.5.23 cannot (its /weights_checker checksums the whole post-processed model): "
+                           "update with verify=False (P2PW_VERIFY unset) against sglang servers")
+
+
+def verify_written(ranks: Sequence["PreparedRank"], written: WrittenDigests, version: str) -> None:
+    """Every engine rank written holds, for every parameter, the digest of what was written;
+    otherwise UpdateFailed naming each engine rank, its first differing parameter and how many differ."""
+    expected: dict[tuple[str, int], dict[str, str]] = {}
+    asks: dict[str, dict[str, list[str]]] = {}
+    engines: dict[str, "SglangEngine"] = {}
+    for prepared in ranks:
+        digests = written.of(prepared)
+        for t in prepared.targets:
+            expected[(t.engine.name, t.rank)] = digests
+            asks.setdefault(t.engine.name, {})[str(t.rank)] = sorted(digests)
+            engines[t.engine.name] = t.engine
+    asked = call_engines(list(engines.values()), lambda e: _ask(e, asks[e.name]))
+    failures: dict[str, str | BaseException] = {}
+    for name, err in asked.errors.items():
+        failures[name] = err
+    for (name, rank), want in expected.items():
+        if name not in asked.results:
+            continue
+        held = (asked.results[name].get("ranks") or {}).get(str(rank), {})
+        differ = sorted(n for n, d in want.items() if held.get(n) != d)
+        if differ:
+            failures[f"{name}/rank{rank}"] = P2PWeightsError(
+                f"{len(differ)} of {len(want)} parameter(s) differ from what was written, first {differ[0]!r} "
+                f"(holds {held.get(differ[0], 'nothing')}, written {want[differ[0]]})",
+                engine=name, rank=rank, parameter=differ[0],
+                hint="the engine was not resumed: it stays paused with its old version; the next complete "
+                     "update rewrites every byte")
+    if failures:
+        raise UpdateFailed(failures, what=f"verification of weight update {version}")

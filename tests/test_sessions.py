@@ -1,0 +1,439 @@
+"""Sessions with an owner and a lease; stalled engines (issue 14, items 3 and 6).
+
+A session belongs to the controller that opened it: another controller's calls are refused (409,
+naming the owner) before they change anything; the owner renews a lease while it writes; a session
+whose owner stops renewing expires and leaves the engine paused and torn until a complete update
+heals it; a stopped engine rank fails the update within the transfer deadline, named.
+
+The first tests run a receiver server in this process (real HTTP, stand-in hooks); the others run
+real receiver engines (sglang's model ranks, one process each), real Mooncake / NIXL on 127.0.0.1
+and real sender processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from p2pweights.control import SglangEngine, UpdateSession
+from p2pweights.control import protocol as p
+from p2pweights.errors import P2PWeightsError, SessionConflict, TornWeights, UpdateFailed, UpdateRefused
+from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine, start_engines
+from replica_configs import write_config
+
+
+class Recording(ReceiverHooks):
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def on_pause(self, mode):
+        self.calls.append("pause")
+
+    def on_continue(self, torch_empty_cache):
+        self.calls.append("continue")
+
+    def on_begin_update(self, selector):
+        self.calls.append("begin")
+
+    def on_end_update(self):
+        self.calls.append("end")
+
+    def on_weight_version(self, new_version, abort_all_requests):
+        self.calls.append("version")
+
+    def init_weights_update_group(self, request):
+        self.calls.append("init_group")
+
+    def update_weights_from_distributed(self, request):
+        self.calls.append("update_from_distributed")
+
+    def destroy_weights_update_group(self, group_name):
+        self.calls.append("destroy_group")
+
+
+@pytest.fixture
+def server():
+    hooks = Recording()
+    with ReceiverServer(hooks) as s:
+        yield s, hooks
+
+
+def _client(url: str, owner: str | None = None, name: str = "e0") -> SglangEngine:
+    c = SglangEngine(url, name=name, timeout=10)
+    c.session_owner = owner
+    return c
+
+
+def _weight_update(url: str) -> dict:
+    return SglangEngine(url).server_info()["p2pw_weight_update"]
+
+
+def _raw_health(url: str):
+    from p2pweights.control import http
+
+    return http.request("GET", url, "/health", timeout=10)
+
+
+# ---- the owner rules, on one receiver server ------------------------------------------------------------
+
+
+def test_another_controllers_calls_answer_409_naming_the_owner_while_the_session_is_live(server):
+    srv, hooks = server
+    owner = _client(srv.url)
+    other = _client(srv.url, owner="trainer-b")
+    with UpdateSession(owner, version=1, lease=30) as session:
+        before = list(hooks.calls)
+        refused = {
+            "pause": lambda: other.pause_generation(),
+            "begin": lambda: other.begin_weight_update(),
+            "end": lambda: other.end_weight_update(),
+            "version": lambda: other.update_weight_version(9),
+            "continue": lambda: other.continue_generation(),
+            "init_group": lambda: other.init_weights_update_group("127.0.0.1", 1, 1, 2),
+            "update_from_distributed": lambda: other.update_weights_from_distributed(["x"], ["bfloat16"], [[1]]),
+            "destroy_group": lambda: other.destroy_weights_update_group(),
+            "renew": lambda: other.renew_weight_update(),
+        }
+        for verb, call in refused.items():
+            with pytest.raises(SessionConflict) as info:
+                call()
+            text = str(info.value)
+            assert "HTTP 409" in text and repr(session.owner) in text and "opened" in text, (verb, text)
+            assert info.value.engine == "e0"
+        # an anonymous caller (sglang's own clients) is another controller too
+        with pytest.raises(SessionConflict):
+            _client(srv.url).continue_generation()
+        assert hooks.calls == before  # nothing the others asked reached the engine
+        assert _weight_update(srv.url)["owner"] == session.owner
+    # the owner's own end -> version -> continue went through
+    assert session.outcome == {"e0": "updated"}
+    assert hooks.calls == ["pause", "begin", "end", "version", "continue"]
+    assert owner.weight_version() == "1"
+    assert _weight_update(srv.url) == {"state": "none"}
+
+
+def test_a_second_session_of_one_process_on_an_engine_is_refused_before_anything_is_sent(server):
+    srv, hooks = server
+    first = UpdateSession(_client(srv.url), version=1)
+    first.open()
+    with pytest.raises(UpdateRefused) as info:
+        UpdateSession(_client(srv.url, name="again"), version=2).open()
+    assert isinstance(info.value, SessionConflict) and info.value.engine == "again"
+    assert repr(first.owner) in str(info.value)
+    assert hooks.calls == ["pause", "begin"]  # the second sent nothing
+    first.commit()
+    UpdateSession(_client(srv.url), version=3).__enter__().commit()  # free again once the first ended
+    assert _client(srv.url).weight_version() == "3"
+
+
+def test_the_owner_renews_its_lease_while_it_writes(server):
+    srv, hooks = server
+    with UpdateSession(_client(srv.url), version=4, lease=0.6) as session:
+        time.sleep(2.0)  # "writing" for three leases
+        assert _weight_update(srv.url)["state"] == "open"
+    assert session.outcome == {"e0": "updated"}
+
+
+def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_complete_update(server):
+    srv, hooks = server
+    gone = _client(srv.url, owner="dead-trainer")
+    gone.pause_generation()
+    gone.begin_weight_update(lease=0.5)  # and never a renewal
+    with pytest.raises(SessionConflict, match="dead-trainer"):
+        _client(srv.url, owner="b").continue_generation()  # live: another's
+    time.sleep(1.0)
+    status, body = _raw_health(srv.url)
+    assert status == p.OK and body["status"] == p.TORN and "dead-trainer" in body["message"]
+    assert "expired" in body["message"]
+    state = _weight_update(srv.url)
+    assert state["state"] == p.TORN and state["owner"] is None
+    for call in (lambda c: c.continue_generation(), lambda c: c.update_weight_version(5),
+                 lambda c: c.end_weight_update()):
+        for caller in (_client(srv.url), _client(srv.url, owner="dead-trainer")):
+            with pytest.raises(TornWeights) as info:
+                call(caller)
+            assert "HTTP 409" in str(info.value) and "complete update heals" in str(info.value)
+    assert hooks.calls == ["pause", "begin"]
+    # the next controller takes the session over; its complete update heals the engine
+    with UpdateSession(_client(srv.url), version=6) as session:
+        assert _weight_update(srv.url)["state"] == "open"
+    assert session.resumed == {"e0"} and session.outcome == {"e0": "updated"}
+    assert hooks.calls == ["pause", "begin", "pause", "end", "version", "continue"]  # taken over, not begun again
+    assert _raw_health(srv.url) == (p.OK, None)
+    assert _weight_update(srv.url) == {"state": "none"}
+
+
+def test_a_failed_update_gives_its_session_up_so_the_next_one_heals_at_once(server):
+    srv, hooks = server
+    with pytest.raises(RuntimeError):
+        with UpdateSession(_client(srv.url), version=1, lease=300):
+            raise RuntimeError("a write failed")
+    status, body = _raw_health(srv.url)  # torn at once, not after the 300 s lease
+    assert body["status"] == p.TORN and "given up" in body["message"]
+    with pytest.raises(TornWeights):
+        _client(srv.url).continue_generation()
+    with UpdateSession(_client(srv.url), version=2) as session:
+        pass
+    assert session.resumed == {"e0"} and _client(srv.url).weight_version() == "2"
+
+
+def test_an_engine_that_fails_the_check_in_before_the_end_is_named_and_left_paused_while_the_others_finish():
+    from p2pweights.errors import EngineError, EnginesFailed
+
+    class StalledRank(Recording):
+        def on_renew_lease(self):
+            raise EngineError("engine s: ping failed on 1 rank(s): rank 1: no answer within 3s", engine="s", rank=1)
+
+    class SilentLeader(Recording):
+        def on_renew_lease(self):
+            time.sleep(3.0)  # longer than the client's check-in allows
+
+    good, stalled, silent = Recording(), StalledRank(), SilentLeader()
+    with ReceiverServer(good) as a, ReceiverServer(stalled) as b, ReceiverServer(silent) as c:
+        clients = [_client(a.url, name="a"), _client(b.url, name="b"), SglangEngine(c.url, name="c", connect_timeout=0.2)]
+        t0 = time.monotonic()
+        with pytest.raises(EnginesFailed) as info:
+            with UpdateSession(clients, version=2, lease=30):
+                pass  # every write returned
+        assert time.monotonic() - t0 < 3.0
+        assert set(info.value.failures) == {"b", "c"}
+        assert info.value.errors["b"].rank == 1 and "rank 1" in info.value.failures["b"]
+        assert info.value.errors["c"].rank == 0 and "rank 0" in info.value.failures["c"]
+        assert good.calls[-3:] == ["end", "version", "continue"] and _client(a.url).weight_version() == "2"
+        for url, hooks in ((b.url, stalled), (c.url, silent)):
+            assert hooks.calls == ["pause", "begin"]  # not ended, not bumped, not continued
+            assert _weight_update(url)["state"] == p.TORN  # given up: the next complete update heals it
+
+
+def test_a_session_an_sglang_server_says_is_open_is_resumed_only_by_its_own_owner():
+    from p2pweights.receiver import server as receiver_server
+
+    class SglangLike(ReceiverServer):
+        """sglang keeps no owners: its begin answers 400 "already open" to anyone."""
+
+        def _begin(self, req):
+            raise receiver_server._Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}")
+
+    hooks = Recording()
+    with SglangLike(hooks) as srv:
+        srv.updating = True  # a session some sglang client opened
+        with pytest.raises(UpdateRefused, match="did not open it") as info:
+            UpdateSession(_client(srv.url), version=1).open()
+        assert "end_weight_update" in info.value.errors["e0"].hint
+        assert hooks.calls == ["pause"]  # refused before writing; and not continued: it may be torn
+        with UpdateSession(_client(srv.url), version=2, owner="the-one-that-opened-it") as session:
+            pass
+        assert session.resumed == {"e0"}
+
+
+# ---- real engines, real transports, real sender processes ----------------------------------------------
+
+CHILD = textwrap.dedent('''
+    import json, os, sys, time
+    from p2pweights.errors import SessionConflict
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+
+    cfg, url, seed, mode, go, transport = sys.argv[1:7]
+    def say(**kw):
+        print(json.dumps(kw), flush=True)
+    sender = WeightSender(cfg, transport=transport, buffer_size=1 << 20)
+    sender.connect([url])
+    items = list(random_checkpoint(checkpoint_tensors(cfg), int(seed)))
+    say(event="ready", pid=os.getpid())
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    try:
+        with sender.update(f"seed{seed}") as update:
+            for i, (name, t) in enumerate(items):
+                update.push(name, t)
+                if mode == "slow" and i == 0:
+                    time.sleep(2.0)  # holds its session: the other controller certainly meets it
+                if mode == "hold" and i == len(items) * 3 // 4:
+                    update.pipeline.drain()  # what is placed goes out now: its writes begin
+                    say(event="writing", slots=update.times.slots)
+                    time.sleep(600)  # until killed
+        say(event="done")
+    except SessionConflict as e:
+        say(event="refused", error=str(e), engine=e.engine)
+    sys.stdout.flush()
+    os._exit(0)
+''')
+
+
+class SenderProcess:
+    """One trainer's sender in its own process (its own controller)."""
+
+    def __init__(self, cfg: str, url: str, seed: int, mode: str, go: str, transport: str, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, cfg, url, str(seed), mode, go, transport],
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+    def next_event(self, timeout: float = 180.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"sender process exited ({self.proc.poll()})")
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+        raise TimeoutError("no event from the sender process")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return write_config("qwen3", str(tmp_path_factory.mktemp("configs")))
+
+
+def _update(cfg: str, urls: list[str], seed: int, transport: str, **kw) -> None:
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+
+    with WeightSender(cfg, transport=transport, buffer_size=1 << 20, **kw) as sender:
+        sender.connect(urls)
+        with sender.update(f"seed{seed}") as update:
+            for name, t in random_checkpoint(checkpoint_tensors(cfg), seed):
+                update.push(name, t)
+
+
+def test_concurrent_controllers_exactly_one_wins_and_the_weights_are_all_the_winners(cfg, tmp_path):
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="shared")
+    go = str(tmp_path / "go")
+    senders = [SenderProcess(cfg, engine.url, seed, "slow", go, "mooncake") for seed in (21, 22)]
+    try:
+        for s in senders:
+            assert s.next_event()["event"] == "ready"
+        open(go, "w").close()  # both controllers start their update at once
+        results = {seed: s.next_event(120) for seed, s in zip((21, 22), senders)}
+        events = sorted(r["event"] for r in results.values())
+        assert events == ["done", "refused"], results
+        winner = next(seed for seed, r in results.items() if r["event"] == "done")
+        refused = next(r for r in results.values() if r["event"] == "refused")
+        assert refused["engine"] and refused["engine"] in refused["error"]
+        assert "owner '" in refused["error"] and "HTTP 409" in refused["error"]
+        result = check_weights_equal(engine.url, hf_seed=winner)
+        assert result["success"], result["message"]  # every byte of every rank is the winner's
+        assert SglangEngine(engine.url).weight_version() == f"seed{winner}"
+        assert _weight_update(engine.url) == {"state": "none"}
+    finally:
+        for s in senders:
+            s.close()
+        engine.close()
+
+
+def test_a_second_update_on_one_sender_is_refused_while_the_first_is_open(cfg):
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+
+    engine = start_engine(cfg, "tp=1", transport="mooncake", name="one")
+    try:
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])
+            items = list(random_checkpoint(checkpoint_tensors(cfg), 3))
+            first = sender.update("seed3")
+            first.push(*items[0])  # the session is open
+            with pytest.raises(P2PWeightsError, match="still in flight"):
+                sender.update("seed4")
+            for name, t in items[1:]:
+                first.push(name, t)
+            first.finish()
+        assert check_weights_equal(engine.url, hf_seed=3)["success"]
+    finally:
+        engine.close()
+
+
+def test_a_sender_killed_mid_update_leaves_the_engine_torn_after_its_lease_then_a_complete_update_heals_it(
+        cfg, tmp_path):
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="victim")
+    go = str(tmp_path / "go")
+    open(go, "w").close()
+    child = SenderProcess(cfg, engine.url, 41, "hold", go, "mooncake", env={"P2PW_SESSION_LEASE": "2"})
+    try:
+        assert child.next_event()["event"] == "ready"
+        writing = child.next_event(120)
+        assert writing["event"] == "writing" and writing["slots"] > 0  # its writes began
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(10)
+        killed_at = time.monotonic()
+        client = SglangEngine(engine.url, name="victim")
+        assert _weight_update(engine.url)["state"] == "open"  # its lease runs on a little
+        while _weight_update(engine.url)["state"] == "open" and time.monotonic() - killed_at < 10:
+            time.sleep(0.2)
+        assert time.monotonic() - killed_at < 2 + 2
+        status, body = _raw_health(engine.url)
+        assert status == p.OK and body["status"] == p.TORN and "expired" in body["message"]
+        assert SglangEngine(engine.url).server_info()["p2pw_weight_update"]["state"] == p.TORN
+        with pytest.raises(TornWeights, match="complete update heals"):
+            client.continue_generation()
+        with pytest.raises(TornWeights):
+            client.update_weight_version("seed41")
+        assert client.weight_version() == "default"
+        _update(cfg, [engine.url], 42, "mooncake")  # a complete update, by another controller
+        assert check_weights_equal(engine.url, hf_seed=42)["success"]
+        assert _raw_health(engine.url) == (p.OK, None)
+        assert client.weight_version() == "seed42"
+        client.pause_generation()
+        client.continue_generation()  # generating again, as any healthy engine
+    finally:
+        child.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+@pytest.mark.parametrize("when", ["writing", "ending"])
+def test_a_stopped_engine_rank_fails_the_update_within_the_deadline_naming_it(cfg, transport, when):
+    """Rank 1 of one engine is SIGSTOPped while the update writes (its writes time out), or after
+    every write returned, just before the end (the check-in before end_weight_update finds it)."""
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+
+    healthy, stalled = start_engines(cfg, "tp=2", count=2, transport=transport, name_prefix=f"stall-{transport}-")
+    deadline = 5.0
+    stopped = stalled.pids[1]
+    try:
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20, transfer_timeout=deadline) as sender:
+            sender.connect([SglangEngine(e.url, name=e.name) for e in (healthy, stalled)])
+            items = list(random_checkpoint(checkpoint_tensors(cfg), 51))
+            with pytest.raises(UpdateFailed) as info:
+                with sender.update("seed51") as update:
+                    update.push(*items[0])  # the engines are paused, the session is open
+                    if when == "writing":
+                        os.kill(stopped, signal.SIGSTOP)
+                        t0 = time.monotonic()
+                    for name, t in items[1:]:
+                        update.push(name, t)
+                    if when == "ending":
+                        update.pipeline.drain()
+                        time.sleep(1.0)  # every write has landed
+                        os.kill(stopped, signal.SIGSTOP)
+                        t0 = time.monotonic()
+            took = time.monotonic() - t0
+        text = str(info.value)
+        assert took < deadline + 10, f"took {took:.1f}s: {text}"
+        assert (info.value.engine, info.value.rank) == (stalled.name, 1), text
+        assert stalled.name in text and ("rank 1" in text or "rank1" in text), text
+        # the healthy engine is not held: updated (its writes completed; the stopped rank was found
+        # just before the end) or left paused and torn (the writes timed out; some may have landed)
+        state = _weight_update(healthy.url)["state"]
+        assert state in ("none", p.TORN), state
+        if when == "ending":
+            assert state == "none" and check_weights_equal(healthy.url, hf_seed=51)["success"]
+            assert SglangEngine(healthy.url).weight_version() == "seed51"
+        assert SglangEngine(stalled.url).weight_version() == "default"
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        healthy.close()
+        stalled.close()
