@@ -26,7 +26,7 @@ import pytest
 from p2pweights.control import SglangEngine
 from p2pweights.control import protocol as p
 from p2pweights.control.http import request
-from p2pweights.errors import EngineError
+from p2pweights.errors import EngineError, Unauthorized
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine
 from p2pweights.receiver.rank_server import call_rank
 from replica_configs import write_config
@@ -140,9 +140,11 @@ def test_the_right_key_passes_every_route(keyed_server):
 
 def test_a_client_sends_the_key_from_api_key_or_P2PW_API_KEY(keyed_server, monkeypatch):
     server, _ = keyed_server
-    with pytest.raises(EngineError) as e:
+    with pytest.raises(Unauthorized) as e:
         SglangEngine(server.url, name="keyed").server_info()
-    assert "401" in str(e.value) and "api_key" in (e.value.hint or "")
+    assert "401" in str(e.value) and "api_key" in (e.value.hint or "") and e.value.engine == "keyed"
+    with pytest.raises(Unauthorized):
+        SglangEngine(server.url, name="keyed", api_key="not-" + KEY).server_info()
     assert isinstance(SglangEngine(server.url, api_key=KEY).server_info(), dict)
     monkeypatch.setenv("P2PW_API_KEY", KEY)
     assert isinstance(SglangEngine(server.url).server_info(), dict)

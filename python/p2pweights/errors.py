@@ -160,6 +160,11 @@ class EngineError(P2PWeightsError):
     """An engine's control plane (HTTP) failed or answered with an error."""
 
 
+class Unauthorized(EngineError, PermissionError):
+    """The engine refused the call: it requires an API key (sglang's --api-key) and got none or
+    another one (HTTP 401/403)."""
+
+
 class EngineUnreachable(EngineError, ConnectionError):
     """An engine's control plane could not be reached: refused, no connection within the connect
     timeout, no answer within the read timeout, or the connection was lost mid-call."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode, urlsplit
 
-from ..errors import EngineError, EngineUnreachable
+from ..errors import EngineError, EngineUnreachable, Unauthorized
 from ..settings import value
 from . import http
 from . import protocol as p
@@ -194,6 +194,10 @@ class SglangEngine:
         except EngineUnreachable as e:
             raise EngineUnreachable(f"engine {self.name}: {e.message}", engine=self.name, hint=e.hint) from e
         context = f"engine {self.name} ({base}): {route.method} {target} failed"
+        if expect_ok and status in (p.UNAUTHORIZED, p.FORBIDDEN):
+            said = p.ErrorAnswer.of(answer)
+            raise Unauthorized(f"{context}: HTTP {status}: {said.message}", engine=self.name,
+                               hint=p.hint_for(verb, status, said.message))
         if expect_ok and not p.ok(status):
             said = p.ErrorAnswer.of(answer)
             raise said.exception(f"{context}: HTTP {status}: {said.message}", engine=self.name,
