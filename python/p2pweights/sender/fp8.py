@@ -9,8 +9,10 @@ what this module computes is what the engine holds. The formula, all in float32 
     scale_inv = 2**ceil(log2(scale_inv))          # only with scale_fmt="ue8m0" (exact, on the bits)
     q         = clamp(w * (1 / scale_inv), -448, 448).to(float8_e4m3fn)   # round to nearest even
 
-``1 / scale_inv`` then a multiply, as sglang's and DeepGEMM's ``per_block_cast_to_fp8`` do: both are
-IEEE float32 operations (correctly rounded on CPU and CUDA), so the bytes do not depend on the device.
+``1 / scale_inv`` then a multiply, as sglang's and DeepGEMM's ``per_block_cast_to_fp8`` do. Each
+division is the correctly rounded float32 result (computed tensor by tensor in float64, then rounded)
+and the multiply and the cast are IEEE on CPU and CUDA, so the bytes do not depend on the device
+(benchmarks/gpu/bench_fp8.py checks it on a GPU).
 The dequantization an engine applies is ``q.to(float32) * scale_inv`` per block.
 """
 from __future__ import annotations
@@ -64,10 +66,16 @@ def quantize_block_fp8(weight, block: Tuple[int, int] = DEFAULT_BLOCK, scale_fmt
         raise NonFiniteTensor(
             f"HF tensor {name!r} holds {bad} NaN/Inf value(s) of {weight.numel()}; it was not quantized to FP8",
             parameter=name, hint="fix the training step; FP8 scales cannot be computed from NaN/Inf")
-    scale_inv = torch.clamp_min(amax / FP8_E4M3_MAX, MIN_SCALE_INV)
+    # Both divisions are correctly rounded float32 results on every device: divided tensor by tensor
+    # in float64, then rounded (exact for division: 53 >= 2 * 24 + 2 bits). A float32 division by a
+    # Python scalar is not: on CUDA torch multiplies by the scalar's reciprocal instead (measured on
+    # the H200: ~0.1% of the bytes differed from the CPU's), and so does sglang's own helper there.
+    amax64 = amax.to(torch.float64)
+    scale_inv = torch.clamp_min((amax64 / torch.full_like(amax64, FP8_E4M3_MAX)).to(torch.float32), MIN_SCALE_INV)
     if scale_fmt == "ue8m0":
         scale_inv = ceil_to_power_of_two(scale_inv)
-    reciprocal = (1.0 / scale_inv)[:, None, :, None]
+    scale64 = scale_inv.to(torch.float64)
+    reciprocal = (torch.ones_like(scale64) / scale64).to(torch.float32)[:, None, :, None]
     q = torch.mul(blocks, reciprocal).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(sr * bo, sc * bi)
     if q.shape != (rows, cols):
