@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from bench_gpu import gbps, timed  # this folder's GPU bench: best of N, synchronized
 
 from p2pweights.sender.fp8 import quantize_block_fp8
 
@@ -43,30 +43,18 @@ def identity() -> list[dict]:
     return rows
 
 
-def _timed(fn, repeat: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def throughput() -> list[dict]:
     out = []
     w = torch.randn(2048, 7168, device="cuda").to(torch.bfloat16)
-    s = _timed(lambda: quantize_block_fp8(w))
+    s = timed(lambda: quantize_block_fp8(w))
     out.append({"case": "one expert matrix 2048x7168", "bytes": w.numel() * 2, "seconds": s,
-                "gbps": w.numel() * 2 / s / 1e9})
+                "gbps": gbps(w.numel() * 2, s)})
     layer = [torch.randn(2048, 7168, device="cuda").to(torch.bfloat16) for _ in range(384 * 2)]
     layer += [torch.randn(7168, 2048, device="cuda").to(torch.bfloat16) for _ in range(384)]
     nbytes = sum(t.numel() * 2 for t in layer)
-    s = _timed(lambda: [quantize_block_fp8(t) for t in layer], repeat=3)
+    s = timed(lambda: [quantize_block_fp8(t) for t in layer], repeat=3)
     out.append({"case": "Kimi-K2 expert layer (384 x w1, w3, w2)", "bytes": nbytes, "seconds": s,
-                "gbps": nbytes / s / 1e9})
+                "gbps": gbps(nbytes, s)})
     return out
 
 
