@@ -174,6 +174,28 @@ def test_a_killed_engine_dies_whole_and_restarts_on_the_same_port(configs):
         engine.close()
 
 
+def test_an_engine_whose_picked_port_is_taken_before_it_binds_picks_another(configs, monkeypatch):
+    import socket
+
+    from p2pweights.receiver import local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # another process got the port between the pick and the leader's bind
+    picks = iter([taken.getsockname()[1]])
+    real = local.free_port
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        engine = start_engine(configs["qwen3"], "tp=1", transport="mooncake", name="port-race")
+        try:
+            assert engine.port != taken.getsockname()[1]
+            assert SglangEngine(engine.url).health()
+        finally:
+            engine.close()
+    finally:
+        taken.close()
+
+
 def test_the_launcher_forks_every_rank_from_a_single_threaded_process(dense_engine):
     """Forking a process that runs threads can leave a lock held forever in the child: the launcher's
     loop starts no thread, Python or native, before or between its forks."""

@@ -125,12 +125,21 @@ class LocalEngine:
 
     def start(self, wait: bool = True) -> "LocalEngine":
         """Spawn every rank at once (ranks >= 1 register with the leader when it is up)."""
-        if self.port == 0:
-            self.port = free_port(self.host)
-        for rank in range(self.world):
-            self._spawn(rank)
-        if wait:
-            self.wait_ready()
+        pick_port = self.port == 0
+        for attempt in range(3):
+            if pick_port:
+                self.port = free_port(self.host)
+            for rank in range(self.world):
+                self._spawn(rank)
+            if not wait:
+                return self
+            try:
+                return self.wait_ready()
+            except EngineError as e:
+                # a port picked here is free when picked, not when the leader binds it: another
+                # process may take it in between; pick again (a port the caller chose is kept)
+                if not pick_port or attempt == 2 or "Address already in use" not in str(e):
+                    raise
         return self
 
     def wait_ready(self, timeout: float | None = None) -> "LocalEngine":
