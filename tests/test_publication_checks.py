@@ -9,9 +9,10 @@ import json
 
 import pytest
 
+from engine_proxy import PosingAs
 from p2pweights.control import SglangEngine
 from p2pweights.errors import LayoutMismatch
-from p2pweights.receiver import ReceiverHooks, ReceiverServer, start_engines
+from p2pweights.receiver import ReceiverServer, start_engines
 from p2pweights.sender import WeightSender
 from p2pweights.transport.publication import EnginePublication, ParamTarget, SessionClaim, check_sessions
 from replica_configs import write_config
@@ -102,17 +103,8 @@ def test_two_engine_ranks_claiming_one_session_are_refused_naming_both():
 # ---- real receivers over Mooncake, a doctored publication served at connect ----------------------------
 
 
-class _Doctored(ReceiverHooks):
+class _Doctored(PosingAs):
     """An engine whose server says what a real engine says, but serves the publication it is given."""
-
-    def __init__(self, real: str):
-        self.real = SglangEngine(real)
-
-    def server_info(self) -> dict:
-        return self.real.server_info()
-
-    def model_info(self) -> dict:
-        return self.real.model_info()
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine_proxy import PosingAs
 from p2pweights.control import SglangEngine
 from p2pweights.errors import EngineError, UpdateFailed
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
-from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engines
+from p2pweights.receiver import ReceiverServer, check_weights_equal, start_engines
 from p2pweights.receiver.digest import ROW_WORDS, digest
 from p2pweights.sender import WeightSender
 from p2pweights.sender import update as update_module
@@ -170,17 +171,8 @@ def test_without_verify_the_flipped_byte_goes_unnoticed(model, engine, monkeypat
         sender.close()
 
 
-class _NoDigest(ReceiverHooks):
+class _NoDigest(PosingAs):
     """An engine that serves the real engine's info but not /p2pw_weights_digest (as sglang 0.5.23)."""
-
-    def __init__(self, real: str):
-        self.real = SglangEngine(real)
-
-    def server_info(self) -> dict:
-        return self.real.server_info()
-
-    def model_info(self) -> dict:
-        return self.real.model_info()
 
     def transfer_engine_info(self, rank: int):
         return self.real.transfer_engine_info(rank)["remote_instance_transfer_engine_info"]
