@@ -74,7 +74,7 @@ def test_check_layout_takes_a_built_in_name(monkeypatch, capsys):
 
     class Result:
         rank, params_checked, bytes_checked, groups, largest_group_bytes, seconds = 0, 1, 2, 1, 2, 0.0
-        equal, mismatches = True, []
+        equal, mismatches, dtypes = True, [], {}
 
         def to_json(self):
             return {"rank": self.rank}

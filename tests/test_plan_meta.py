@@ -42,6 +42,18 @@ TINY_MLA = {
     "vocab_size": 1000, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000,
     "max_position_embeddings": 256, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
 }
+# FP8 block-quantized (models/quant.py): 1 byte per quantized weight element + a float32 scale per
+# 128x128 block; shapes that the blocks tile at tp 2 (hidden and intermediate sizes multiples of 256)
+TINY_MLA_FP8 = {**TINY_MLA, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 128,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]}}
+TINY_DENSE_FP8 = {**TINY_DENSE, "hidden_size": 256, "intermediate_size": 512, "head_dim": 128,
+                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128],
+                                          "modules_to_not_convert": ["model.layers.1.mlp.down_proj"]}}
 TINY_MLA_NO_Q_LORA = {**TINY_MLA, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
                       "q_lora_rank": None, "topk_method": "greedy", "n_group": 1}
 
@@ -65,7 +77,18 @@ CASES = [
     (TINY_MLA, layout("tp=2,fused_shared_experts=1"), 1),
     (TINY_MLA, layout("tp=4,ep=4,fused_shared_experts=1"), 2),
     (TINY_MLA_NO_Q_LORA, layout("tp=2,ep=2"), 1),
+    (TINY_MLA_FP8, layout("tp=2"), 1),
+    (TINY_MLA_FP8, layout("tp=2,ep=2"), 0),
+    (TINY_MLA_FP8, layout("tp=2,dp=2"), 1),
+    (TINY_DENSE_FP8, layout("tp=2"), 0),
 ]
+
+
+def held_bytes(model) -> int:
+    """Parameter bytes of sglang's model of a rank, less FP8 attention's scalar k_scale/v_scale
+    (post-processing sets them; no sender writes them, and the cost model leaves them out)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if not n.endswith((".k_scale", ".v_scale")))
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +118,11 @@ def _write_config(tmp_path, config) -> str:
 @pytest.mark.parametrize(
     "config, engine, rank", CASES,
     ids=[f"{c['architectures'][0]}-{e.describe()}-rank{r}" + ("-tied" if c.get("tie_word_embeddings") else "")
-         for c, e, r in CASES],
+         + ("-fp8" if c.get("quantization_config") else "") for c, e, r in CASES],
 )
 def test_bytes_per_engine_rank_equal_sglangs_meta_model(sglang_meta, tmp_path, config, engine, rank):
     model = sglang_meta(_write_config(tmp_path, config), engine, rank)
-    sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert engine_rank_bytes(model_shape(config), engine).total == sglang_bytes
+    assert engine_rank_bytes(model_shape(config), engine).total == held_bytes(model)
 
 
 def test_qwen3_30b_a3b_tp8_ep8_rank_equals_sglangs_meta_model(sglang_meta):
@@ -117,3 +139,13 @@ def test_deepseek_v3_tp8_ep8_dp_attention_rank_equals_sglangs_meta_model(sglang_
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     shape = model_shape(load_config(f"{MODELS}/deepseek-v3"))
     assert engine_rank_bytes(shape, dp8).total == sglang_bytes
+
+
+@pytest.mark.parametrize("name, spec, rank", [("kimi-k2-fp8", "tp=8,ep=8,dp=8", 3), ("deepseek-v3-fp8", "tp=8,ep=8", 2)])
+def test_fp8_real_shapes_rank_equals_sglangs_meta_model(sglang_meta, name, spec, rank):
+    """Kimi-K2 / DeepSeek-V3 FP8: weights, float32 block scales (edge blocks included: MLA's fused
+    q_a + kv_a projection has 2112 rows) and the BF16 rest, as sglang's Fp8 methods create them."""
+    from p2pweights.models import resolve_model
+
+    model = sglang_meta(resolve_model(name), layout(spec), rank)
+    assert engine_rank_bytes(model_shape(load_config(name)), layout(spec)).total == held_bytes(model)

@@ -10,8 +10,8 @@ from ..settings import format_size, parse_size, settings
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b",
-                   help="built-in shape (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3) or a config dir; "
-                        "random weights, no download (default: %(default)s)")
+                   help="built-in shape (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3, deepseek-v3-fp8-tiny: FP8, "
+                        "quantized on send) or a config dir; random weights, no download (default: %(default)s)")
     p.add_argument("--engines", type=int, default=2, help="engines to start (default: %(default)s)")
     p.add_argument("--engine", default="tp=2",
                    help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>]; a key "
@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
     p.add_argument("--transport", choices=("mooncake", "nixl"), default=None,
                    help="P2P transport (default: P2PW_TRANSPORT, else mooncake)")
-    p.add_argument("--modes", default="p2p,broadcast", help="comma-separated: p2p, broadcast (default: %(default)s)")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated: p2p, broadcast (default: p2p,broadcast; p2p for an FP8 model: the gloo "
+                        "broadcast baseline has no float8 type)")
     p.add_argument("--buffer-size", default=None, help="bytes per transfer slot (default: P2PW_BUFFER_SIZE, else 512MiB)")
     p.add_argument("--verify", nargs="?", const="on", default="off", choices=("off", "on", "alternate"),
                    help="P2P updates with verify=True (engine ranks digest what they hold, the senders compare); "
@@ -32,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models import UnknownModel, resolve_model
+    from ..models import UnknownModel, load_config, resolve_model
+    from ..models.quant import quant_scheme
     from ..replica.layout import EngineLayout
     from .demo_run import results_json, run_demo
 
@@ -44,10 +47,14 @@ def run(args: argparse.Namespace) -> int:
         raise UnknownModel(f"--model: {e}") from None
     EngineLayout.parse(args.engine, command="demo")
     transport = args.transport or settings().transport
-    modes = [m for m in args.modes.split(",") if m]
+    fp8 = quant_scheme(load_config(model)) is not None
+    modes = [m for m in (args.modes or ("p2p" if fp8 else "p2p,broadcast")).split(",") if m]
     unknown = set(modes) - {"p2p", "broadcast"}
     if unknown:
         raise SystemExit(f"--modes: unknown mode(s) {', '.join(sorted(unknown))}; use p2p and/or broadcast")
+    if fp8 and "broadcast" in modes:
+        raise SystemExit(f"--modes broadcast: {args.model} is FP8 block-quantized and the broadcast baseline's gloo "
+                         f"group has no float8 type; use --modes p2p")
     overrides = {"buffer_size": parse_size(args.buffer_size)} if args.buffer_size else {}
     out = sys.stderr if args.json else sys.stdout
 

@@ -7,6 +7,11 @@ weights, outside the timed part), the coordinator pauses and opens the update on
 senders push, the coordinator ends the update and bumps the version; seconds run from
 pause_generation returning to the update returning. Then every engine rank checks, byte for byte,
 that its weights equal what sglang's own load_weights makes of the same HF tensors.
+
+An FP8 block-quantized model (``deepseek-v3-fp8-tiny``): the P2P senders push the BF16 tensors a
+trainer holds (``trainer_tensors``) and quantize on send; the broadcast baseline sends the engine's
+checkpoint (FP8 weights + scales, quantized from the same seeded BF16). The equality check compares
+with sglang's loader on that FP8 checkpoint.
 """
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
         sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
         _, (urls, names) = conn.recv()  # ("connect", (urls, names))
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
-        specs = {n: s for p in sender.prepared for n, s in p.replica.hf_specs.items()}
+        specs = _trainer_specs(sender)
         conn.send(("connected", None))
         while True:
             cmd, arg = conn.recv()
@@ -93,6 +98,23 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
         sender.close()
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _trainer_specs(sender: Any) -> dict:
+    """The HF tensors the sender's engine ranks read, as a trainer holds them: for an FP8 model
+    BF16 weights and no ``weight_scale_inv`` (the sender quantizes on send); else the checkpoint's."""
+    from ..models.checkpoint import trainer_tensors
+    from ..models.quant import weight_name
+
+    trainer = trainer_tensors(sender.config)
+    specs = {}
+    for p in sender.prepared:
+        for name, spec in p.replica.hf_specs.items():
+            if name in trainer:
+                specs[name] = trainer[name]
+            elif weight_name(name) not in trainer:  # a scale is made on send, never pushed
+                specs[name] = spec
+    return specs
 
 
 class SenderPool:
@@ -217,15 +239,18 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
     from ..baseline.broadcast import BroadcastSender
     from ..control import SglangEngine
     from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+    from ..models.quant import quant_scheme
+    from ..models.registry import load_config
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
-    specs = checkpoint_tensors(model)
+    specs = checkpoint_tensors(model)  # the engine's checkpoint: FP8 + scales for an FP8 model
+    scheme = quant_scheme(load_config(model))  # FP8: quantized from the seeded BF16 a trainer holds
     progress(f"broadcast: one sender joins a {backend} group with every engine rank")
     results = []
     with BroadcastSender(clients, backend=backend) as bcast:
         for step in range(1, steps + 1):
             seed = seed_base + step
-            tensors = list(random_checkpoint(specs, seed=seed))
+            tensors = list(random_checkpoint(specs, seed, scheme))
             report = bcast.update(tensors, version=f"broadcast-{step}")
             seconds = report.seconds
             nbytes = sum(int(t.numel()) * t.element_size() for _, t in tensors)  # every rank receives every byte

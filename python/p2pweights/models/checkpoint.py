@@ -1,16 +1,26 @@
 """The HF checkpoint of a model config: every tensor's name, shape and dtype, without weights.
 
-The loader probe feeds these (as meta tensors) to the replica's loaders, and ``check-layout``
-fills them with random values. The names and shapes come from the architecture's schema in the
-model registry (``registry.py`` → ``schema.py``).
+Two views of one model (they differ only for an FP8 block-quantized config, ``quant.py``):
+
+- :func:`checkpoint_tensors`: the ENGINE's checkpoint, what sglang's loaders read -- quantized
+  weights in float8_e4m3fn, each followed by its float32 ``weight_scale_inv``. The loader probe
+  feeds these (as meta tensors) to the replica's loaders;
+- :func:`trainer_tensors`: the BF16 tensors a trainer holds (the same names, no scales).
+
+``check-layout`` and the receiver's equality check fill the engine's view with seeded random
+values (:class:`RandomCheckpoint`): for an FP8 config, random BF16 trainer tensors quantized with
+the one formula (``fp8_format.quantize_block_fp8``), as a sender quantizing on send produces them.
+The names and shapes come from the architecture's schema in the model registry (``registry.py`` →
+``schema.py``).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 from ..errors import UnsupportedLayout
+from .quant import FP8_DTYPE, Fp8Scheme, engine_checkpoint, quant_scheme, weight_name
 from .registry import architecture_of, load_config, registered
 
 
@@ -35,19 +45,36 @@ def _element_size(dtype: str) -> int:
 
 
 def checkpoint_tensors(config: Any) -> dict[str, TensorSpec]:
-    """HF tensor name → shape and dtype, for every tensor of the model's checkpoint."""
+    """HF tensor name → shape and dtype, for every tensor of the ENGINE's checkpoint: for an FP8
+    block-quantized config, quantized weights in float8_e4m3fn plus their float32 block scales."""
     cfg = load_config(config)
+    return _specs(engine_checkpoint(_schema_entries(cfg), quant_scheme(cfg)), _dtype(cfg))
+
+
+def trainer_tensors(config: Any) -> dict[str, TensorSpec]:
+    """HF tensor name → shape and dtype of what a trainer holds: the checkpoint in the config's
+    dtype (BF16), no scales. The same as :func:`checkpoint_tensors` for an unquantized config."""
+    cfg = load_config(config)
+    quant_scheme(cfg)  # an unsupported quantization is refused here too, not at the first update
+    return _specs(_schema_entries(cfg), _dtype(cfg))
+
+
+def _dtype(cfg: Mapping[str, Any]) -> str:
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+
+
+def _schema_entries(cfg: dict) -> Iterator[Any]:
     arch = architecture_of(cfg) or "?"
     spec = registered().get(arch)
     schema = spec.checkpoint if spec is not None else None
     if schema is None:
         known = sorted(a for a, s in registered().items() if s.checkpoint is not None)
         raise UnsupportedLayout(f"architecture {arch} has no checkpoint schema yet; supported: {', '.join(known)}")
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
-    out: dict[str, TensorSpec] = {}
-    for name, shape, override in schema(cfg):
-        out[name] = TensorSpec(tuple(int(d) for d in shape), override or dtype)
-    return out
+    return schema(cfg)
+
+
+def _specs(entries: Iterator[Any], dtype: str) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(tuple(int(d) for d in shape), override or dtype) for name, shape, override in entries}
 
 
 _POOL_ELEMENTS = 16_777_259  # a prime: TP/EP shards of a tensor never line up with the pool's period
@@ -91,7 +118,48 @@ def random_tensor(name: str, spec: TensorSpec, seed: int = 0) -> Any:
     return out.view(spec.shape)
 
 
-def random_checkpoint(specs: Mapping[str, TensorSpec], seed: int = 0) -> Iterator[tuple[str, Any]]:
-    """(name, random CPU tensor) for each spec, one at a time (see :func:`random_tensor`)."""
-    for name, spec in specs.items():
-        yield name, random_tensor(name, spec, seed)
+class RandomCheckpoint:
+    """Seeded random tensors of a checkpoint (the engine's view, :func:`checkpoint_tensors`), by
+    name. Unquantized names: :func:`random_tensor`. With an FP8 ``scheme``, a quantized weight and
+    its ``weight_scale_inv`` are ``quantize_block_fp8`` of the random BF16 trainer tensor of the
+    weight's name (``random_tensor(name, trainer spec, seed)``, what a trainer sending
+    ``trainer_tensors`` with that seed holds): both paths of a check make the same FP8 checkpoint a
+    sender quantizing on send produces. The last quantized pair is kept, so a weight and its scale
+    asked for one after the other (they share a parameter group) are quantized once."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec], seed: int = 0, scheme: Optional[Fp8Scheme] = None):
+        self.specs, self.seed, self.scheme = specs, int(seed), scheme
+        self._last: tuple[str, Any, Any] | None = None
+
+    def tensor(self, name: str) -> Any:
+        spec = self.specs[name]
+        weight = weight_name(name)
+        if self.scheme is not None and weight is not None and self.specs.get(weight, spec).dtype == FP8_DTYPE:
+            return self._quantized(weight)[1]
+        if spec.dtype == FP8_DTYPE:
+            if self.scheme is None:
+                raise ValueError(f"HF tensor {name!r} is {FP8_DTYPE}: random values of an FP8 checkpoint are "
+                                 "quantized BF16 ones; pass the config's quant_scheme")
+            return self._quantized(name)[0]
+        return random_tensor(name, spec, self.seed)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for name in self.specs:
+            yield name, self.tensor(name)
+
+    def _quantized(self, weight: str) -> tuple[Any, Any]:
+        if self._last is None or self._last[0] != weight:
+            from .fp8_format import quantize_block_fp8
+
+            assert self.scheme is not None
+            source = random_tensor(weight, TensorSpec(self.specs[weight].shape, self.scheme.source_dtype), self.seed)
+            q, scale = quantize_block_fp8(source, self.scheme.block, self.scheme.scale_fmt, name=weight)
+            self._last = (weight, q, scale)
+        return self._last[1], self._last[2]
+
+
+def random_checkpoint(specs: Mapping[str, TensorSpec], seed: int = 0,
+                      scheme: Optional[Fp8Scheme] = None) -> Iterator[tuple[str, Any]]:
+    """(name, random CPU tensor) for each spec, one at a time (see :func:`random_tensor`; an FP8
+    checkpoint needs its ``scheme``: :class:`RandomCheckpoint`)."""
+    return iter(RandomCheckpoint(specs, seed, scheme))

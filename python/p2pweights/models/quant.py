@@ -10,14 +10,14 @@ A config whose ``quantization_config`` says ``quant_method: fp8`` with a ``weigh
 - the *engine's* checkpoint: the same names, with every quantized weight in float8_e4m3fn and its
   scale added right after it (:func:`engine_checkpoint`). This is what the replica's loaders read.
 
-Which weights are quantized: 2-D ``*_proj.weight`` tensors of linear layers that take the quant
-config -- attention, dense and shared MLPs, routed experts -- unless a module is listed in
-``ignored_layers`` / ``modules_to_not_convert`` (matched on dotted module paths, with and without
-the ``model.`` prefix, as sglang's ``is_layer_skipped`` does). Never quantized: embeddings, the LM
-head, norms, the MoE router (``mlp.gate``, a plain parameter), ``e_score_correction_bias`` and the
-MTP layer's ``eh_proj`` (an ``nn.Linear`` in sglang's NextN models for fp8). A weight and its scale
-always travel in one parameter group (the replica groups HF names by the parameters they feed, and
-both feed the same layer).
+Which weights are quantized: 2-D ``*_proj.weight`` tensors (and MLA's ``kv_a_proj_with_mqa.weight``)
+of linear layers that take the quant config -- attention, dense and shared MLPs, routed experts --
+unless a module is listed in ``ignored_layers`` / ``modules_to_not_convert`` (matched on dotted
+module paths, with and without the ``model.`` prefix, as sglang's ``is_layer_skipped`` does). Never
+quantized: embeddings, the LM head, norms, the MoE router (``mlp.gate``, a plain parameter),
+``e_score_correction_bias`` and the MTP layer's ``eh_proj`` (an ``nn.Linear`` in sglang's NextN
+models for fp8). A weight and its scale always travel in one parameter group (``replica/groups.py``
+joins them: they feed two parameters of one layer, and sglang reads them together).
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ from ..errors import UnsupportedLayout
 FP8_DTYPE = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
 SCALE_SUFFIX = "_scale_inv"  # "<module>.weight" -> "<module>.weight_scale_inv"
+#: the linear layers that take the quant config, by the last part of their module name (q_proj,
+#: gate_proj, ..., and DeepSeek MLA's kv_a_proj_with_mqa, fused with q_a_proj by sglang's loader)
+_LINEAR_SUFFIXES = ("_proj", "_proj_with_mqa")
 #: modules that are linear layers by name but never take the quant config in sglang's fp8 path
 _NEVER_QUANTIZED = ("eh_proj",)
 
@@ -41,13 +44,15 @@ class Fp8Scheme:
     scale_fmt: Optional[str] = None  # None (float32 scales) or "ue8m0" (power-of-two scales)
     ignored: Tuple[str, ...] = ()  # module paths kept unquantized, as listed in the config
     activation_scheme: str = "dynamic"
+    source_dtype: str = "bfloat16"  # the trainer's dtype (the config's torch_dtype): what gets quantized
 
     def quantizes(self, hf_name: str, shape: Tuple[int, ...]) -> bool:
         """True when the engine holds ``hf_name`` as an FP8 weight with a block scale."""
-        if not hf_name.endswith("_proj.weight") or len(shape) != 2:
+        if not hf_name.endswith(".weight") or len(shape) != 2:
             return False
         module = hf_name[: -len(".weight")]
-        if module.rsplit(".", 1)[-1] in _NEVER_QUANTIZED:
+        last = module.rsplit(".", 1)[-1]
+        if not last.endswith(_LINEAR_SUFFIXES) or last in _NEVER_QUANTIZED:
             return False
         return not self.skips(module)
 
@@ -103,7 +108,8 @@ def quant_scheme(config: Mapping[str, Any]) -> Optional[Fp8Scheme]:
     if scale_fmt not in (None, "ue8m0"):
         raise UnsupportedLayout(f"{arch}: FP8 scale_fmt={scale_fmt!r} is not supported (None or 'ue8m0')")
     ignored = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
-    return Fp8Scheme((int(block[0]), int(block[1])), scale_fmt, ignored, activation)
+    source = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    return Fp8Scheme((int(block[0]), int(block[1])), scale_fmt, ignored, activation, source)
 
 
 Entry = Tuple[str, Tuple[int, ...], Optional[str]]

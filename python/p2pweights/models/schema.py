@@ -115,6 +115,20 @@ def qwen3_moe(cfg: dict) -> Iterator[Entry]:
             yield from _gated_mlp(f"{p}.mlp", h, cfg["intermediate_size"])
         yield from _norms(p, h)
     yield from _embed_and_head(cfg)
+    # MTP layer (Qwen3-Next style, what sglang's Qwen3MoeForCausalLMMTP reads): its own decoder layer
+    # (layer 0 of a one-layer model), fc over [embedding; hidden], norms; embedding and head are shared
+    if cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers"):
+        yield "mtp.fc.weight", (h, 2 * h), None
+        yield "mtp.pre_fc_norm_embedding.weight", (h,), None
+        yield "mtp.pre_fc_norm_hidden.weight", (h,), None
+        p = "mtp.layers.0"
+        yield from _gqa_attention(f"{p}.self_attn", cfg, bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
+        if 0 not in dense_layers and cfg["num_experts"] > 0 and 1 % step == 0:
+            yield from _routed_moe(f"{p}.mlp", cfg, cfg["num_experts"], score_bias=False, n_shared=0)
+        else:
+            yield from _gated_mlp(f"{p}.mlp", h, cfg["intermediate_size"])
+        yield from _norms(p, h)
+        yield "mtp.norm.weight", (h,), None
 
 
 def _deepseek_style(cfg: dict, attention: Callable[[str, dict], Iterator[Entry]]) -> Iterator[Entry]:

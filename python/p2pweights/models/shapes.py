@@ -18,14 +18,20 @@ Rules taken from sglang, with why they matter for the bytes:
 - norms, routers (and DeepSeek's fp32 e_score_correction_bias) and MLA's fused
   q_a/kv_a projection are replicated on every rank;
 - routed experts are split over EP and their intermediate size over MoE TP = tp / ep; dense MLPs
-  and shared experts over full TP.
+  and shared experts over full TP;
+- FP8 block-quantized configs (``quantization_config``, models/quant.py): each quantized linear
+  weight shard is 1 byte per element plus a float32 scale per ``weight_block_size`` tile
+  (``Fp8LinearMethod`` / ``Fp8MoEMethod``); embeddings, LM head, norms and routers stay in the
+  config's dtype. The attention modules' scalar ``k_scale``/``v_scale`` (set by post-processing,
+  never sent) are not counted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..errors import PlanError
+from ..errors import PlanError, UnsupportedLayout
+from .quant import Fp8Scheme, quant_scheme
 from .registry import architecture_of, registered
 
 if TYPE_CHECKING:
@@ -88,6 +94,7 @@ class ModelShape:
     v_head_dim: int = 0
     router_bias_fp32: bool = False
     router_fp32: bool = False
+    fp8: Fp8Scheme | None = None  # FP8 block quantization of the linear weights (None: unquantized)
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.kind == "moe":
@@ -108,6 +115,10 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
             "if the model is built the same way."
         )
     c = config
+    try:
+        fp8 = quant_scheme(c)
+    except UnsupportedLayout as e:
+        raise PlanError(f"--model: {e}") from None
     heads = int(c["num_attention_heads"])
     hidden = int(c["hidden_size"])
     common = dict(
@@ -122,6 +133,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         intermediate=int(c["intermediate_size"]),
         tie_word_embeddings=bool(spec.tied_names(c)),
         attention_bias=bool(c.get("attention_bias", False)),
+        fp8=fp8,
     )
     if spec.cost == "moe":
         return ModelShape(**common, experts=int(c["num_experts"]), moe_intermediate=int(c["moe_intermediate_size"]))
@@ -173,6 +185,41 @@ def check_layout(shape: ModelShape, layout: "EngineLayout", flag: str = "--engin
         raise PlanError(f"{flag}: ep={layout.ep} on a dense model; drop ep")
     if layout.shared_experts_fusion and shape.shared_experts != 1:
         raise PlanError(f"{flag}: fused_shared_experts needs a model with one shared expert")
+    if shape.fp8 is not None:
+        _check_fp8_shards(shape, layout, flag)
+
+
+def _check_fp8_shards(shape: ModelShape, layout: "EngineLayout", flag: str) -> None:
+    """Every sharded dimension of a quantized weight must be a multiple of the block (sglang's
+    Fp8LinearMethod / Fp8MoEMethod refuse to build otherwise)."""
+    assert shape.fp8 is not None
+    bo, bi = shape.fp8.block
+    atp = layout.attn_tp
+    sharded: list[tuple[str, int, int]] = []  # (weight, size of its shard, block side that must divide it)
+    if shape.kind == "mla":
+        heads = shape.heads // atp
+        if atp > 1:
+            sharded += [("q_b_proj rows", heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim), bo),
+                        ("kv_b_proj rows", heads * (shape.qk_nope_head_dim + shape.v_head_dim), bo),
+                        ("o_proj columns", heads * shape.v_head_dim, bi)]
+    elif atp > 1:
+        sharded += [("q_proj rows", shape.heads // atp * shape.head_dim, bo),
+                    ("k_proj rows", max(1, shape.kv_heads // atp) * shape.head_dim, bo),
+                    ("o_proj columns", shape.heads // atp * shape.head_dim, bi)]
+    if layout.tp > 1 and shape.intermediate and not (shape.kind == "moe" and shape.experts):
+        sharded += [("mlp gate/up rows and down_proj columns", shape.intermediate // layout.tp, max(bo, bi))]
+    if shape.experts:
+        sharded += [("experts' gate/up rows", shape.moe_intermediate // layout.moe_tp, bo)]
+        if layout.moe_tp > 1:
+            sharded += [("experts' down_proj columns", shape.moe_intermediate // layout.moe_tp, bi)]
+        if shape.shared_experts and layout.tp > 1:
+            sharded += [("shared experts' gate/up rows and down_proj columns",
+                         shape.moe_intermediate * shape.shared_experts // layout.tp, max(bo, bi))]
+    for what, size, block in sharded:
+        if size % block:
+            raise PlanError(f"{flag}: FP8 block {bo}x{bi} does not divide the {what} of each shard ({size}) of "
+                            f"{shape.architecture} at tp={layout.tp}, ep={layout.ep}; pick a layout whose shards are "
+                            f"multiples of {block}")
 
 
 def fuses_shared_experts_by_default(shape: ModelShape, ep: int) -> bool:
@@ -246,46 +293,65 @@ def full_model_bytes(shape: ModelShape, dtype: str = "bf16") -> RankBytes:
 def _layer_bytes(shape: ModelShape, split: _Split, layer: int, b: int) -> int:
     h = shape.hidden
     norms = 2 * h * b  # input_layernorm, post_attention_layernorm
-    attn = _mla_bytes(shape, split, b) if shape.kind == "mla" else _gqa_bytes(shape, split, b)
+    p = f"model.layers.{layer}"
+    attn = _mla_bytes(shape, split, b, p) if shape.kind == "mla" else _gqa_bytes(shape, split, b, p)
     if shape.is_moe_layer(layer):
-        ffn = _moe_bytes(shape, split, b)
+        ffn = _moe_bytes(shape, split, b, p)
     else:
-        ffn = _mlp_bytes(h, shape.intermediate // split.tp, b)
+        ffn = _mlp_bytes(shape, f"{p}.mlp", shape.intermediate // split.tp, b)
     return norms + attn + ffn
 
 
-def _gqa_bytes(shape: ModelShape, split: _Split, b: int) -> int:
+def _linear(shape: ModelShape, module: str, rows: int, cols: int, b: int) -> int:
+    """Bytes of one linear weight shard [rows, cols] named by its HF module (the first one of a
+    fused layer): ``b`` per element, or FP8 (1 byte per element + a float32 scale per block)."""
+    fp8 = shape.fp8
+    if fp8 is None or not fp8.quantizes(f"{module}.weight", (rows, cols)):
+        return rows * cols * b
+    bo, bi = fp8.block
+    return rows * cols + -(-rows // bo) * -(-cols // bi) * _FP32
+
+
+def _gqa_bytes(shape: ModelShape, split: _Split, b: int, p: str) -> int:
     h, d = shape.hidden, shape.head_dim
     q_heads = shape.heads // split.attn_tp
     kv_heads = max(1, shape.kv_heads // split.attn_tp)  # replicated when attention TP exceeds them
     qkv_out = (q_heads + 2 * kv_heads) * d
-    n = qkv_out * h + h * q_heads * d + 2 * d  # qkv_proj, o_proj, q_norm + k_norm
+    n = _linear(shape, f"{p}.self_attn.q_proj", qkv_out, h, b)  # qkv_proj
+    n += _linear(shape, f"{p}.self_attn.o_proj", h, q_heads * d, b)
+    n += 2 * d * b  # q_norm + k_norm
     if shape.attention_bias:
-        n += qkv_out + h  # column bias is sharded, row bias is whole
-    return n * b
+        n += (qkv_out + h) * b  # column bias is sharded, row bias is whole
+    return n
 
 
-def _mla_bytes(shape: ModelShape, split: _Split, b: int) -> int:
+def _mla_bytes(shape: ModelShape, split: _Split, b: int, p: str) -> int:
     h = shape.hidden
+    a = f"{p}.self_attn"
     heads = shape.heads // split.attn_tp
     qk_head = shape.qk_nope_head_dim + shape.qk_rope_head_dim
     kv_a = shape.kv_lora_rank + shape.qk_rope_head_dim
     if shape.q_lora_rank:
         # fused_qkv_a_proj_with_mqa and both lora norms are replicated; q_b_proj is sharded
-        n = h * (shape.q_lora_rank + kv_a) + shape.q_lora_rank + shape.q_lora_rank * heads * qk_head
-    else:
-        n = h * heads * qk_head + h * kv_a  # q_proj sharded, kv_a_proj_with_mqa replicated
-    n += shape.kv_lora_rank  # kv_a_layernorm
-    n += shape.kv_lora_rank * heads * (shape.qk_nope_head_dim + shape.v_head_dim)  # kv_b_proj
-    n += heads * shape.v_head_dim * h  # o_proj
-    return n * b
+        n = _linear(shape, f"{a}.q_a_proj", shape.q_lora_rank + kv_a, h, b) + shape.q_lora_rank * b
+        n += _linear(shape, f"{a}.q_b_proj", heads * qk_head, shape.q_lora_rank, b)
+    else:  # q_proj sharded, kv_a_proj_with_mqa replicated
+        n = _linear(shape, f"{a}.q_proj", heads * qk_head, h, b)
+        n += _linear(shape, f"{a}.kv_a_proj_with_mqa", kv_a, h, b)
+    n += shape.kv_lora_rank * b  # kv_a_layernorm
+    n += _linear(shape, f"{a}.kv_b_proj", heads * (shape.qk_nope_head_dim + shape.v_head_dim),
+                 shape.kv_lora_rank, b)
+    n += _linear(shape, f"{a}.o_proj", h, heads * shape.v_head_dim, b)
+    return n
 
 
-def _mlp_bytes(hidden: int, intermediate_shard: int, b: int) -> int:
-    return 3 * hidden * intermediate_shard * b  # gate_up_proj + down_proj
+def _mlp_bytes(shape: ModelShape, module: str, intermediate_shard: int, b: int) -> int:
+    h = shape.hidden
+    return (_linear(shape, f"{module}.gate_proj", 2 * intermediate_shard, h, b)  # gate_up_proj
+            + _linear(shape, f"{module}.down_proj", h, intermediate_shard, b))
 
 
-def _moe_bytes(shape: ModelShape, split: _Split, b: int) -> int:
+def _moe_bytes(shape: ModelShape, split: _Split, b: int, p: str) -> int:
     h, e = shape.hidden, shape.experts
     gate = e * h * (_FP32 if shape.router_fp32 else b)
     if shape.router_bias_fp32:
@@ -296,8 +362,9 @@ def _moe_bytes(shape: ModelShape, split: _Split, b: int) -> int:
         if split.fused_shared_experts:
             local_experts += shape.shared_experts  # each rank keeps the whole shared expert
         else:
-            shared = _mlp_bytes(h, shape.moe_intermediate * shape.shared_experts // split.tp, b)
-    experts = local_experts * _mlp_bytes(h, shape.moe_intermediate // split.moe_tp, b)
+            shared = _mlp_bytes(shape, f"{p}.mlp.shared_experts",
+                                shape.moe_intermediate * shape.shared_experts // split.tp, b)
+    experts = local_experts * _mlp_bytes(shape, f"{p}.mlp.experts.0", shape.moe_intermediate // split.moe_tp, b)
     return gate + experts + shared
 
 

@@ -51,6 +51,8 @@ def stage_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_s
 
 
 def _stage(hf_name: str, num_layers: int, pp_size: int, bounds: list[tuple[int, int]]) -> int:
+    if hf_name.startswith("mtp."):  # Qwen3-Next style MTP layer (mtp.layers.0...): after the last layer
+        return pp_size - 1
     layer = layer_of(hf_name)
     if layer is not None:
         if layer >= num_layers:  # MTP / NextN layers follow the last decoder layer

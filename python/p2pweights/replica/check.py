@@ -5,7 +5,11 @@ parameter groups, one slot, the replica's loaders — and (b) through sglang's o
 ``load_weights`` into a fully materialized CPU model of that rank (the reference model of
 :mod:`p2pweights.replica.reference`, which the receiver's equality check uses too). Every
 parameter's bytes are compared. Inputs are made per HF name from a seed, so neither path holds the
-whole checkpoint.
+whole checkpoint. For an FP8 block-quantized config both paths read the same FP8 checkpoint:
+seeded random BF16 trainer tensors quantized with the sender's formula (``RandomCheckpoint``); the
+result counts the parameters checked per dtype, so the FP8 weights and their float32 scales are
+seen to be compared. Parameters only post-processing sets (FP8 attention ``k_scale``/``v_scale``)
+are not written by any group and are listed, not compared.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..models.checkpoint import checkpoint_tensors, random_tensor
+from ..models import load_config
+from ..models.checkpoint import RandomCheckpoint, checkpoint_tensors
+from ..models.quant import quant_scheme
 from . import reference
 from .layout import EngineLayout
 from .reference import reference_model  # noqa: F401 - callers import it from here too
@@ -32,6 +38,8 @@ class RankCheck:
     largest_group_bytes: int = 0
     mismatches: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype name -> parameters compared
+    post_processed: list[str] = field(default_factory=list)  # set at end_weight_update, never written
 
     @property
     def equal(self) -> bool:
@@ -42,6 +50,8 @@ class RankCheck:
             "rank": self.rank,
             "equal": self.equal,
             "params_checked": self.params_checked,
+            "dtypes": dict(sorted(self.dtypes.items())),
+            "post_processed": list(self.post_processed),
             "bytes_checked": self.bytes_checked,
             "groups": self.groups,
             "largest_group_bytes": self.largest_group_bytes,
@@ -67,14 +77,28 @@ class LayoutCheck:
     def mismatches(self) -> list[str]:
         return [f"rank {r.rank}: {m}" for r in self.ranks for m in r.mismatches]
 
+    @property
+    def dtypes(self) -> dict[str, int]:
+        return merged_dtypes(self.ranks)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "equal": self.equal,
             "params_checked": self.params_checked,
+            "dtypes": self.dtypes,
             "ranks": [r.to_json() for r in self.ranks],
             "mismatches": self.mismatches,
             "engine": self.engine.describe(),
         }
+
+
+def merged_dtypes(ranks: Iterable[RankCheck]) -> dict[str, int]:
+    """dtype name -> parameters compared, over several ranks."""
+    total: dict[str, int] = {}
+    for r in ranks:
+        for dtype, n in getattr(r, "dtypes", {}).items():  # a result from before dtypes were counted
+            total[dtype] = total.get(dtype, 0) + n
+    return dict(sorted(total.items()))
 
 
 def check_rank(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0,
@@ -84,23 +108,27 @@ def check_rank(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0,
     specs = checkpoint_tensors(config)
     replica = (replicas or ModelReplicas(cache_dir="")).get(config, engine, rank, hf_specs=specs)
     model = reference.reference_model(config, engine, rank, seed=seed)  # the receiver's equality check's, too
-    result = compare_with_reference(replica, model, seed=seed)
+    result = compare_with_reference(replica, model, seed=seed, config=config)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", *, seed: int = 0) -> RankCheck:
+def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", *, seed: int = 0,
+                           config: Any = None) -> RankCheck:
     """Every group through the replica path into one reused slot; each region against the
-    reference model's parameter bytes. Also reports parameters no group writes."""
+    reference model's parameter bytes. Also reports parameters no group writes. ``config`` (default:
+    the replica's) decides the FP8 scheme of the random inputs, as in the reference model."""
     import torch
 
-    result = RankCheck(replica.rank, groups=len(replica.groups), largest_group_bytes=replica.largest_group_nbytes)
-    specs = replica.mapping.hf_specs
+    result = RankCheck(replica.rank, groups=len(replica.groups), largest_group_bytes=replica.largest_group_nbytes,
+                       post_processed=list(replica.mapping.derived))
+    source = RandomCheckpoint(replica.mapping.hf_specs, seed,
+                              quant_scheme(load_config(replica.config_dir if config is None else config)))
     expected = dict(reference.named_parameters())
     slot = torch.full((replica.largest_group_nbytes,), 0xAB, dtype=torch.uint8)  # stale bytes must never leak
     covered: set[str] = set()
     for group in replica.groups:
-        inputs = {n: random_tensor(n, specs[n], seed) for n in group.hf_names}
+        inputs = {n: source.tensor(n) for n in group.hf_names}
         for region in replica.materialize_group(group, inputs, slot):
             covered.add(region.param_name)
             want = expected.get(region.param_name)
@@ -111,6 +139,8 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
             want_bytes = want.detach().contiguous().view(-1).view(torch.uint8)
             result.params_checked += 1
             result.bytes_checked += region.nbytes
+            dtype = str(want.dtype).removeprefix("torch.")
+            result.dtypes[dtype] = result.dtypes.get(dtype, 0) + 1
             if want_bytes.numel() != region.nbytes:
                 result.mismatches.append(
                     f"{region.param_name}: {region.nbytes} bytes in the slot, engine holds {want_bytes.numel()}")
@@ -118,7 +148,7 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
                 differing = int((got != want_bytes).sum())
                 result.mismatches.append(f"{region.param_name}: {differing} of {region.nbytes} bytes differ")
     for name in expected:
-        if name not in covered:
+        if name not in covered and name not in result.post_processed:
             result.mismatches.append(f"{name}: no parameter group writes it")
     return result
 

@@ -3,6 +3,9 @@
 A group is the unit the sender loads: once every HF tensor of a group has arrived, the replica's
 loaders can produce every byte of its parameters (q/k/v → qkv_proj, gate/up → gate_up_proj,
 all local experts of a layer → w13/w2). Each group has a fixed layout inside a transfer slot.
+An FP8 weight and its ``weight_scale_inv`` are always in one group: they feed different parameters,
+but sglang reads both together (DeepSeek's ``post_load_weights`` dequantizes ``kv_b_proj`` from its
+weight and scale), and a sender quantizing on send produces them together.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..models.checkpoint import TensorSpec
+from ..models.quant import weight_name
 
 SLOT_ALIGNMENT = 256  # bytes; every parameter starts at a multiple of this inside a slot
 
@@ -51,11 +55,20 @@ def build_groups(sources: Mapping[str, list[str]], param_specs: Mapping[str, Ten
             x = parent[x]
         return x
 
+    def union(a: str, b: str) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[a] = b
+
+    hf_seen: set[str] = set()
     for pname, hf_names in sources.items():
         for hf in hf_names:
-            a, b = find("p:" + pname), find("h:" + hf)
-            if a != b:
-                parent[a] = b
+            union("p:" + pname, "h:" + hf)
+            hf_seen.add(hf)
+    for hf in hf_seen:  # a block scale joins its weight's group
+        weight = weight_name(hf)
+        if weight is not None and weight in hf_seen:
+            union("h:" + hf, "h:" + weight)
     members: dict[str, list[str]] = {}
     for pname in sources:  # dict order = model order
         members.setdefault(find("p:" + pname), []).append(pname)

@@ -44,6 +44,12 @@ _SHAPE_ONLY_OPS = {
     "detach",  # shares storage anyway; nothing new flows
 }
 
+# Parameters no checkpoint writes: FP8 engines' attention modules get scalar ``k_scale``/``v_scale``
+# (sglang's BaseKVCacheMethod, initialized to -1) that ``process_weights_after_loading`` sets at
+# ``end_weight_update``. When no HF name reaches them they are ``LoaderMapping.derived``: published
+# by the engine and in the replica's ``param_specs``, but in no parameter group, never written.
+_POST_PROCESSED = ("k_scale", "v_scale")
+
 # In-place ops that overwrite every element of their target regardless of its old bytes: only
 # these count towards a parameter's coverage (index_copy_, scatter_ or add_ do not).
 _OVERWRITE_OPS = {"copy_", "fill_", "zero_"}
@@ -177,6 +183,9 @@ class LoaderMapping:
     # parameters the loaders leave partly unwritten (padding rows): zeroed in the slot before each
     # load so no stale bytes reach the engine. None: not known, zero every parameter.
     partial: list[str] | None = None
+    # parameters post-processing sets and no HF name reaches (attention k_scale/v_scale): in
+    # param_specs (the engine publishes them), in no group (a sender never writes them)
+    derived: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,6 +194,7 @@ class LoaderMapping:
             "hf_specs": {k: [list(v.shape), v.dtype] for k, v in self.hf_specs.items()},
             "ignored": self.ignored,
             "partial": self.partial,
+            "derived": self.derived,
         }
 
     @classmethod
@@ -198,6 +208,7 @@ class LoaderMapping:
             hf_specs=specs(data["hf_specs"]),
             ignored=list(data["ignored"]),
             partial=None if data.get("partial") is None else list(data["partial"]),
+            derived=list(data.get("derived") or []),
         )
 
 
@@ -237,6 +248,9 @@ def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) 
         tags = flow.tags_of(p)
         reached |= tags
         sources[pname] = [names[i] for i in sorted(tags)]
+    derived = [p for p, s in sources.items() if not s and p.rsplit(".", 1)[-1] in _POST_PROCESSED]
+    for p in derived:
+        del sources[p]
     uncovered = [p for p, s in sources.items() if not s]
     if uncovered:
         shown = ", ".join(uncovered[:8]) + (f" (+{len(uncovered) - 8} more)" if len(uncovered) > 8 else "")
@@ -249,5 +263,6 @@ def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) 
         param_specs={n: TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in params.items()},
         hf_specs=dict(hf_specs),
         ignored=[names[i] for i in range(len(names)) if i not in reached],
-        partial=partial,
+        partial=[p for p in partial if p not in derived],
+        derived=derived,
     )

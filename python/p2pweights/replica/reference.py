@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from ..models import load_config
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..models.quant import quant_scheme
 from . import sglang_env
 
 if TYPE_CHECKING:
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
 def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_process: bool = False,
                     model: "torch.nn.Module | None" = None) -> "torch.nn.Module":
     """sglang's own loader into a fully materialized, zeroed CPU model of the rank (every HF tensor of
-    ``random_checkpoint(checkpoint_tensors(config), seed)``). ``post_process``: also run what an update
+    ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))``: for an FP8 config the
+    engine's checkpoint, quantized from seeded BF16 tensors). ``post_process``: also run what an update
     session runs around a loader (restore before, ``postprocess_weights`` after). ``model``: reload
     this reference (built by an earlier call) instead of building a new one."""
     import torch
@@ -45,7 +48,8 @@ def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_
     with sglang_env.activate(model):
         if post_process:
             DefaultModelLoader.restore_weights_before_loading(model, cpu)
-        model.load_weights(random_checkpoint(checkpoint_tensors(config), int(seed)))  # runs post_load_weights
+        cfg = load_config(config)  # an FP8 config: quantized seeded BF16, as a sender quantizing on send makes it
+        model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg)))  # + post_load_weights
         if post_process:
             DefaultModelLoader.postprocess_weights(model, cpu)
     return model

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import UnsupportedLayout
 from ..settings import value as setting
+from . import fp8_engine
 from .layout import EngineLayout
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ def _import_sglang() -> None:
         _rope_buffers_on_cpu_without_accelerator()
         import sglang.srt.model_loader.loader  # noqa: F401  (the heavy imports, once)
         _import_registry_empty()
+        fp8_engine.post_load_as_on_hopper()
 
 
 def _model_modules() -> list[str]:
@@ -370,8 +372,9 @@ def build_model(config: Any, engine: EngineLayout, rank: int, device: str = "met
     from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+    fp8_engine.check_quantization(config, engine)
     server_args = make_server_args(config, engine)
-    with _lock, warnings.catch_warnings():
+    with _lock, warnings.catch_warnings(), fp8_engine.block_shard_checks(engine, rank):
         warnings.simplefilter("ignore")
         from sglang.srt import runtime_context as rc
 

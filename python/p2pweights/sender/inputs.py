@@ -10,6 +10,12 @@ goes through :meth:`TrainerInputs.prepare`:
 4. with ``check_finite`` (``P2PW_CHECK_FINITE=1``), NaN/Inf are refused naming the tensor, before
    anything of its parameter group is written.
 
+FP8 engines: a weight the engine holds in float8_e4m3fn (with a block scale) is pushed in
+BF16/FP16/FP32 and quantized on send (quantize.py), or pre-quantized; it is never cast (``cast``
+would make FP8 of it without a scale). A weight that will be quantized is always checked for
+NaN/Inf here, with or without ``check_finite``: no FP8 scale can be made of them, and a refusal at
+push comes before anything is written or the engines are paused, not halfway through an update.
+
 Also here: the rule for weight versions (:func:`check_version_order`).
 """
 from __future__ import annotations
@@ -18,6 +24,7 @@ import re
 from typing import Any, Mapping
 
 from ..errors import LayoutMismatch, NonFiniteTensor, UnsupportedTensor, VersionRefused
+from .fp8 import TRAINER_DTYPES, quantized_pairs
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
 
@@ -59,6 +66,7 @@ class TrainerInputs:
         self.check_finite = bool(check_finite)
         self._where = f" ({where})" if where else ""
         self.skipped: list[str] = []  # tied names skipped in this update
+        self._quantized = frozenset(quantized_pairs(specs))  # FP8 engines: weights quantized on send
 
     def prepare(self, name: str, tensor: Any) -> Any | None:
         """The tensor to stage for ``name``, or None when the engine loads nothing from it (a tied
@@ -69,6 +77,12 @@ class TrainerInputs:
             return None
         tensor = _as_full_tensor(name, tensor, self._where)
         spec = self._specs.get(name)
+        if name in self._quantized:
+            if _dtype_name(tensor) in TRAINER_DTYPES:
+                self._check_finite_to_quantize(name, tensor)
+            elif self.check_finite:
+                self._check_finite(name, tensor)
+            return tensor
         if spec is not None and self.cast and _dtype_name(tensor) != spec.dtype:
             tensor = self._cast(name, tensor, spec.dtype)
         if self.check_finite:
@@ -91,7 +105,19 @@ class TrainerInputs:
             return tensor  # not a float-to-float cast: the stager refuses the dtype, naming it
         return tensor.to(target)
 
-    def _check_finite(self, name: str, tensor: Any) -> None:
+    def _check_finite_to_quantize(self, name: str, tensor: Any) -> None:
+        """NaN/Inf in a weight the sender will quantize. min and max propagate NaN and keep Inf: one
+        aminmax pass (~10x faster than isfinite on CPU BF16) and one device synchronisation."""
+        import torch
+
+        if tensor.numel() == 0:
+            return
+        low, high = torch.aminmax(tensor)
+        if bool(torch.isfinite(torch.stack((low, high))).all()):
+            return
+        self._check_finite(name, tensor, quantized=True)  # counts them and raises
+
+    def _check_finite(self, name: str, tensor: Any, quantized: bool = False) -> None:
         import torch
 
         if not tensor.is_floating_point():
@@ -103,6 +129,11 @@ class TrainerInputs:
         if bool(finite.all()):
             return
         bad = int((~finite).sum())
+        if quantized:
+            raise NonFiniteTensor(
+                f"HF tensor {name!r}{self._where} holds {bad} NaN/Inf value(s) of {tensor.numel()}; the FP8 engine "
+                f"needs it quantized, and no block scale can be made of NaN/Inf. Nothing of its parameter group "
+                f"was written", parameter=name, hint="fix the training step")
         raise NonFiniteTensor(
             f"HF tensor {name!r}{self._where} holds {bad} NaN/Inf value(s) of {tensor.numel()}; nothing of its "
             f"parameter group was written", parameter=name,

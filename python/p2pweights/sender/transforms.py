@@ -6,13 +6,16 @@ loads it becomes, so a transform may
 
 - rewrite the tensors: other values, names or dtypes (FP8 block quantization turns a BF16
   ``weight`` into ``weight`` + ``weight_scale_inv`` of an FP8 replica's group);
-- fan one staged group out to several (replica, targets) work items (a draft role's replica
-  loads the same HF tensors as the target's);
+- fan one staged group out to several (replica, targets) work items (draft roles need none: the
+  prepared rank's replica joins the target's and the draft's parameters, replica/roles.py);
 - drop a load (return nothing).
 
 Whatever comes out is loaded as is: the replica checks that the tensors are exactly its group's
 HF inputs, and every write is checked against what the engine published (byte counts).
-Today the sender's default is no transform (identity).
+The sender's default is no transform (identity); for an FP8 block-quantized config the
+WeightSender adds :class:`~p2pweights.sender.quantize.QuantizeOnSend` after the given ones, so
+those see the trainer's tensors (a quantized weight in BF16 without its ``weight_scale_inv``, or
+the pre-quantized pair) and the loaders get the engine checkpoint's.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class GroupLoad:
 
     rank: PreparedRank
     group: Any  # p2pweights.replica.ParameterGroup of rank.replica
-    tensors: dict[str, Any]  # HF name -> tensor, exactly the group's hf_names
+    tensors: dict[str, Any]  # HF name -> tensor: the group's hf_names (FP8, before quantizing: no scales)
 
     @property
     def input_bytes(self) -> int:
