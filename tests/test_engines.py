@@ -283,6 +283,33 @@ def test_checks_and_infos_round_trip(start_engine):
         c.get_weights_by_name("nope")
 
 
+def test_server_info_reports_the_engines_build_from_what_its_ranks_registered():
+    """sglang's /server_info says ``version``; a receiver says it too, and each rank's GPU
+    architecture as the rank published it (``device_arch``), which connect checks."""
+    from p2pweights.replica.identity import replica_environment
+
+    class Reporting(ReceiverHooks):
+        def __init__(self, info):
+            self.info = info
+
+        def server_info(self):
+            return dict(self.info)
+
+    with ReceiverServer(Reporting({"tp_size": 2})) as server:
+        c = SglangEngine(server.url, name="e0")
+        assert c.server_info()["version"] == replica_environment().sglang_version  # the sglang it runs
+        assert c.server_info()["p2pw_device_archs"] == {}  # no rank registered yet: unknown, never guessed
+        register_transfer_engine_info(server.url, 1, "10.0.0.1:15001", {"w": [1 << 20, 8, 2]},
+                                      extra={"device_arch": "sm90", "sglang_version": "0.5.23"})
+        server.register_transfer_engine_info(0, "10.0.0.1:15000", {"w": [2 << 20, 8, 2]},
+                                             extra={"device_arch": "sm90", "sglang_version": "0.5.23"})
+        assert c.server_info()["p2pw_device_archs"] == {"0": "sm90", "1": "sm90"}
+        assert c.server_info()["version"] == "0.5.23"  # what the ranks run
+        assert c.transfer_engine_info(1)["device_arch"] == "sm90"
+    with ReceiverServer(Reporting({"version": "9.9.9"})) as server:  # an engine's own word wins
+        assert SglangEngine(server.url).server_info()["version"] == "9.9.9"
+
+
 def test_a_slow_engine_times_out_naming_it():
     class Slow(ReceiverHooks):
         def on_end_update(self):

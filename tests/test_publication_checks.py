@@ -66,6 +66,18 @@ def test_registered_memory_and_registration_address_round_trip_through_json():
         EnginePublication.from_json({**d, "registered_memory": [1, 2]})
 
 
+def test_the_ranks_build_round_trips_through_json_and_sglangs_publication_has_none():
+    pub = _pub(device_arch="sm90", sglang_version="0.5.23")
+    d = json.loads(pub.to_json())
+    assert (d["device_arch"], d["sglang_version"]) == ("sm90", "0.5.23")
+    assert pub.extra()["device_arch"] == "sm90"  # what a rank registers with its engine's server
+    back = EnginePublication.from_json(d)
+    assert (back.device_arch, back.sglang_version) == ("sm90", "0.5.23")
+    bare = EnginePublication.from_json({"rank": 0, "remote_instance_transfer_engine_info": ["h:1", {}]})
+    assert (bare.device_arch, bare.sglang_version) == ("", "")
+    assert "device_arch" not in bare.to_dict()
+
+
 # ---- the session: the rank's own -----------------------------------------------------------------------
 
 

@@ -273,3 +273,9 @@ class UpdateRefused(EnginesFailed, SessionConflict):
     """Opening an update was refused, before anything was written, because one or more engines'
     sessions belong to another controller: an ``EnginesFailed`` (``.failures``, ``.errors`` per
     engine) that is also a ``SessionConflict``."""
+
+
+class EngineMismatch(UnsupportedLayout):
+    """The engine's build is not one the sender's replica reproduces: another sglang version, or a
+    GPU architecture whose post-processing rewrites the layout (FP8 off Hopper). The message names
+    both sides; refused at connect."""

@@ -30,6 +30,10 @@ class SglangEngine:
     (``P2PW_ENGINE_CONNECT_TIMEOUT``): an engine that is down fails in about that long.
     ``api_key`` is sent as ``Authorization: Bearer`` on every call (sglang's ``--api-key`` /
     ``--admin-api-key``; a receiver's ``--api-key``); default ``P2PW_API_KEY``.
+    ``gpu_arch`` is the engine's GPU architecture (``sm90``, ``9.0``, ``gfx942``) for engines that do
+    not report it: sglang's servers do not, a p2pweights receiver does (``/server_info``
+    ``p2pw_device_archs``). Connect needs it for FP8 checkpoints, whose post-processing depends on
+    it, and refuses an override that contradicts what the engine's ranks report.
     """
 
     def __init__(
@@ -40,6 +44,7 @@ class SglangEngine:
         timeout: float | None = None,
         connect_timeout: float | None = None,
         api_key: str | None = None,
+        gpu_arch: str | None = None,
     ):
         self.base_url = _normalize_url(base_url)
         self.bootstrap_url = _normalize_url(bootstrap_url) if bootstrap_url else None
@@ -47,6 +52,7 @@ class SglangEngine:
         self.timeout = float(value("P2PW_ENGINE_TIMEOUT", timeout))
         self.connect_timeout = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
         self.api_key: str | None = value("P2PW_API_KEY", api_key)
+        self.gpu_arch = gpu_arch
         #: the owner id of the update session this client's calls belong to (UpdateSession sets it
         #: while it owns a session on this engine): sent on every call, see protocol.SESSION_OWNER_HEADER
         self.session_owner: str | None = None

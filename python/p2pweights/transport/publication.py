@@ -24,7 +24,9 @@ engine's server saw it, ``"registered_from": "ip"`` (sglang's publisher has neit
 sender refuses (:class:`~p2pweights.errors.LayoutMismatch`, naming engine, rank and parameters) a
 table whose entries overlap or leave the registered memory (:meth:`EnginePublication.check_regions`),
 and a session id that is not the rank's own (:func:`check_sessions`); docs/transports.md says what
-"own" means.
+"own" means. They also publish the rank's own build, ``"device_arch": "sm90"`` (``cpu`` for a GPU
+rank's layout held in host memory) and ``"sglang_version"``, which connect checks against the
+engine's ``/server_info`` and the sender's sglang (``replica/identity.py``).
 """
 from __future__ import annotations
 
@@ -96,6 +98,10 @@ class EnginePublication:
     # what the rank registered with its transport, (addr, nbytes); empty: not published (sglang)
     registered: list[tuple[int, int]] = field(default_factory=list)
     registered_from: str = ""      # the address the rank's registration came from (p2pweights receivers)
+    # the rank's own build (p2pweights receivers; sglang publishes neither): what connect's
+    # same-build check (replica/identity.py) compares with the engine's and the sender's
+    device_arch: str = ""          # "sm90", "gfx942", "cpu" (a GPU rank's layout in host memory)
+    sglang_version: str = ""       # the sglang the rank's model classes and post-processing come from
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -219,6 +225,10 @@ class EnginePublication:
             d["registered_memory"] = [[int(a), int(n)] for a, n in self.registered]
         if self.registered_from:
             d["registered_from"] = self.registered_from
+        if self.device_arch:
+            d["device_arch"] = self.device_arch
+        if self.sglang_version:
+            d["sglang_version"] = self.sglang_version
         return d
 
     def extra(self) -> dict[str, Any]:
@@ -241,7 +251,7 @@ class EnginePublication:
         meta = b""
         location = ""
         registered: list[tuple[int, int]] = []
-        registered_from = ""
+        registered_from = device_arch = sglang_version = ""
         if isinstance(data, Mapping):
             if "error" in data and "remote_instance_transfer_engine_info" not in data:
                 raise ValueError(f"the engine answered with an error: {data['error']}")
@@ -262,6 +272,8 @@ class EnginePublication:
                 raise ValueError("'registered_memory' must be [[addr, nbytes], ...]")
             registered = [(int(a), int(n)) for a, n in rows]
             registered_from = str(data.get("registered_from") or "")
+            device_arch = str(data.get("device_arch") or "")
+            sglang_version = str(data.get("sglang_version") or "")
         else:
             info = data
         if not isinstance(info, (list, tuple)) or len(info) != 2 or not isinstance(info[1], Mapping):
@@ -277,7 +289,7 @@ class EnginePublication:
             params[str(name)] = ParamTarget(int(row[0]), int(row[1]), int(row[2]))
         return cls(transport=transport, peer=str(peer), params=params, rank=None if rank is None else int(rank),
                    agent_metadata=meta, location=location, registered=registered,
-                   registered_from=registered_from)
+                   registered_from=registered_from, device_arch=device_arch, sglang_version=sglang_version)
 
 
 def _who(engine: str, rank: int | None) -> str:
