@@ -161,6 +161,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# The same families with one MTP / NextN layer: the speculative draft roles' test models. Qwen3-MoE
+# keeps it under ``mtp.*`` (Qwen3-Next style); sglang's Qwen3MoeForCausalLMMTP reads those names.
+CONFIGS["glm4_moe_mtp"] = {**CONFIGS["glm4_moe"], "num_nextn_predict_layers": 1}
+CONFIGS["glm4_moe_lite_mtp"] = {**CONFIGS["glm4_moe_lite"], "num_nextn_predict_layers": 1}
+CONFIGS["qwen3_moe_mtp"] = {**CONFIGS["qwen3_moe"], "num_nextn_predict_layers": 1}
+#: the MTP configs by family (deepseek_v3 above has its NextN layer already)
+MTP_CONFIGS = ("deepseek_v3", "glm4_moe_mtp", "glm4_moe_lite_mtp", "qwen3_moe_mtp")
+
+
 def write_config(name: str, directory: str, **overrides: Any) -> str:
     """Write ``CONFIGS[name]`` (plus overrides) as ``directory/name/config.json``; return the dir."""
     cfg = {**_COMMON, **CONFIGS[name], **overrides}

@@ -43,6 +43,9 @@ class EngineHooks(ReceiverHooks):
             "p2pw_instance": self.instance,
             "p2pw_ranks_ready": sorted([0, *self.rank_urls]),
         })
+        if info.get("speculative_algorithm") not in (None, "", "NGRAM"):
+            # as sglang resolves it for an MTP draft: the draft is the target's own checkpoint
+            info["speculative_draft_model_path"] = self.local.config
         return info
 
     def model_info(self) -> dict:

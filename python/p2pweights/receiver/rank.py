@@ -17,6 +17,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..settings import value as setting
+from .draft_role import draft_role, split_names
+from .identity import device_arch, sglang_version
 from .region import place_parameters
 
 if TYPE_CHECKING:
@@ -73,10 +75,19 @@ class EngineRank:
             torch.cuda.set_device(torch.device(self.device))
         self.model = sglang_env.build_model(self.config, self.engine, self.rank, device="meta")
         self.region = place_parameters(self.model, device=self.device)
+        # speculative decoding: sglang's draft model too, its own parameters in a region of their own
+        # and published as "draft.<name>"; its embedding and head are the target's (draft_role.py)
+        self.draft = draft_role(self.config, self.engine, self.rank, self.model, self.device)
+        regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
         self.endpoint = make_receiver_endpoint(transport)
-        self.endpoint.register(self.region.address, self.region.nbytes, self.device)
-        self.publication = self.endpoint.publication(params_table(self.model.named_parameters()), rank=self.rank)
-        self.publication.registered = [(self.region.address, self.region.nbytes)]  # senders check entries lie inside
+        for region in regions:
+            self.endpoint.register(region.address, region.nbytes, self.device)
+        table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
+        self.publication = self.endpoint.publication(params_table(table), rank=self.rank)
+        self.publication.registered = [(r.address, r.nbytes) for r in regions]  # senders check entries lie inside
+        # this rank's build: senders refuse a version or architecture their replica does not reproduce
+        self.publication.device_arch = device_arch(self.device)
+        self.publication.sglang_version = sglang_version() or ""
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -103,6 +114,9 @@ class EngineRank:
         with self._lock, sglang_env.activate(self.model):
             DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
             self.loaded_weights = False
+        if self.draft is not None:
+            with self._lock:
+                self.draft.begin()
 
     def end(self) -> None:
         """sglang's end_weight_update: post_load_weights (unless a loader ran, which did it) and
@@ -116,19 +130,26 @@ class EngineRank:
             if not self.loaded_weights:
                 post_load_weights(self.model)
             DefaultModelLoader.postprocess_weights(self.model, torch.device(self.device))
+        with self._lock:
+            if self.draft is not None:
+                self.draft.end(self.loaded_weights)
             self.loaded_weights = False
 
     # -- checks ------------------------------------------------------------------------------------
     def compare(self, hf_seed: int, skip: Sequence[str] = ()) -> dict:
         with self._lock:
-            return self.reference.compare(self.model, int(hf_seed), skip).to_dict()
+            result = self.reference.compare(self.model, int(hf_seed), skip)
+            if self.draft is not None:  # the draft against sglang's draft tied to the target's reference
+                self.draft.compare_into(result, self.reference.model, int(hf_seed), skip)
+            return result.to_dict()
 
     def checksum(self) -> dict:
         from ..replica.reference import named_state, tensor_bytes
 
         h = hashlib.sha256()
         with self._lock:
-            for name, t in sorted(named_state(self.model).items()):
+            state = {**named_state(self.model), **(self.draft.named_state() if self.draft is not None else {})}
+            for name, t in sorted(state.items()):
                 h.update(name.encode())
                 h.update(tensor_bytes(t).cpu().numpy().tobytes())
         return {"rank": self.rank, "checksum": h.hexdigest()}
@@ -137,10 +158,18 @@ class EngineRank:
         """The digest of the bytes this rank holds for each named parameter (``verify=True``)."""
         from .digest import parameter_digests
 
+        target, draft = split_names(names)  # "draft.<name>": the draft role's
         with self._lock:
-            return parameter_digests(self.model, names, engine=self.name, rank=self.rank)
+            digests = parameter_digests(self.model, target, engine=self.name, rank=self.rank)
+            if draft and self.draft is not None:
+                digests.update(self.draft.digest(draft, self.name))
+            elif draft:
+                digests.update(parameter_digests(self.model, draft, engine=self.name, rank=self.rank))  # names them
+            return digests
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        if self.draft is not None and name.startswith("draft."):
+            return self.draft.weights_by_name(name, truncate_size)
         params = dict(self.model.named_parameters())
         if name not in params:
             return None
@@ -182,6 +211,8 @@ class EngineRank:
             weights.append((name, t))
         with self._lock, sglang_env.activate(self.model):
             self.model.load_weights(weights)
+            if self.draft is not None:  # sglang: every selected runner loads what the target received
+                self.draft.load_weights(weights)
             self.loaded_weights = True
 
     def destroy_group(self, group_name: str) -> None:

@@ -12,7 +12,8 @@ Each rank publishes its weight regions the way sglang ranks do: ``register_trans
 ``GET /remote_instance_transfer_engine_info?rank=N`` and the bootstrap route
 ``GET /get_transfer_engine_info?rank=N`` from what was registered (or from the
 ``transfer_engine_info`` hook, which wins when it returns something). One port serves both the
-HTTP-server and the bootstrap-server roles.
+HTTP-server and the bootstrap-server roles. ``/server_info`` also says the engine's build, from what
+the ranks registered: ``version`` (as sglang's does) and ``p2pw_device_archs`` (:mod:`.identity`).
 
 State: ``generating`` -> ``pause_generation`` -> ``paused`` -> ``begin_weight_update`` ->
 ``updating`` -> ``end_weight_update`` -> ``paused`` -> ``update_weight_version`` ->
@@ -42,12 +43,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..control import http
 from ..control import protocol as p
-from ..errors import EngineUnreachable, InvalidRequest, P2PWeightsError, SessionConflict, TornWeights
+from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeights
 from ..settings import value as setting
-from . import http_guard
+from . import http_guard, identity
 from . import session as sessions
+from .registration import register_transfer_engine_info  # noqa: F401 - re-exported: it used to live here
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,11 @@ class ReceiverServer:
         with self._state_lock:
             self._registered[int(rank)] = [session_id, weights_info]
             self._registered_extra[int(rank)] = {k: v for k, v in extra.items() if not k.startswith("p2pw_")}
+
+    def registered_extras(self) -> dict[int, dict]:
+        """Each registered rank's extra publication keys (``device_arch``, ``sglang_version``, NIXL's ...)."""
+        with self._state_lock:
+            return {r: dict(extra) for r, extra in self._registered_extra.items()}
 
     def _transfer_engine_info(self, rank: int) -> tuple[Any, dict]:
         info = self.hooks.transfer_engine_info(rank)
@@ -457,7 +463,9 @@ class _Handler(BaseHTTPRequestHandler):
         return p.OK, self.receiver.session.health()  # None (sglang's empty body) unless updating or torn
 
     def _do_server_info(self, req: None, query: dict) -> tuple[int, Any]:
-        return p.OK, {**self.receiver.hooks.server_info(), "p2pw_weight_update": self.receiver.session.state()}
+        # the engine's build first (sglang version, each rank's GPU architecture): the hook may say otherwise
+        return p.OK, {**identity.server_identity(self.receiver.registered_extras()), **self.receiver.hooks.server_info(),
+                      "p2pw_weight_update": self.receiver.session.state()}
 
     def _do_model_info(self, req: None, query: dict) -> tuple[int, Any]:
         return p.OK, self.receiver._model_info()
@@ -529,27 +537,3 @@ def _rank(query: dict) -> int:
     if rank < 0:
         raise InvalidRequest(f"query parameter 'rank' must be an integer >= 0, got {rank}")
     return rank
-
-
-def register_transfer_engine_info(url: str, rank: int, session_id: str, weights_info: dict,
-                                  timeout: float = 10.0, *, extra: dict | None = None,
-                                  api_key: str | None = None) -> None:
-    """Publish one rank's regions to an engine's server (a ReceiverServer, or sglang's bootstrap
-    server on --engine-info-bootstrap-port): ``PUT /register_transfer_engine_info`` with sglang's body
-    ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}``. ``extra`` keys go
-    into ``transfer_engine_info`` too (a ReceiverServer publishes them; sglang ignores them).
-    ``api_key`` (default ``P2PW_API_KEY``): the engine's key; without it a keyed server answers 401."""
-    route = p.route("register_transfer_engine_info")
-    body = p.RegisterTransferEngineInfoReq(int(rank), {**(extra or {}), "session_id": session_id,
-                                                        "weights_info_dict": weights_info})
-    try:
-        status, answer = http.request(route.method, url, route.path, body=p.encode(body), timeout=timeout,
-                                      connect_timeout=timeout, api_key=setting("P2PW_API_KEY", api_key))
-    except EngineUnreachable as e:
-        raise EngineUnreachable(f"cannot register rank {rank}'s transfer-engine info: {e.message}", rank=int(rank),
-                                hint=e.hint) from e
-    if status != p.OK:
-        said = p.ErrorAnswer.of(answer)
-        raise said.exception(f"registering rank {rank}'s transfer-engine info at {url} failed: "
-                             f"HTTP {status}: {said.message}", rank=int(rank),
-                             hint=p.hint_for("register_transfer_engine_info", status, said.message) or None)
