@@ -7,6 +7,7 @@
 #include "buffers/cuda_runtime.h"
 #include "buffers/transfer_buffer.h"
 #include "transport/loopback.h"
+#include "transport/nixl_transport.h"
 #include "transport/py_transport.h"
 #include "writer.h"
 
@@ -189,6 +190,46 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyTransport, Transport, std::unique_ptr<PyTransport, GilFreeDelete<PyTransport>>>(m, "PyTransport")
       .def(py::init<py::object>(), py::arg("backend"))
       .def_property_readonly("backend", &PyTransport::backend);
+
+  py::class_<NixlTransport, Transport, std::unique_ptr<NixlTransport, GilFreeDelete<NixlTransport>>>(
+      m, "NixlTransport",
+      "NIXL through its C API (dlopen'ed from `library`): posted and polled without the GIL.")
+      .def(py::init([](const std::string& library, const std::string& agent_name, const std::string& plugin,
+                       uint64_t progress_delay_us) {
+             NixlOptions o;
+             o.library = library;
+             o.agent_name = agent_name;
+             o.plugin = plugin;
+             o.progress_delay_us = progress_delay_us;
+             NixlTransport* t = nullptr;
+             Status s;
+             {
+               py::gil_scoped_release nogil;  // agent and plugin start-up takes a while
+               s = NixlTransport::create(o, &t);
+             }
+             check(s);
+             return std::unique_ptr<NixlTransport, GilFreeDelete<NixlTransport>>(t);
+           }),
+           py::arg("library"), py::arg("agent_name"), py::arg("plugin") = "UCX", py::arg("progress_delay_us") = 1000)
+      .def("connect_peer", [](NixlTransport& t, int engine, py::bytes agent_metadata, const std::string& location) {
+        std::string md = agent_metadata;
+        Status s;
+        { py::gil_scoped_release nogil; s = t.connect_peer(engine, md, location); }
+        check(s);
+      }, py::arg("engine"), py::arg("agent_metadata"), py::arg("location") = "cpu",
+         "Connect an engine from its published agent metadata (decoded) and memory location.")
+      .def_property_readonly("agent_name", &NixlTransport::agent_name)
+      .def_property_readonly("plugin", &NixlTransport::plugin)
+      .def_property_readonly("library", &NixlTransport::library)
+      .def("stats", [](const NixlTransport& t) {
+        NixlStats s = t.stats();
+        py::dict d;
+        d["requests_made"] = s.requests_made;
+        d["requests_reposted"] = s.requests_reposted;
+        d["kept"] = s.kept;
+        d["draining"] = s.draining;
+        return d;
+      }, "Transfer requests created, re-posted from the kept ones, kept now, and refused releases pending.");
 
   py::class_<PipelinedWriter, std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>>(m, "PipelinedWriter")
       .def(py::init([](Transport* t, TransferBuffer* b, double timeout_s, int max_inflight) {

@@ -305,7 +305,8 @@ build_nixl() {
   # Keep only the shared libraries that the bindings, the UCX plugin and UCX's modules reach
   # (drops etcd/gRPC, AWS/Azure object-store, prometheus and liburing, which other plugins use).
   local roots
-  roots=$(find "$site/nixl_cu13" "$meson/plugins" "$libs/nixl" "$libs/ucx" -type f -name '*.so*')
+  # libnixl_capi.so: the C API the native NIXL transport dlopens (nothing in the wheel links it).
+  roots="$(find "$site/nixl_cu13" "$meson/plugins" "$libs/nixl" "$libs/ucx" -type f -name '*.so*') $meson/libnixl_capi.so"
   LIBDIRS="$meson:$libs" needed_closure $roots > "$WORK/nixl_keep.txt"
   for f in "$libs"/*.so* "$meson"/*.so*; do
     grep -qxF "$f" "$WORK/nixl_keep.txt" || rm -f "$f"

@@ -100,6 +100,26 @@ class PyTransport(Transport):
     @property
     def backend(self) -> Any: ...
 
+class NixlStats(TypedDict):
+    requests_made: int      # NIXL transfer requests created
+    requests_reposted: int  # posts that re-used a kept (completed, identical) request
+    kept: int               # completed requests kept for re-posting now
+    draining: int           # handles NIXL refused to release, retried later
+
+class NixlTransport(Transport):
+    """NIXL through its C API, dlopen'ed from ``library``: posted and polled without the GIL.
+    ``connect`` refuses (the descriptor is JSON): p2pweights.transport.nixl.NativeNixlTransport
+    parses it and calls ``connect_peer``."""
+    def __init__(self, library: str, agent_name: str, plugin: str = "UCX", progress_delay_us: int = 1000) -> None: ...
+    def connect_peer(self, engine: int, agent_metadata: bytes, location: str = "cpu") -> None: ...
+    @property
+    def agent_name(self) -> str: ...
+    @property
+    def plugin(self) -> str: ...
+    @property
+    def library(self) -> str: ...
+    def stats(self) -> NixlStats: ...
+
 class EngineReportDict(TypedDict):
     engine: int
     name: str

@@ -8,7 +8,10 @@ ours:   a stand-in engine rank (p2pweights.transport.peer, its own process) regi
                       earlier slots are written (what an update does), timed from the first fill
                       to ``finish()`` returning;
         "write":      size/slot-size slots filled beforehand, only the writes timed (the pipeline's
-                      own cost over the raw transport).
+                      own cost over the raw transport); then again beside a Python thread spinning
+                      (a trainer's loaders): "GB/s +py loop", and "py loop" = the loop's turns per
+                      second then / idle. A data path that takes the GIL slows one or the other.
+        NIXL rows name the sender's data path: native (C API, no GIL) or python (--nixl-api).
 vendor: the same bytes, already in one registered source buffer (no fill), in slot-size pieces,
         with the vendor API alone: Mooncake ``batch_transfer_sync_write`` (what sglang uses);
         NIXL one ``initialize_xfer`` + ``transfer`` + ``check_xfer_state`` loop (backing off).
@@ -26,10 +29,12 @@ from ..sender.writer import PipelinedWriter
 from ..settings import TRANSPORTS, format_size, parse_size, settings
 from ..transport import attach_engine, make_sender_transport
 from ..transport.peer import PeerProcess, pattern, push_pattern
+from .python_loop import PythonLoop as _PythonLoop
 from .table import emit
 
 COLUMNS = [
     ("transport", "transport", ""),
+    ("path", "path", ""),
     ("mode", "mode", ""),
     ("size", "size", ""),
     ("slots_desc", "slots", ""),
@@ -37,6 +42,8 @@ COLUMNS = [
     ("gbps", "GB/s", ".3f"),
     ("vendor_gbps", "vendor GB/s", ".3f"),
     ("ratio", "ratio", ".3f"),
+    ("with_loop", "GB/s +py loop", ""),
+    ("py_loop", "py loop", ""),
     ("wrong_bytes", "#wrong", "d"),
 ]
 
@@ -48,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=2, help="transfer slots (default: %(default)s)")
     p.add_argument("--params", type=int, default=16, help="parameters the receiver publishes (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=5, help="runs of each; the fastest counts (default: %(default)s)")
+    p.add_argument("--nixl-api", choices=("auto", "native", "python", "both"), default=None,
+                   help="NIXL sender data path (default: P2PW_NIXL_API, auto); both: a row set for each")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -110,11 +119,21 @@ class _Vendor:
             self.agent.deregister_memory(self.reg)
 
 
-def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: int, repeat: int) -> list[dict[str, Any]]:
+def _sender_transport(transport: str, nixl_api: str | None) -> tuple[Any, str]:
+    if transport != "nixl":
+        return make_sender_transport(transport), "python"
+    from ..transport.nixl_native import make_nixl_transport, path_of
+
+    t = make_nixl_transport(api=nixl_api, **settings(transport="nixl").transport_options())
+    return t, path_of(t)
+
+
+def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: int, repeat: int,
+            nixl_api: str | None = None) -> list[dict[str, Any]]:
     peer = PeerProcess(transport, size, params=params, gap=0)
     stream = pattern(size, 11)
     vstream = pattern(size, 12)
-    sender = make_sender_transport(transport)
+    sender, path = _sender_transport(transport, nixl_api)
     buffers = TransferBuffers(slot_bytes, num_slots)
     source = TransferBuffers(size, 1)
     vendor = writer = None
@@ -142,7 +161,9 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
                 wfull.submit(slot, [(0, n, 0, base + slot * full.slot_bytes)])
             assert wfull.finish().bytes == size
 
-        times: dict[str, list[float]] = {"fill+write": [], "write": [], "vendor": []}
+        times: dict[str, list[float]] = {"fill+write": [], "write": [], "write+loop": [], "vendor": []}
+        progress: list[float] = []
+        blocked: list[float] = []
         wrong = {"fill+write": 0, "write": 0}
         try:
             for _ in range(repeat):  # alternate, so the machine's noise hits all three alike
@@ -156,6 +177,16 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
                 t0 = time.perf_counter()
                 writes_only()
                 times["write"].append(time.perf_counter() - t0)
+                wrong["write"] += peer.check(11)
+                peer.zero()
+                # again beside a busy Python thread (a trainer's loaders): who waits for the GIL?
+                idle = _PythonLoop.idle_rate()
+                with _PythonLoop() as loop:
+                    t0 = time.perf_counter()
+                    writes_only()
+                    times["write+loop"].append(time.perf_counter() - t0)
+                progress.append(loop.rate / idle)
+                blocked.append(loop.blocked)
                 wrong["write"] += peer.check(11)
                 peer.zero()
                 times["vendor"].append(vendor.write(size))
@@ -182,6 +213,7 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
         best = min(times[mode])
         rows.append({
             "transport": transport,
+            "path": path,
             "mode": mode,
             "bytes": size,
             "size": format_size(size),
@@ -197,6 +229,12 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
             "median_seconds": sorted(times[mode])[len(times[mode]) // 2],
             "vendor_median_seconds": sorted(times["vendor"])[len(times["vendor"]) // 2],
             "repeat": repeat,
+            # the Python loop's rate during the writes / idle (median of the runs; "write" mode only)
+            "python_progress": sorted(progress)[len(progress) // 2] if mode == "write" else None,
+            "python_blocked": sorted(blocked)[len(blocked) // 2] if mode == "write" else None,
+            "gbps_with_python_loop": size / min(times["write+loop"]) / 1e9 if mode == "write" else None,
+            "with_loop": f"{size / min(times['write+loop']) / 1e9:.3f}" if mode == "write" else "-",
+            "py_loop": f"{sorted(progress)[len(progress) // 2]:.2f}" if mode == "write" else "-",
             "wrong_bytes": wrong[mode],
         })
     return rows
@@ -204,8 +242,10 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
 
 def run(args: argparse.Namespace) -> int:
     transport = args.transport or settings().transport
-    rows = [row for s in str(args.size).split(",") if s
-            for row in run_one(transport, parse_size(s), parse_size(args.slot_size), args.slots, args.params, args.repeat)]
+    apis = ["native", "python"] if args.nixl_api == "both" and transport == "nixl" else [args.nixl_api]
+    rows = [row for s in str(args.size).split(",") if s for api in apis
+            for row in run_one(transport, parse_size(s), parse_size(args.slot_size), args.slots, args.params,
+                               args.repeat, nixl_api=api if api != "both" else None)]
     wrong = sum(r["wrong_bytes"] for r in rows)
     avg = sum(r["ratio"] for r in rows) / len(rows)
     footer = (f"# avg ratio {avg:.3f} (target >= 0.95)   {'OK' if wrong == 0 else 'FAILED'} ({wrong} wrong bytes); "

@@ -53,6 +53,12 @@ def _transports() -> dict[str, dict]:
         "error": None if nixl_mod else nixl_why,
         "fix": None if nixl_mod else "pip install --no-deps nixl-cu12 (or nixl-cu13)",
     }
+    try:  # the sender's NIXL data path: native (C API, no GIL) or Python, and why
+        from ..transport.nixl_native import data_path
+
+        out["nixl"]["data_path"] = data_path()
+    except Exception as e:  # noqa: BLE001 - e.g. an invalid P2PW_NIXL_API (reported with the settings)
+        out["nixl"]["data_path"] = {"path": None, "library": None, "reason": str(e)}
     return out
 
 
@@ -97,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     for name, t in f["transports"].items():
         state = f"ok ({t['version']})" if t["importable"] else f"MISSING — {t['error']}; fix: {t['fix']}"
         print(f"{name:<15}: {state}")
+        if "data_path" in t and t["importable"]:
+            print(f"  data path    : {t['data_path']['path']} — {t['data_path']['reason']}")
     print(f"torch          : {f['torch'] or 'MISSING (pip install torch)'}")
     print(f"sglang         : {f['sglang'] or 'MISSING (bash scripts/setup.sh installs sglang==0.5.23)'}")
     print("settings       :")

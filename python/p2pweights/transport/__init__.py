@@ -101,7 +101,9 @@ def make_backend(name: str, **opts: Any):
 def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Transport":
     """A native Transport for the sender: loopback (in-process, tests), mooncake or nixl.
 
-    name defaults to P2PW_TRANSPORT (mooncake). Options go to the backend, None meaning unset —
+    name defaults to P2PW_TRANSPORT (mooncake). nixl is ``nixl_native.NativeNixlTransport`` (NIXL's C
+    API, no GIL) when the wheel ships it, else the Python backend (P2PW_NIXL_API).
+    Options go to the backend, None meaning unset —
     so ``make_sender_transport(s.transport, **s.transport_options())`` works for a Settings ``s``:
     mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin),
     progress_delay (µs), agent_name. An option the transport does not take is a TypeError.
@@ -110,6 +112,10 @@ def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Tran
     if name == "loopback":
         _options(name, opts)
         return _native.LoopbackTransport()
+    if name == "nixl":  # native (NIXL's C API, no GIL) or Python, by P2PW_NIXL_API
+        from .nixl_native import make_nixl_transport
+
+        return make_nixl_transport(**_options(name, opts))
     return _native.PyTransport(make_backend(name, **opts))
 
 

@@ -1,7 +1,9 @@
 """NVIDIA NIXL, driven through its Python bindings (``nixl_cu12`` / ``nixl_cu13`` / ``nixl._api``).
 
 Sender side: :class:`NixlBackend` implements the backend protocol that the native ``PyTransport``
-calls from the writer's per-engine threads. Receiver side: :class:`NixlReceiver` registers an engine
+calls from the writer's per-engine threads (the Python path; where the wheel ships NIXL's C API the
+sender takes the native path instead, without the GIL: nixl_native.py, P2PW_NIXL_API).
+Receiver side: :class:`NixlReceiver` registers an engine
 rank's memory and publishes its agent metadata (the JSON is defined in publication.py and
 docs/transports.md).
 
