@@ -1,6 +1,7 @@
 """Slot fillers: one per slot mode, behind one interface.
 
-A filler decides where a slot's loaders write and how the complete slot reaches the writer:
+A filler decides where a slot's loaders write and how the complete slot reaches the writer; its
+``producer`` (sender/replay.py) fills the slot from replayed copy plans where a group has one:
 
 - :class:`HostSlotFiller` (host slots, tensors on the CPU): the loaders write the pinned host slot;
   a complete slot goes to the writer at once.
@@ -103,9 +104,18 @@ class SlotFiller:
         self.handover = handover
         self.slot: int | None = None  # the transfer slot held, if any
         self.target: Any = None  # where this slot's loaders write
+        # (rank, placed, tensors, target) -> regions: replayed copy plans or the loaders
+        # (sender/replay.py's SlotProducer); None: always the replica's loaders
+        self.producer: Callable[..., list] | None = None
 
     def open(self, device: Any) -> Any:
         raise NotImplementedError
+
+    def produce(self, rank: Any, placed: list, tensors: Mapping[str, Any]) -> list:
+        """Write one engine rank's placed (group, offset) pairs into the target; their regions."""
+        if self.producer is None:
+            return rank.replica.load_groups(placed, tensors, self.target)
+        return self.producer(rank, placed, tensors, self.target)
 
     def loaded(self, extent: int) -> None:
         """The loaders wrote bytes up to ``extent`` of the target."""
@@ -223,11 +233,14 @@ def slot_mode(buffer_device: str, inputs: Mapping[str, Any]) -> str:
 class FillerChoice:
     """Picks each slot's filler by :func:`slot_mode` from the inputs of its first group."""
 
-    def __init__(self, handover: SlotHandOver, staging_for: Callable[[Any], Any] | None = None):
+    def __init__(self, handover: SlotHandOver, staging_for: Callable[[Any], Any] | None = None,
+                 producer: Callable[..., list] | None = None):
         self._device = handover.buffers.device
         self._fillers: dict[str, SlotFiller] = {"host": HostSlotFiller(handover), "gpu": GpuSlotFiller(handover)}
         if staging_for is not None:
             self._fillers["staged"] = StagedHostSlotFiller(handover, staging_for)
+        for filler in self._fillers.values():
+            filler.producer = producer
 
     def __call__(self, inputs: Mapping[str, Any]) -> SlotFiller:
         return self._fillers[slot_mode(self._device, inputs)]

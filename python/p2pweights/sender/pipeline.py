@@ -85,7 +85,7 @@ class SlotPipeline:
             entry[1].append((load.group, offset))
             entry[2].update(load.tensors)
         target = self._filler.target
-        loaded = [(p, p.replica.load_groups(placed, tensors, target)) for p, placed, tensors in by_rank.values()]
+        loaded = [(p, self._filler.produce(p, placed, tensors)) for p, placed, tensors in by_rank.values()]
         extent = max(r.offset + r.nbytes for _, regions in loaded for r in regions)
         if self.digests is not None:  # queued after the loaders, before the slot goes to the writer
             for p, regions in loaded:

@@ -19,6 +19,10 @@ class UpdateTimes:
     control: float = 0.0  # engine control plane
     groups: int = 0  # parameter groups placed in slots
     slots: int = 0  # slots handed to the writer
+    replayed: int = 0  # groups produced by replaying a recorded copy plan (sender/replay.py)
+    loader_groups: int = 0  # groups produced by the replica's loaders
+    recorded: int = 0  # copy plans recorded (and their first replay checked) in this update
+    record_seconds: float = 0.0  # of ``loading``: recording plans and checking their first replay
 
 
 @dataclass
@@ -51,6 +55,10 @@ class UpdateReport:
     senders: int = 1  # senders of the trainer's group that wrote this update
     skipped: list[str] = field(default_factory=list)  # pushed names the engines load nothing from (tied)
     control: dict[str, float] = field(default_factory=dict)  # control verb -> seconds (this sender's calls)
+    replayed_groups: int = 0  # groups produced from recorded copy plans, without the loaders
+    loader_groups: int = 0  # groups produced by the loaders (first update, refused groups, plans off)
+    recorded_plans: int = 0  # copy plans recorded and verified in this update
+    plan_bytes: int = 0  # memory the recorded copy plans of this sender's replicas hold
 
     def engine(self, name: str) -> EngineRankReport:
         """The report of one engine rank by its target name (``engine/rankN``)."""
@@ -76,6 +84,9 @@ class UpdateReport:
             f"{self.groups} groups in {self.slots} slots; loading {self.loading_seconds:.3f} s, writing "
             f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s"
         ]
+        if self.replayed_groups or self.recorded_plans or self.plan_bytes:
+            lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "
+                         f"{self.recorded_plans} recorded; plans hold {format_size(self.plan_bytes)}")
         for e in self.engines:
             lines.append(f"  {e.engine} rank {e.rank}: {format_size(e.bytes)} {e.seconds:.3f} s {e.gbps:.2f} GB/s {e.state}"
                          + (f" ({e.error})" if e.error else ""))

@@ -1,0 +1,123 @@
+"""Producing a slot's bytes: replayed copy plans where a group has a verified one, else the loaders.
+
+The first time a replica's group is loaded, its loaders run (the loader path) and its copy plan is
+recorded (replica/copy_plan.py) and replayed once into scratch memory with the same inputs: only
+a plan whose bytes equal the loaders' byte for byte is kept. From then on the group is produced
+by replaying its plan, without calling a Python loader. A group whose loaders compute (a dtype
+change, arithmetic, a derived tensor) or whose first replay differed stays on the loader path
+for good (its reason is kept in :attr:`ReplicaPlans.refused`).
+
+Plans live with their replica, in this process: a new shard layout or a rebuilt replica starts
+with none, so a changed layout drops them. ``copy_plans="off"`` (``P2PW_COPY_PLANS``) keeps every
+group on the loader path.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Mapping, Sequence
+
+from ..replica.copy_plan import GroupPlan, NotACopy, differing_parameters, record_group_plan
+from ..replica.groups import ParameterGroup, SlotRegion
+from .report import UpdateTimes
+
+logger = logging.getLogger("p2pweights.sender")
+
+
+class ReplicaPlans:
+    """The copy plans of one replica: group index -> verified plan, or the reason it has none."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, GroupPlan] = {}
+        self.refused: dict[int, str] = {}  # group index -> why it stays on the loader path
+        self.lock = threading.Lock()
+
+    def known(self, index: int) -> bool:
+        return index in self.plans or index in self.refused
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.plans.values())
+
+
+_PLANS: "weakref.WeakKeyDictionary[Any, ReplicaPlans]" = weakref.WeakKeyDictionary()
+_PLANS_LOCK = threading.Lock()
+
+
+def plans_of(replica: Any) -> ReplicaPlans:
+    """The process's plans of one replica (created empty; dropped with the replica)."""
+    with _PLANS_LOCK:
+        plans = _PLANS.get(replica)
+        if plans is None:
+            plans = _PLANS[replica] = ReplicaPlans()
+        return plans
+
+
+class SlotProducer:
+    """Fills one engine rank's placed groups into a slot: replay or loaders (see the module)."""
+
+    def __init__(self, times: UpdateTimes, enabled: bool = True):
+        self.times = times  # counts: replayed, loader_groups, recorded, record_seconds
+        self.enabled = enabled
+
+    def __call__(self, rank: Any, placed: Sequence[tuple[ParameterGroup, int]], tensors: Mapping[str, Any],
+                 target: Any) -> list[SlotRegion]:
+        replica = rank.replica
+        if not self.enabled:
+            self.times.loader_groups += len(placed)
+            return replica.load_groups(placed, tensors, target)
+        plans = plans_of(replica)
+        replay: list[tuple[ParameterGroup, int, GroupPlan]] = []
+        load: list[tuple[ParameterGroup, int]] = []
+        for group, offset in placed:
+            plan = plans.plans.get(group.index)
+            if plan is not None and plan.accepts(tensors):
+                replay.append((group, offset, plan))
+            else:
+                if plan is not None:  # inputs changed shape or dtype (another transform): record again
+                    with plans.lock:
+                        plans.plans.pop(group.index, None)
+                load.append((group, offset))
+        by_group: dict[int, list[SlotRegion]] = {}
+        if load:
+            loaded = replica.load_groups(load, {n: tensors[n] for g, _ in load for n in g.hf_names}, target)
+            for group, offset in load:
+                by_group[group.index] = [r for r in loaded if offset <= r.offset < offset + group.nbytes]
+            self.times.loader_groups += len(load)
+            for group, offset in load:
+                if not plans.known(group.index):
+                    self._record(replica, plans, group, offset, tensors, target)
+        for group, offset, plan in replay:
+            by_group[group.index] = plan.replay(tensors, target, offset)
+        self.times.replayed += len(replay)
+        return [r for group, _ in placed for r in by_group[group.index]]
+
+    def _record(self, replica: Any, plans: ReplicaPlans, group: ParameterGroup, offset: int,
+                tensors: Mapping[str, Any], target: Any) -> None:
+        """Record the group's plan and check its first replay against what the loaders just wrote."""
+        t0 = time.perf_counter()
+        inputs = {n: tensors[n] for n in group.hf_names}
+        try:
+            plan = record_group_plan(replica, group, inputs, device=target.device)
+            differ = differing_parameters(plan, target, offset, inputs)
+            why = f"the first replay differs from the loaders in {', '.join(differ[:4])}" if differ else ""
+        except NotACopy as e:
+            plan, why = None, str(e)
+        except Exception as e:  # noqa: BLE001 - recording only saves time: the loaders' bytes stand
+            plan, why = None, f"recording failed ({type(e).__name__}: {e})"
+        with plans.lock:
+            if why:
+                plans.refused[group.index] = why
+                logger.info("group %d (%s) stays on the loader path: %s", group.index, group.params[0], why)
+            else:
+                plans.plans[group.index] = plan
+                self.times.recorded += 1
+        self.times.record_seconds += time.perf_counter() - t0
+
+
+def plan_memory(replicas: Sequence[Any]) -> int:
+    """Bytes the recorded plans of these replicas hold (each replica once)."""
+    seen: dict[int, Any] = {id(r): r for r in replicas}
+    return sum(plans_of(r).nbytes for r in seen.values())

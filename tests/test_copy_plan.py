@@ -1,0 +1,338 @@
+"""Recorded copy plans (replica/copy_plan.py, sender/replay.py): a group's second load replays its
+plan without the loaders and the bytes equal the loaders' byte for byte; a loader that computes
+keeps its group on the loader path; a new layout starts without plans; and a real engine updated
+three times gets replayed bytes from the second update on.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from p2pweights.control import SglangEngine
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.receiver import check_weights_equal, start_engine
+from p2pweights.replica import EngineLayout, ModelReplicas
+from p2pweights.replica.copy_plan import NotACopy, record_group_plan
+from p2pweights.sender import WeightSender
+from p2pweights.sender.replay import SlotProducer, plan_memory, plans_of
+from p2pweights.sender.report import UpdateTimes
+from replica_configs import write_config
+
+ALIGN = 256
+SHARED = "/work/shared/models"
+# every model of shared/models at tiny sizes: the architecture and its flags stay, the sizes shrink
+_SHRINK = {
+    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "head_dim": 16, "vocab_size": 250, "num_experts": 8, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2, "topk_group": 1,
+    "max_position_embeddings": 256,
+}
+
+
+def _shrunk(model: str, directory: str) -> str:
+    with open(os.path.join(SHARED, model, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update({k: v for k, v in _SHRINK.items() if k in cfg})
+    cfg["num_key_value_heads"] = 4 if "kv_lora_rank" in cfg else 2
+    path = os.path.join(directory, model)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+class _Rank:
+    """What the producer needs of a prepared engine rank."""
+
+    def __init__(self, replica):
+        self.replica = replica
+
+
+def _placed(replica):
+    placed, off = [], 0
+    for g in replica.groups:
+        placed.append((g, off))
+        off = -(-(off + g.nbytes) // ALIGN) * ALIGN
+    return placed, off
+
+
+def _inputs(replica, seed):
+    """This rank's HF inputs (other EP ranks' experts and skipped MTP layers left out)."""
+    wanted = {n for g in replica.groups for n in g.hf_names}
+    return {n: t for n, t in random_checkpoint(replica.hf_specs, seed) if n in wanted}
+
+
+def _loader_bytes(replica, tensors):
+    """{param: bytes} the replica's loaders make of ``tensors`` (the loader path, no plans)."""
+    placed, total = _placed(replica)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    regions = replica.load_groups(placed, tensors, buf)
+    return {r.param_name: buf[r.offset:r.offset + r.nbytes].clone() for r in regions}
+
+
+def _produce(producer, replica, tensors, stale=0xA5):
+    """One update's production of every group into a slot that holds stale bytes."""
+    placed, total = _placed(replica)
+    slot = torch.full((total,), stale, dtype=torch.uint8)
+    regions = producer(_Rank(replica), placed, tensors, slot)
+    return {r.param_name: slot[r.offset:r.offset + r.nbytes].clone() for r in regions}
+
+
+def _assert_equal(got, expected, where):
+    assert got.keys() == expected.keys()
+    wrong = [n for n in expected if not torch.equal(got[n], expected[n])]
+    assert not wrong, f"{where}: {len(wrong)} parameter(s) differ, e.g. {wrong[:3]}"
+
+
+def _loaders_only_for(replica, allowed, monkeypatch):
+    """Fail if the loaders run for a group outside ``allowed`` (group indices)."""
+    load_groups = replica.load_groups
+
+    def checked(placed, tensors, slot):
+        replayable = [g.index for g, _ in placed if g.index not in allowed]
+        assert not replayable, f"the loaders ran for groups {replayable}, which have a plan"
+        return load_groups(placed, tensors, slot)
+
+    monkeypatch.setattr(replica, "load_groups", checked)
+
+
+def _converting(replica):
+    """Groups with a parameter of a dtype none of its inputs has (GLM-4's float32 router gate
+    loaded from bf16): their loaders convert, so they must stay on the loader path."""
+    out = set()
+    for g in replica.groups:
+        inputs = {replica.hf_specs[n].dtype for n in g.hf_names}
+        if any(replica.param_specs[p].dtype not in inputs for p in g.params):
+            out.add(g.index)
+    return out
+
+
+CASES = [
+    ("qwen3", "tp=2"),  # dense, tied embeddings, KV heads fewer than TP... at tp=4 below
+    ("qwen2", "tp=4"),  # replicated KV heads, a vocab TP does not divide (padding rows)
+    ("qwen3_moe", "tp=2,ep=2"),
+    ("qwen3_moe", "tp=2"),  # experts sharded by TP: column shards of every expert's down_proj
+    ("deepseek_v3", "tp=4,ep=4,dp_attention=2"),  # MLA, shared experts, dp attention, an MTP layer skipped
+    ("deepseek_v3", "tp=2,enforce_shared_experts_fusion=true"),
+    ("glm4_moe", "tp=2"),  # a float32 router gate from a bf16 checkpoint: that group stays on the loaders
+    ("shared:qwen3-0.6b", "tp=2"),
+    ("shared:qwen3-4b", "tp=2"),
+    ("shared:qwen3-30b-a3b", "tp=2,ep=2"),
+    ("shared:deepseek-v3", "tp=2,ep=2,dp_attention=2"),
+]
+
+
+@pytest.mark.parametrize("model, layout", CASES)
+def test_a_replayed_group_equals_the_loaders_byte_for_byte(tmp_path, monkeypatch, model, layout):
+    """First update: loaders + recording (every group of these models is a pure copy); second
+    update with other values: every group replayed, no loader called, bytes equal the loaders'."""
+    cfg = _shrunk(model[7:], str(tmp_path)) if model.startswith("shared:") else write_config(model, str(tmp_path))
+    engine = EngineLayout.parse(layout)
+    replicas = ModelReplicas()
+    for rank in range(engine.world_size):
+        replica = replicas.get(cfg, engine, rank)
+        first = _inputs(replica, 1)
+        second = _inputs(replica, 2)
+        converting = _converting(replica)
+        times = UpdateTimes()
+        producer = SlotProducer(times)
+        _assert_equal(_produce(producer, replica, first), _loader_bytes(replica, first), f"{layout} rank {rank} v1")
+        groups = len(replica.groups)
+        assert (times.loader_groups, times.recorded, times.replayed) == (groups, groups - len(converting), 0)
+        assert set(plans_of(replica).refused) == converting
+        expected = _loader_bytes(replica, second)
+        with monkeypatch.context() as m:
+            _loaders_only_for(replica, converting, m)
+            got = _produce(producer, replica, second)
+        _assert_equal(got, expected, f"{layout} rank {rank} v2 (replayed)")
+        assert times.replayed == groups - len(converting)
+        assert plan_memory([replica]) > 0
+
+
+@pytest.mark.parametrize("compute, caught", [
+    (lambda w: w * 2, "no input element"),  # the ids decode out of range while recording
+    # a data-dependent permutation: the id-encoded inputs are already sorted, so the recorded plan
+    # is a plain copy; only the first replay's byte check against the loaders catches it
+    (lambda w: torch.sort(w).values, "first replay differs"),
+])
+def test_a_loader_that_computes_keeps_its_group_on_the_loader_path(tmp_path, compute, caught):
+    """A norm whose loader computes: its group stays on the loader path with the bytes right,
+    every other group is replayed."""
+    cfg = write_config("qwen3", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 0)
+    norm = replica.model.get_parameter("model.norm.weight")
+    norm.weight_loader = lambda param, w: param.data.copy_(compute(w))
+    doubled = replica.group_of("model.norm.weight").index
+    times = UpdateTimes()
+    producer = SlotProducer(times)
+    for seed in (1, 2, 3):
+        tensors = _inputs(replica, seed)
+        got = _produce(producer, replica, tensors)
+        expected = _loader_bytes(replica, tensors)
+        _assert_equal(got, expected, f"update {seed}")
+        assert torch.equal(got["model.norm.weight"].view(torch.bfloat16), compute(tensors["model.norm.weight"]))
+    plans = plans_of(replica)
+    assert set(plans.refused) == {doubled} and caught in plans.refused[doubled]
+    assert doubled not in plans.plans
+    assert times.loader_groups == len(replica.groups) + 2  # every group once, the doubled one every time
+    assert times.replayed == 2 * (len(replica.groups) - 1)
+
+
+def test_a_dtype_converting_engine_replays_nothing_and_its_bytes_stay_right(tmp_path):
+    """An engine in float32 fed a bf16 checkpoint: every loader converts, every group is refused
+    while recording (elements of another size), and the loaders keep producing the bytes."""
+    cfg = write_config("qwen3", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2,dtype=float32"), 1)
+    tensors = _inputs(replica, 4)
+    with pytest.raises(NotACopy, match="another size|no input element"):
+        g = replica.groups[0]
+        record_group_plan(replica, g, {n: tensors[n] for n in g.hf_names})
+    times = UpdateTimes()
+    producer = SlotProducer(times)
+    for _ in range(2):
+        _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), "float32 engine")
+    assert times.replayed == 0 and times.recorded == 0
+    assert len(plans_of(replica).refused) == len(replica.groups)
+
+
+def test_zero_padding_is_replayed_as_a_fill_not_left_stale(tmp_path):
+    """qwen2's vocab (250) padded to a TP4 multiple: the padding rows are zeros in the loader path;
+    a replay into a slot full of stale bytes zeroes them too."""
+    cfg = write_config("qwen2", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=4"), 3)
+    producer = SlotProducer(UpdateTimes())
+    tensors = _inputs(replica, 5)
+    _produce(producer, replica, tensors)
+    plan = plans_of(replica).plans[replica.group_of("model.embed_tokens.weight").index]
+    assert any(op[0] < 0 for op in plan.ops), "the padding rows are a zero fill"
+    got = _produce(producer, replica, tensors, stale=0xFF)
+    _assert_equal(got, _loader_bytes(replica, tensors), "padded embedding")
+
+
+def test_a_new_layout_or_replica_starts_without_plans_and_other_inputs_record_again(tmp_path):
+    cfg = write_config("qwen3", str(tmp_path))
+    replicas = ModelReplicas()
+    tp2 = replicas.get(cfg, EngineLayout.parse("tp=2"), 0)
+    times = UpdateTimes()
+    producer = SlotProducer(times)
+    tensors = _inputs(tp2, 1)
+    _produce(producer, tp2, tensors)
+    assert len(plans_of(tp2).plans) == len(tp2.groups)
+    tp4 = replicas.get(cfg, EngineLayout.parse("tp=4"), 0)
+    assert not plans_of(tp4).plans  # another shard layout: its own plans, none yet
+    _produce(producer, tp4, tensors)
+    assert times.replayed == 0 and times.recorded == len(tp2.groups) + len(tp4.groups)
+    replicas.clear()  # the replica is rebuilt: its plans went with the old one
+    rebuilt = replicas.get(cfg, EngineLayout.parse("tp=2"), 0)
+    assert rebuilt is not tp2 and not plans_of(rebuilt).plans
+    # a transform that hands a group inputs of another dtype: the plan is dropped, the loaders run
+    group = tp2.group_of("model.norm.weight")
+    plan = plans_of(tp2).plans[group.index]
+    assert plan.accepts(tensors) and not plan.accepts({**tensors, "model.norm.weight": tensors[
+        "model.norm.weight"].float()})
+
+
+def test_copy_plans_off_always_runs_the_loaders(tmp_path):
+    cfg = write_config("qwen3", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 0)
+    times = UpdateTimes()
+    producer = SlotProducer(times, enabled=False)
+    tensors = _inputs(replica, 1)
+    for _ in range(2):
+        _produce(producer, replica, tensors)
+    assert times.replayed == 0 and times.recorded == 0 and times.loader_groups == 2 * len(replica.groups)
+    assert not plans_of(replica).plans
+
+
+@pytest.mark.parametrize("transport, model, layout", [("mooncake", "qwen3_moe", "tp=2,ep=2"),
+                                                      ("nixl", "qwen3", "tp=2")])
+def test_a_real_engine_gets_replayed_bytes_from_the_second_update_on(tmp_path, transport, model, layout):
+    """WeightSender -> real receiver processes: update 1 loads and records, updates 2 and 3 replay
+    every group; each time the engine's own check finds its weights equal sglang's load."""
+    cfg = write_config(model, str(tmp_path))
+    engine = start_engine(cfg, layout, transport=transport, name=f"replay-{transport}")
+    try:
+        specs = checkpoint_tensors(cfg)
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20, replicas=ModelReplicas()) as sender:
+            sender.connect([SglangEngine(engine.url, name=engine.name)])
+            groups = sum(len(p.replica.groups) for p in sender.prepared)
+            for step in (1, 2, 3):
+                with sender.update(f"v{step}") as u:
+                    for name, t in random_checkpoint(specs, step):
+                        u.push(name, t)
+                r = u.report
+                if step == 1:
+                    assert (r.loader_groups, r.recorded_plans, r.replayed_groups) == (groups, groups, 0)
+                else:
+                    assert (r.loader_groups, r.recorded_plans, r.replayed_groups) == (0, 0, groups)
+                assert r.plan_bytes > 0 and "copy plans:" in str(r)
+                result = check_weights_equal(engine.url, hf_seed=step)
+                assert result["success"], result["message"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["host", "gpu", "staged"])
+def test_each_slot_filler_delivers_replayed_bytes_after_its_device_work(tmp_path, mode):
+    """The three fillers with a producer (stand-in CUDA events on the CPU, as in
+    test_sender_pipeline): update 1 loads and records, update 2 replays every group into slots
+    that still hold update 1's bytes; the engine's bytes equal the loaders' of update 2's inputs
+    and no slot reaches the writer before its device work."""
+    from p2pweights import _native
+    from p2pweights.sender.buffers import TransferBuffers, slot_size
+    from p2pweights.sender.fillers import GpuSlotFiller, HostSlotFiller, SlotHandOver, StagedHostSlotFiller
+    from p2pweights.sender.pipeline import SlotPipeline
+    from p2pweights.sender.prepared import EngineTarget, PreparedRank
+    from p2pweights.sender.stager import GroupStager
+    from p2pweights.sender.transforms import GroupLoad
+    from p2pweights.transport import params_table
+    from p2pweights.transport.publication import EnginePublication
+    from test_sender_pipeline import _CheckedWriter, _Event, _FakeStaging, _param_memory
+
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                       vocab_size=4096)
+    layout = EngineLayout.parse("tp=2")
+    replica = ModelReplicas().get(cfg, layout, 1)
+    buffers = TransferBuffers(slot_size(1 << 20, replica.largest_group_nbytes), 2, pin="none")
+    transport = _native.LoopbackTransport()
+    transport.register_memory(buffers.address, buffers.total_bytes)
+    writer = _CheckedWriter(transport, buffers, transfer_timeout=10)
+    _, views = _param_memory(replica.param_specs)
+    pub = EnginePublication.from_json(["loopback", params_table(views.items())])
+    try:
+        transport.connect(0, "loopback")
+        writer.add_engine(0, "fake/rank1", pub.regions)
+        target = EngineTarget(SglangEngine("http://fake:1", name="fake"), 1, 0, pub)
+        stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs)
+        rank = PreparedRank(layout.key, 1, replica, stager, [target])
+        staging = _FakeStaging(buffers.slot_bytes)
+        for step in (1, 2):
+            times = UpdateTimes()
+            handover = SlotHandOver(writer, times)
+            if mode == "host":
+                filler = HostSlotFiller(handover)
+            elif mode == "gpu":
+                events = []
+                filler = GpuSlotFiller(handover, record_event=lambda device: events.append(_Event()) or events[-1])
+                writer.ready = lambda slot: events.pop(0).done
+            else:
+                filler = StagedHostSlotFiller(handover, lambda device: staging)
+                writer.ready = lambda slot: all(e.host != buffers.slot_address(slot) for e in staging.stream.queued)
+            filler.producer = SlotProducer(times)
+            pipeline = SlotPipeline(handover, lambda inputs: filler, times)
+            tensors = _inputs(replica, step)
+            for g in replica.groups:
+                pipeline.place(GroupLoad(rank, g, {n: tensors[n] for n in g.hf_names}))
+            pipeline.drain()
+            assert writer.finish().ok and times.slots > 2
+            _assert_equal({n: views[n] for n in replica.param_specs}, _loader_bytes(replica, tensors), f"{mode} v{step}")
+            assert times.replayed == (0 if step == 1 else len(replica.groups))
+            assert times.loader_groups == (len(replica.groups) if step == 1 else 0)
+    finally:
+        writer.close()
+        transport.close()
+        buffers.close()
