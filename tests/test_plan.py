@@ -151,7 +151,12 @@ def test_json_has_the_keys_the_issue_names(capsys):
     assert code == 0
     doc = json.loads(out)
     assert set(doc["cost"]) == {"bytes_per_engine_rank_max", "bytes_per_sender_max", "p2p_seconds",
-                                "broadcast_seconds", "floor_seconds", "bottleneck"}
+                                "broadcast_seconds", "floor_seconds", "bottleneck",
+                                "bytes_prepared_per_sender_max", "bytes_gathered_per_sender_max",
+                                "production_seconds", "gather_seconds", "seconds_by_stage"}
+    assert set(doc["links"]) == {"nic_gbps", "host_device_gbps", "slots", "production", "production_gbps",
+                                 "production_measured", "gather_gbps"}
+    assert doc["cost"]["seconds_by_stage"][doc["cost"]["bottleneck"]] == doc["cost"]["p2p_seconds"]
     assert all(set(s) == {"sender", "pp_stage", "engine_rank", "engines"} for s in doc["senders"])
     assert len(doc["senders"]) == 4 * 32  # 4 stages x 32 engine ranks, each prepared once per stage
     assert doc["cost"]["p2p_seconds"] >= doc["cost"]["floor_seconds"] > 0
@@ -191,6 +196,14 @@ def test_text_output_names_the_bottleneck(capsys):
          "--engine: tp=8 but engine 0 has 4 GPUs"),
         (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8,cp=2", "--engines", "1x4"], "--trainer: cannot read 'cp=2'"),
         (["--model", "/nonexistent", "--trainer", "gpus=8", "--engines", "1x4"], "--model: no config.json"),
+        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "tp=2,fsdp=3,gpus=8", "--engines", "1x4"],
+         "--trainer: fsdp=3 does not divide the 4 data-parallel ranks"),
+        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--production-gbps", "0"],
+         "--production-gbps: 0 GB/s; bandwidths and rates must be positive"),
+        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--gather-gbps", "-1"],
+         "--gather-gbps: -1 GB/s"),
+        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--nic-gbps", "0"],
+         "--nic-gbps: 0 GB/s"),
     ],
 )
 def test_bad_requests_fail_with_an_error_naming_the_flag(capsys, argv, message):

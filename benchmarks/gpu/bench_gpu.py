@@ -10,8 +10,12 @@ Sections (each isolated: a failure is recorded and the next one runs):
               slots) and Mooncake (host slots, GPU slots); every byte checked
   update      full WeightSender updates into a VRAM receiver (Qwen3-4B shapes, TP2 engine on the same
               GPU, GPU slots, NIXL); last step checked byte for byte against sglang's loader
+  update_fp8  FP8 engines (deepseek-v3-fp8-tiny; kimi-k2-fp8 cut to 2 layers x 32 experts): BF16 GPU
+              tensors quantized on send, every step checked byte for byte
   profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
   update_profile  the update section with its last step under cProfile (top functions by own time)
+  connect     benchmarks/profile_connect.py: each phase of a cold, warm, new-sender and disk-cache
+              connect (Qwen3-4B TP2 VRAM receiver, NIXL, GPU slots), imports timed apart
 Prints one table per section and writes all rows as JSON.
 """
 from __future__ import annotations
@@ -265,21 +269,22 @@ def section_tests() -> list[dict]:
 
 
 def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, buffer_device: str = "cuda",
-                   profile: bool = False) -> list[dict]:
+                   profile: bool = False, check_every: bool = False) -> list[dict]:
     import torch
 
     from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
-    from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor
+    from p2pweights.models.checkpoint import random_tensor, trainer_tensors
     from p2pweights.receiver import check_weights_equal, start_engine
     from p2pweights.sender import WeightSender
 
-    cfg = resolve_model(model)
+    cfg = model if isinstance(model, dict) else resolve_model(model)
+    model = model.get("_name", "config") if isinstance(model, dict) else model
     rows = []
     engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
                           env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
     try:
-        specs = checkpoint_tensors(cfg)
+        specs = trainer_tensors(cfg)  # what a trainer holds: BF16 (an FP8 engine's are quantized on send)
         sender = WeightSender(cfg, transport="nixl", buffer_device=buffer_device)
         t0 = time.perf_counter()
         sender.connect([SglangEngine(engine.url, name="vram-engine")])
@@ -300,13 +305,15 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
                 prof.disable()
             r = u.report
             equal = None
-            if step == steps:
+            if step == steps or check_every:
                 equal = bool(check_weights_equal(engine.url, hf_seed=step)["success"])
             rows.append({"model": model, "engine": spec, "slots": buffer_device, "step": step, "bytes": r.bytes,
                          "seconds": r.seconds, "data_s": r.data_seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
                          "waiting_s": r.waiting_seconds, "staging_s": r.staging_seconds, "control_s": r.control_seconds,
                          "n_slots": r.slots, "connect_s": connect_s,
+                         "replayed_groups": getattr(r, "replayed_groups", None),
+                         "loader_groups": getattr(r, "loader_groups", None),
                          "equal": equal})
             del tensors
         sender.close()
@@ -317,10 +324,43 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
     return rows
 
 
+def fp8_config(layers: int = 2, experts: int = 32) -> str:
+    """kimi-k2-fp8 cut to ``layers`` decoder layers (one dense) of ``experts`` routed experts, no MTP:
+    the real hidden/expert/vocab sizes and FP8 128x128 blocks, small enough to build and check."""
+    from p2pweights.models import load_config
+
+    cfg = load_config("kimi-k2-fp8")
+    cfg.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=0)
+    folder = f"/tmp/p2pw-kimi-k2-fp8-{layers}l-{experts}e"
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def section_update_fp8() -> list[dict]:
+    """FP8 engines: BF16 GPU tensors quantized on send (sender's GPU), GPU slots, NIXL, into a VRAM
+    receiver; every step checked byte for byte. The tiny built-in, then Kimi-K2-sized layers."""
+    rows = section_update("deepseek-v3-fp8-tiny", "tp=2,ep=2", steps=2, check_every=True)
+    return rows + section_update(fp8_config(), "tp=2,ep=2", steps=2, check_every=True)
+
+
+def section_connect(model: str = "qwen3-4b", spec: str = "tp=2") -> list[dict]:
+    """benchmarks/profile_connect.py in this (fresh) process: the phases of a cold and warm connects
+    to a VRAM receiver over NIXL, GPU slots; torch and sglang imports timed apart."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    import profile_connect
+
+    result = profile_connect.profile(model, spec, "nixl", "cuda:0", "cuda")
+    print(profile_connect.table(result), file=sys.stderr)
+    return profile_connect.rows(result)
+
+
 SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
             "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
             "update_profile": lambda: section_update(profile=True),
-            "tests": section_tests, "profile": section_profile}
+            "update_fp8": section_update_fp8,
+            "tests": section_tests, "profile": section_profile, "connect": section_connect}
 
 
 def main() -> int:

@@ -138,6 +138,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_BUFFER_DEVICE", _str, "cpu", "where slots live: `cpu` (pinned host) or `cuda[:N]`", _device),
     Setting("P2PW_PIN", _str, "auto", "host slot pinning: `auto` (CUDA host registration, else mlock), `cuda`, "
             "`mlock`, `none`", _one_of("auto", "cuda", "mlock", "none")),
+    Setting("P2PW_COPY_PLANS", _str, "on", "`on`: from a group's second load on, replay its recorded copy plan "
+            "instead of sglang's loaders (verified byte for byte at recording); `off`: always the loaders",
+            _one_of("on", "off")),
     Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
             default_text="(search)"),
     # transports
@@ -145,6 +148,8 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             also=("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND",)),
     Setting("P2PW_NIXL_PROGRESS_DELAY_US", int, 1000, "NIXL agent progress-thread sleep (NIXL's default 0 spins a "
             "core)", _non_negative),
+    Setting("P2PW_NIXL_API", _str, "auto", "sender's NIXL data path: `auto` (NIXL's C API without the GIL when the "
+            "wheel ships it, else Python), `native`, `python`", _one_of("auto", "native", "python")),
     Setting("P2PW_MOONCAKE_PROTOCOL", _str, None, "Mooncake protocol (`MOONCAKE_PROTOCOL` honoured)",
             also=("MOONCAKE_PROTOCOL",), default_text="`rdma` if an RDMA device exists, else `tcp`"),
     Setting("P2PW_MOONCAKE_DEVICE", _str, None, "Mooncake RDMA device list (`MOONCAKE_DEVICE` honoured)",
@@ -250,6 +255,7 @@ class Settings:
     session_lease: float
     check_finite: str
     verify: str
+    copy_plans: str
 
     def transport_options(self) -> dict[str, Any]:
         """Keyword arguments for the chosen transport's backend (only those that are set)."""

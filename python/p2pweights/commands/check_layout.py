@@ -8,8 +8,12 @@ that does not decide a rank's bytes is refused (the replica would ignore it).
 
 For every engine rank (or one): random HF tensors for the config go through the replica path
 (probe, parameter groups, a slot) and through sglang's own load_weights into a fully
-materialized model of that rank; every parameter is compared byte for byte. Exit code 0 only
-when all are equal. Memory: one rank's parameters plus one slot; inputs are made per tensor.
+materialized model of that rank; every parameter is compared byte for byte. For an FP8
+block-quantized config both read the same FP8 checkpoint (seeded BF16, quantized with the
+sender's formula); ``dtypes`` counts the parameters compared per dtype. An engine running a
+draft (``speculative_algorithm=NEXTN``) is checked per role: ``--json`` has ``"roles": {"target":
+{...}, "draft": {...}}`` (docs/replica.md, "Roles"). Exit code 0 only when every role of every rank
+is equal. Memory: one rank's parameters plus one slot; inputs are made per tensor.
 """
 from __future__ import annotations
 
@@ -31,16 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import P2PWeightsError
-    from ..models import resolve_model
+    from ..models import load_config, resolve_model
+    from ..models.quant import quant_scheme
     from ..replica.layout import EngineLayout
+    from ..replica.roles import roles_of
 
     try:
         model = resolve_model(args.model)
+        quant_scheme(load_config(model))  # a quantization p2pweights cannot write: refused up front
     except P2PWeightsError as e:
         print(f"p2pweights check-layout: error: --model: {e}", file=sys.stderr)
         return 2
     try:
         engine = EngineLayout.parse(args.engine, command="check-layout")
+        roles = roles_of(model, engine)  # a draft model the replica cannot build: refused with the reason
     except P2PWeightsError as e:
         print(f"p2pweights check-layout: error: {e}", file=sys.stderr)
         return 2
@@ -49,15 +57,16 @@ def run(args: argparse.Namespace) -> int:
               f"({engine.world_size} ranks)", file=sys.stderr)
         return 2
 
-    from ..replica.check import check_rank
+    from ..replica.check import merged_dtypes
     from ..replica.replica import ModelReplicas
+    from ..replica.role_check import check_rank_roles, role_mismatches, roles_json
 
     ranks = range(engine.world_size) if args.rank is None else [args.rank]
     replicas = ModelReplicas(cache_dir="")
-    results = []
+    results, checks = [], []  # every role's RankCheck; per rank {role: RankCheck}
     for rank in ranks:
         try:
-            result = check_rank(model, engine, rank, seed=args.seed, replicas=replicas)
+            per_role = check_rank_roles(model, engine, rank, seed=args.seed, replicas=replicas)
         except P2PWeightsError as e:
             if args.json:
                 print(json.dumps({"equal": False, "params_checked": sum(r.params_checked for r in results),
@@ -66,22 +75,30 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"rank {rank}: cannot build a replica: {e}", file=sys.stderr)
             return 1
-        results.append(result)
-        if not args.json:
+        checks.append(per_role)
+        for role, result in per_role.items():
+            results.append(result)
+            if args.json:
+                continue
             verdict = "equal" if result.equal else f"{len(result.mismatches)} MISMATCHES"
-            print(f"rank {rank}: {result.params_checked} params, {result.bytes_checked / 1e6:.3f} MB, "
+            dtypes = ", ".join(f"{n} {d}" for d, n in sorted(result.dtypes.items()))
+            who = f"rank {rank}" + (f" {role}" if len(roles) > 1 else "")
+            print(f"{who}: {result.params_checked} params ({dtypes}), {result.bytes_checked / 1e6:.3f} MB, "
                   f"{result.groups} groups (largest {result.largest_group_bytes / 1e6:.3f} MB): {verdict} "
                   f"[{result.seconds:.1f} s]")
             for m in result.mismatches:
                 print(f"  {m}")
-    equal = all(r.equal for r in results)
+    equal = all(r.equal for r in results)  # every role of every rank
     if args.json:
         print(json.dumps({
             "equal": equal,
             "params_checked": sum(r.params_checked for r in results),
-            "ranks": [r.to_json() for r in results],
-            "mismatches": [f"rank {r.rank}: {m}" for r in results for m in r.mismatches],
+            "dtypes": merged_dtypes(results),
+            "ranks": [c["target"].to_json() for c in checks],
+            "mismatches": [m for c in checks for role, r in c.items() for m in role_mismatches(role, r)],
+            "roles": roles_json(checks),  # {"target": {equal, params_checked, ranks}, "draft": {...}}
         }))
     else:
-        print(f"{engine.describe()}: {'OK, byte-exact' if equal else 'FAILED'} over {len(results)} rank(s)")
+        print(f"{engine.describe()}: {'OK, byte-exact' if equal else 'FAILED'} over {len(checks)} rank(s)"
+              + (f" x {len(roles)} roles ({', '.join(roles)})" if len(roles) > 1 else ""))
     return 0 if equal else 1

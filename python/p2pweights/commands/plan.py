@@ -12,7 +12,7 @@ from ..errors import P2PWeightsError
 from ..models import UnknownModel, load_config
 from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
 from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
-from ..planner.cost import HOST_DEVICE_GBPS, NIC_GBPS, Cost, Links, predict
+from ..planner.cost import GATHER_GBPS, HOST_DEVICE_GBPS, NIC_GBPS, PRODUCTION_GBPS, Cost, Links, predict
 from ..replica.layout import EngineLayout, parse_layout_spec
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
@@ -25,8 +25,9 @@ _PLAN_READS = ("its cost model reads only tp, ep (a number or tp), dp (attention
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="MODEL",
                         help="a built-in model name (qwen3-0.6b, ...), an HF config.json, or the folder holding it")
-    parser.add_argument("--trainer", required=True, metavar="tp=T,pp=P,ep=E,gpus=G",
-                        help="trainer parallelism; gpus is required, tp/pp/ep default to 1")
+    parser.add_argument("--trainer", required=True, metavar="tp=T,pp=P,ep=E,fsdp=F,gpus=G",
+                        help="trainer parallelism; gpus is required, tp/pp/ep/fsdp default to 1 (fsdp: "
+                             "parameters further sharded over that many data-parallel ranks)")
     parser.add_argument("--engines", required=True, metavar="NxG[,NxG...]",
                         help="engines as COUNTxGPUS items, e.g. 2x32 or 3x4,1x2")
     parser.add_argument("--engine", default="", metavar="tp=T,ep=E,dp=D,...",
@@ -38,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-gathered", action="store_true",
                         help="the trainer gathers PP too: every trainer rank is a sender of the whole model")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES),
-                        help="dtype of the weights sent and held by the engines (default bf16)")
+                        help="dtype of the unquantized weights sent and held by the engines (default bf16); "
+                             "an FP8 block-quantized config's linear weights count 1 byte per element plus "
+                             "a float32 scale per block whatever this says")
     parser.add_argument("--nic-gbps", type=float, default=NIC_GBPS,
                         help=f"NIC bandwidth per GPU in GB/s, both sides (default {NIC_GBPS:g})")
     parser.add_argument("--host-device-gbps", type=float, default=HOST_DEVICE_GBPS,
@@ -46,6 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", choices=("host", "gpu"), default="host",
                         help="where transfer-buffer slots live: host (bytes bounce through pinned host "
                              "memory, the default) or gpu (GPUDirect RDMA)")
+    parser.add_argument("--production", choices=tuple(PRODUCTION_GBPS), default="loader",
+                        help="how a sender fills slots: loader (sglang's loaders from Python; default "
+                             f"{PRODUCTION_GBPS['loader']:g} GB/s, measured on an H200) or replay (recorded copy "
+                             f"plans; default {PRODUCTION_GBPS['replay']:g} GB/s, a target, not measured)")
+    parser.add_argument("--production-gbps", type=float, default=None,
+                        help="a sender's slot production rate in GB/s, overriding --production's default")
+    parser.add_argument("--gather-gbps", type=float, default=GATHER_GBPS,
+                        help="the trainer's gather bandwidth in GB/s: each sender gathers its stage's full "
+                             "tensors from its TP/EP/FSDP shards (default "
+                             f"{GATHER_GBPS:g}, NVLink inside a node: assumed, not measured)")
     parser.add_argument("--json", action="store_true", help="print the plan and cost as JSON")
 
 
@@ -54,17 +67,16 @@ def run(args: argparse.Namespace) -> int:
         shape = model_shape(read_model(args.model))
         trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
         engines = parse_engines(args.engines, args.engine, shape)
-        if args.nic_gbps <= 0 or args.host_device_gbps <= 0:
-            raise PlanError("--nic-gbps / --host-device-gbps: bandwidths must be positive")
-        plan = make_plan(trainer, engines, shape, balanced=args.balanced)
         links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
-                      host_slots=args.slots == "host")
+                      host_slots=args.slots == "host", production=args.production,
+                      production_gbps=args.production_gbps, gather_gbps=args.gather_gbps)
+        plan = make_plan(trainer, engines, shape, balanced=args.balanced)
         cost = predict(plan, shape, links, args.dtype)
     except PlanError as e:
         print(f"p2pweights plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(args, shape, plan, cost)))
+        print(json.dumps(plan_json(args, shape, plan, cost, links)))
     else:
         print(render(shape, plan, cost, links, args.dtype))
     return 0
@@ -96,13 +108,13 @@ def _int(value: str, flag: str, key: str) -> int:
 
 
 def parse_trainer(text: str, *, pp_gathered: bool = False) -> TrainerLayout:
-    """``tp=4,pp=4,ep=16,gpus=64`` -> TrainerLayout."""
-    kv = _key_values(text, "--trainer", ("tp", "pp", "ep", "gpus"))
+    """``tp=4,pp=4,ep=16,fsdp=2,gpus=64`` -> TrainerLayout."""
+    kv = _key_values(text, "--trainer", ("tp", "pp", "ep", "fsdp", "gpus"))
     if "gpus" not in kv:
         raise PlanError("--trainer: gpus is required, e.g. --trainer tp=4,pp=4,gpus=64")
     n = {k: _int(v, "--trainer", k) for k, v in kv.items()}
     return TrainerLayout(gpus=n["gpus"], tp=n.get("tp", 1), pp=n.get("pp", 1), ep=n.get("ep", 1),
-                         pp_gathered=pp_gathered)
+                         fsdp=n.get("fsdp", 1), pp_gathered=pp_gathered)
 
 
 def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = None) -> list[Engine]:
@@ -134,11 +146,12 @@ def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = Non
     return [Engine(gpus=gpus, layout=layouts[gpus]) for gpus in sizes]
 
 
-def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost) -> dict:
+def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost, links: Links) -> dict:
     t = plan.trainer
     return {
-        "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype},
-        "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "pp_gathered": t.pp_gathered},
+        "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype,
+                  "quantization": shape.fp8.describe() if shape.fp8 is not None else None},
+        "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "fsdp": t.fsdp, "pp_gathered": t.pp_gathered},
         "engines": [{"engine": i, "gpus": e.gpus, "layout": layout_label(e.layout, shape)}
                     for i, e in enumerate(plan.engines)],
         "summary": {
@@ -150,8 +163,17 @@ def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cos
             "max_engines_per_sender": plan.max_engines_per_sender,
         },
         "senders": plan.senders_json(),
+        "links": links.as_json(),
         "cost": cost.as_json(),
     }
+
+
+def weights_label(shape: ModelShape, dtype: str) -> str:
+    """``bf16``, or ``fp8 128x128 blocks + float32 scales (rest bf16)`` for an FP8 config."""
+    if shape.fp8 is None:
+        return dtype
+    bo, bi = shape.fp8.block
+    return f"fp8 {bo}x{bi} blocks + float32 scales (rest {dtype})"
 
 
 def _gb(n: int) -> str:
@@ -162,8 +184,8 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
     t = plan.trainer
     layouts = sorted({layout_label(e.layout, shape) for e in plan.engines})
     lines = [
-        f"model      {shape.architecture}, {shape.layers} layers, {dtype}",
-        f"trainer    {t.gpus} GPUs tp={t.tp} pp={t.pp} ep={t.ep}"
+        f"model      {shape.architecture}, {shape.layers} layers, {weights_label(shape, dtype)}",
+        f"trainer    {t.gpus} GPUs tp={t.tp} pp={t.pp} ep={t.ep}" + (f" fsdp={t.fsdp}" if t.fsdp > 1 else "")
         + (" (PP gathered)" if t.pp_gathered else ""),
         f"engines    {len(plan.engines)} engines, {plan.engine_ranks} engine ranks; layouts: {'; '.join(layouts)}",
         f"senders    {t.senders_per_stage} per PP stage x {t.stages} stage(s); "
@@ -172,11 +194,15 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
         f"{plan.max_engines_per_sender} engine-rank write(s) per stage",
         f"links      NIC {links.nic_gbps:g} GB/s per GPU, host<->device {links.host_device_gbps:g} GB/s, "
         f"slots in {'host' if links.host_slots else 'GPU'} memory",
+        f"sender     production {links.production} {links.production_rate:g} GB/s"
+        + ("" if links.production_measured else " (target, not measured)")
+        + f", trainer gather {links.gather_gbps:g} GB/s",
         "",
         f"{'quantity':<40} {'value':>14}",
         f"{'bytes per engine rank (max)':<40} {_gb(cost.bytes_per_engine_rank_max):>14}",
         f"{'bytes prepared per sender (max)':<40} {_gb(cost.bytes_prepared_per_sender_max):>14}",
         f"{'bytes written per sender (max)':<40} {_gb(cost.bytes_per_sender_max):>14}",
+        f"{'bytes gathered per sender (max)':<40} {_gb(cost.bytes_gathered_per_sender_max):>14}",
         f"{'full model (broadcast per GPU)':<40} {_gb(cost.full_model_bytes):>14}",
     ]
     for link, seconds in cost.seconds_by_link:

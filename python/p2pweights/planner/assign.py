@@ -32,14 +32,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """The trainer's parallelism: GPUs in all, TP, PP, EP, and whether it gathers PP as well
-    (then every rank holds the whole model and there is one stage of senders)."""
+    """The trainer's parallelism: GPUs in all, TP, PP, EP, FSDP (parameters further sharded over
+    that many data-parallel ranks, ZeRO-3 style; only the cost model's gather reads it), and whether
+    it gathers PP as well (then every rank holds the whole model and there is one stage of senders)."""
 
     gpus: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
     pp_gathered: bool = False
+    fsdp: int = 1
 
     @property
     def stages(self) -> int:
@@ -233,12 +235,17 @@ def _check_trainer(trainer: TrainerLayout, shape: ModelShape | None) -> None:
     t = trainer
     if t.gpus < 1:
         raise PlanError(f"--trainer: gpus={t.gpus}; the trainer needs at least one GPU")
-    for name, value in (("tp", t.tp), ("pp", t.pp), ("ep", t.ep)):
+    for name, value in (("tp", t.tp), ("pp", t.pp), ("ep", t.ep), ("fsdp", t.fsdp)):
         if value < 1:
             raise PlanError(f"--trainer: {name}={value} must be at least 1")
     if t.gpus % (t.tp * t.pp):
         raise PlanError(
             f"--trainer: gpus={t.gpus} is not a multiple of tp*pp={t.tp * t.pp}; make gpus = tp*pp*dp"
+        )
+    if (t.gpus // (t.tp * t.pp)) % t.fsdp:
+        raise PlanError(
+            f"--trainer: fsdp={t.fsdp} does not divide the {t.gpus // (t.tp * t.pp)} data-parallel ranks "
+            "(gpus / (tp*pp)); pick a divisor"
         )
     if (t.gpus // t.pp) % t.ep:
         raise PlanError(

@@ -1,14 +1,30 @@
 """Predicted seconds of one weight update: P2P writes versus the NCCL broadcast baseline.
 
-The model is deliberately first-order: every link runs at its bandwidth, the double-buffered
-sender overlaps filling a slot with writing the other one (so its time is the slower of the two,
-not their sum), and fixed costs (HTTP control plane, engine post-processing, loader compute) are
-left out. Its job is to name the link that limits an update and how far it is from the wire floor.
+The model is deliberately first-order: every link and every sender stage runs at its rate, fixed
+costs (HTTP control plane, engine post-processing, the first slot's latency) are left out. Its job
+is to name what limits an update and how far it is from the wire floor.
 
-P2P: all PP stages write at once. A sender's NIC carries every byte it writes (each engine rank it
-prepares, times the engines it writes it to); with host slots its host<->device link also carries
-each prepared byte once (device-to-host into the slot; the NIC then reads host memory). An engine
-GPU's NIC receives exactly the bytes that rank holds, from one sender per stage.
+P2P: all PP stages write at once. Each sender runs a pipeline of stages over the same bytes:
+
+- *trainer gather*: before a sender can push its stage's full HF tensors it gathers them from the
+  trainer's TP/EP/FSDP shards: every byte of the stage it does not hold itself, at the gather
+  bandwidth (every sender of a stage gathers the whole stage: they are data replicas);
+- *sender production*: the replica's sglang loaders (or, from the second update on, the replayed
+  copy plans) fill slots from those tensors: each byte of every engine rank it prepares, once, at
+  the production rate -- into the slot itself (GPU slots) or into the GPU staging buffer that
+  feeds host slots;
+- *sender host<->device copy* (host slots only): the staging buffer's device-to-host copy into the
+  pinned slot, each prepared byte once (the NIC then reads host memory);
+- *sender NIC*: every byte it writes (each engine rank it prepares, times the engines it writes to).
+
+An engine GPU's NIC receives exactly the bytes its rank holds, from one sender per stage.
+
+Overlap: the sender's double-buffered pipeline overlaps every stage with the others -- the trainer
+pushes tensors as it gathers them, one slot fills (staging copies out on a side stream) while the
+other is written -- so an update takes as long as its slowest stage, not their sum:
+``p2p_seconds = max(stage seconds)``. A trainer that gathers everything before its first push pays
+the gather in series instead (add ``gather_seconds``). The staged host-slot path measured on the
+H200 (0.986 x pinned D2H with loaders at several hundred GB/s) is this max.
 
 Broadcast baseline: one sender per PP stage broadcasts the stage's full (unsharded HF) tensors to
 every engine GPU, stages one after the other; a pipelined broadcast runs at the NIC bandwidth
@@ -16,28 +32,68 @@ whatever the number of receivers, so it takes full model bytes / NIC bandwidth.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Hashable
 
-from ..models.shapes import ModelShape, RankBytes, engine_rank_bytes, full_model_bytes
-from .assign import Plan
+from ..models.shapes import ModelShape, PlanError, RankBytes, engine_rank_bytes, full_model_bytes
+from .assign import Plan, TrainerLayout
 
 NIC_GBPS = 50.0  # GB/s per GPU: a 400 Gb/s NIC
 HOST_DEVICE_GBPS = 55.0  # GB/s: pinned host<->device copies measured on an H200 host
+# GB/s one sender's slot production reaches from GPU tensors, per way of filling slots. loader:
+# sglang's loaders called from Python, measured on the H200 for a Qwen3-4B TP2 rank into GPU slots
+# (366 GB/s; 215-459 between calls: Python-bound). replay: recorded copy plans replayed as batched
+# copies -- issue 17's target, NOT measured yet.
+PRODUCTION_GBPS = {"loader": 366.0, "replay": 1000.0}
+PRODUCTION_MEASURED = {"loader": True, "replay": False}
+# GB/s of the trainer's gather (all-gather bus bandwidth over NVLink inside one 8-GPU node): an
+# assumption, not measured here (one GPU); set --gather-gbps to the NIC's when the gather crosses nodes.
+GATHER_GBPS = 360.0
 GB = 1e9
 
 ENGINE_NIC = "engine NIC"
 SENDER_NIC = "sender NIC"
 SENDER_HOST_COPY = "sender host<->device copy"
+SENDER_PRODUCTION = "sender production"
+TRAINER_GATHER = "trainer gather"
 
 
 @dataclass(frozen=True)
 class Links:
-    """Link bandwidths in GB/s (1e9 bytes per second) and where the transfer-buffer slots live."""
+    """Link bandwidths and sender rates in GB/s (1e9 bytes per second), and where the
+    transfer-buffer slots live."""
 
     nic_gbps: float = NIC_GBPS
     host_device_gbps: float = HOST_DEVICE_GBPS
     host_slots: bool = True  # slots in pinned host memory: each prepared byte crosses device->host once
+    production: str = "loader"  # how slots are filled: "loader" (sglang's loaders) or "replay" (copy plans)
+    production_gbps: float | None = None  # None: PRODUCTION_GBPS[production]
+    gather_gbps: float = GATHER_GBPS
+
+    def __post_init__(self) -> None:
+        if self.production not in PRODUCTION_GBPS:
+            raise PlanError(f"--production: {self.production!r} is not one of {', '.join(PRODUCTION_GBPS)}")
+        for flag, v in (("--nic-gbps", self.nic_gbps), ("--host-device-gbps", self.host_device_gbps),
+                        ("--production-gbps", self.production_rate), ("--gather-gbps", self.gather_gbps)):
+            if not v > 0:
+                raise PlanError(f"{flag}: {v:g} GB/s; bandwidths and rates must be positive")
+
+    @property
+    def production_rate(self) -> float:
+        """GB/s of slot production: the given rate, else the default of the production mode."""
+        return PRODUCTION_GBPS[self.production] if self.production_gbps is None else self.production_gbps
+
+    @property
+    def production_measured(self) -> bool:
+        """False while the rate is a default that was never measured (replay's target)."""
+        return self.production_gbps is not None or PRODUCTION_MEASURED[self.production]
+
+    def as_json(self) -> dict:
+        return {"nic_gbps": self.nic_gbps, "host_device_gbps": self.host_device_gbps,
+                "slots": "host" if self.host_slots else "gpu", "production": self.production,
+                "production_gbps": self.production_rate, "production_measured": self.production_measured,
+                "gather_gbps": self.gather_gbps}
 
 
 @dataclass(frozen=True)
@@ -50,8 +106,11 @@ class Cost:
     broadcast_seconds: float
     floor_seconds: float  # largest bytes per engine GPU / NIC bandwidth: no plan beats it
     bottleneck: str
+    bytes_prepared_per_sender_max: int = 0  # bytes one sender's loaders (or replay) fill, once each
+    bytes_gathered_per_sender_max: int = 0  # bytes one sender gathers from the trainer's other shards
+    production_seconds: float = 0.0
+    gather_seconds: float = 0.0
     # not part of the JSON `cost` object, shown in the table
-    bytes_prepared_per_sender_max: int = 0
     full_model_bytes: int = 0
     seconds_by_link: tuple[tuple[str, float], ...] = ()
 
@@ -59,13 +118,17 @@ class Cost:
         keys = (
             "bytes_per_engine_rank_max",
             "bytes_per_sender_max",
+            "bytes_prepared_per_sender_max",
+            "bytes_gathered_per_sender_max",
             "p2p_seconds",
+            "production_seconds",
+            "gather_seconds",
             "broadcast_seconds",
             "floor_seconds",
             "bottleneck",
         )
         d = asdict(self)
-        return {k: d[k] for k in keys}
+        return {**{k: d[k] for k in keys}, "seconds_by_stage": dict(self.seconds_by_link)}
 
 
 def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = "bf16") -> Cost:
@@ -76,7 +139,8 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
             rank_bytes[engine.layout] = engine_rank_bytes(shape, engine.layout, dtype)
 
     stages = plan.trainer.stages
-    wire_max = prepared_max = 0
+    gather = TrainerShards(shape, plan.trainer, dtype)
+    wire_max = prepared_max = gathered_max = 0
     for stage, (start, end) in enumerate(plan.stage_bounds):
         first, last = stage == 0, stage == stages - 1
         stage_bytes = {
@@ -90,12 +154,16 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
             wire[entry.sender] = wire.get(entry.sender, 0) + n * len(entry.engines)
         wire_max = max(wire_max, max(wire.values()))
         prepared_max = max(prepared_max, max(prepared.values()))
+        gathered_max = max(gathered_max, gather.gathered(start, end, first=first, last=last))
 
     engine_rank_max = max(rb.total for rb in rank_bytes.values())
     nic = links.nic_gbps * GB
+    production_s = prepared_max / (links.production_rate * GB)
+    gather_s = gathered_max / (links.gather_gbps * GB)
     by_link = [(ENGINE_NIC, engine_rank_max / nic), (SENDER_NIC, wire_max / nic)]
     if links.host_slots:
         by_link.append((SENDER_HOST_COPY, prepared_max / (links.host_device_gbps * GB)))
+    by_link += [(SENDER_PRODUCTION, production_s), (TRAINER_GATHER, gather_s)]
     bottleneck, p2p = max(by_link, key=lambda kv: kv[1])  # first listed wins a tie
     full = full_model_bytes(shape, dtype).total
     return Cost(
@@ -106,6 +174,38 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
         floor_seconds=engine_rank_max / nic,
         bottleneck=bottleneck,
         bytes_prepared_per_sender_max=prepared_max,
+        bytes_gathered_per_sender_max=gathered_max,
+        production_seconds=production_s,
+        gather_seconds=gather_s,
         full_model_bytes=full,
         seconds_by_link=tuple(by_link),
     )
+
+
+class TrainerShards:
+    """How many bytes of a PP stage's full HF tensors one trainer rank lacks and must gather.
+
+    A rank holds 1/(tp x fsdp) of every dense tensor (attention, dense MLPs, shared experts,
+    embedding, LM head, norms: first order, replicated norms counted as sharded) and
+    1/min(ep x fsdp, ranks per stage) of the routed experts (EP splits the experts, FSDP the rest of
+    the data-parallel ranks); with ``pp_gathered`` the whole model is gathered, so also 1/pp."""
+
+    def __init__(self, shape: ModelShape, trainer: TrainerLayout, dtype: str):
+        full = full_model_bytes(shape, dtype)
+        self.full = full
+        if shape.experts and shape.moe_intermediate:
+            no_shared = full_model_bytes(dataclasses.replace(shape, shared_experts=0), dtype)
+            no_experts = full_model_bytes(dataclasses.replace(shape, shared_experts=0, moe_intermediate=0), dtype)
+            self.routed = tuple(a - b for a, b in zip(no_shared.layers, no_experts.layers))
+        else:
+            self.routed = (0,) * len(full.layers)
+        t = trainer
+        pp = t.pp if t.pp_gathered else 1
+        self.dense_shards = t.tp * t.fsdp * pp
+        self.expert_shards = min(t.ep * t.fsdp, t.gpus // t.pp) * pp
+
+    def gathered(self, start: int, end: int, *, first: bool, last: bool) -> int:
+        """Bytes of the stage holding layers [start, end) that one of its ranks gathers."""
+        routed = sum(self.routed[start:end])
+        dense = self.full.of_layers(start, end, first=first, last=last) - routed
+        return dense - dense // self.dense_shards + routed - routed // self.expert_shards

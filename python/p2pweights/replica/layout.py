@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Container, Mapping
 
 from ..errors import LayoutSpecError, UnsupportedLayout
+from .refusals import SPECULATIVE_KEYS, check_parallelism, check_speculative
 
 # Server args that decide a rank's parameter bytes, with sglang 0.5.23's defaults. The replica is
 # built from these and nothing else, so what is not listed here cannot leak into its bytes.
@@ -49,6 +50,8 @@ LAYOUT_ARGS: dict[str, Any] = {
     "enforce_shared_experts_fusion": False,
     "json_model_override_args": "{}",
     "enable_w4a4_mxfp4_megamoe": False,
+    # a draft model (NEXTN / EAGLE): a second role with weights of its own on every rank (roles.py)
+    "speculative_algorithm": None,
 }
 
 # Server args a replica cannot reproduce: (arg, value that is fine, why). Anything else rejects.
@@ -63,8 +66,6 @@ _REJECTED_UNLESS: tuple[tuple[str, Any, str], ...] = (
     ("kt_weight_path", None, "KTransformers keeps experts in CPU memory outside the engine's parameters"),
     ("cpu_offload_gb", 0, "offloaded parameters are not in the engine's published memory"),
     ("enable_paged_experts", False, "paged experts are not resident parameters"),
-    ("quantization", None, "quantized layouts post-process on the GPU; not reproduced yet"),
-    ("enable_multi_layer_eagle", False, "multi-layer EAGLE drafts are not supported"),
 )
 
 # CLI spellings of server args. ``dp`` is sglang's ``--dp N --enable-dp-attention`` (attention DP),
@@ -84,7 +85,7 @@ _FUSED = "fused_shared_experts"
 
 #: server args the replica (check-layout, demo, the receiver) honours: the byte-deciding ones, the
 #: ones it checks and rejects, and the deprecated DP-attention spelling it normalizes
-REPLICA_KEYS = frozenset(LAYOUT_ARGS) | {name for name, _, _ in _REJECTED_UNLESS} | {
+REPLICA_KEYS = frozenset(LAYOUT_ARGS) | SPECULATIVE_KEYS | {name for name, _, _ in _REJECTED_UNLESS} | {
     "max_ep_size", "enable_dp_attention", "dp_size"}
 
 
@@ -243,16 +244,19 @@ class EngineLayout:
                 continue
             if value != fine:
                 raise UnsupportedLayout(f"engine flag {name}={value!r} is not supported: {why}")
+        quantization = merged.get("quantization")
+        if quantization not in (None, "", "null", "none", "None", "fp8"):
+            # "fp8" must match an FP8 block-quantized checkpoint: checked with the config, at build
+            # (replica/fp8_engine.py); other methods post-process in ways not reproduced
+            raise UnsupportedLayout(f"engine flag quantization={quantization!r} is not supported: only FP8 "
+                                    "block-quantized checkpoints (quantization fp8 or none) are reproduced")
         max_ep = merged.get("max_ep_size")
         if max_ep not in (None, 0) and int(max_ep) != int(merged["tp_size"]) * int(merged.get("pp_size", 1)):
             raise UnsupportedLayout(
                 f"engine flag max_ep_size={max_ep!r} is not supported: elastic EP scale-up changes the expert layout"
             )
-        if int(merged.get("pp_size", 1)) != 1:
-            raise UnsupportedLayout("engine flag pp_size>1 is not supported yet: replicas are built per TP rank")
-        for name in ("attn_cp_size", "dcp_size", "moe_dp_size"):
-            if int(merged.get(name, 1)) != 1:
-                raise UnsupportedLayout(f"engine flag {name}={merged[name]} is not supported yet")
+        check_parallelism(merged)  # pp, moe_dp, attn_cp, dcp: refusals.py says what sglang does and why
+        check_speculative(merged)  # an engine running a draft is never treated as target-only
         tp = int(merged["tp_size"])
         if tp < 1:
             raise LayoutSpecError(f"tp={tp}; an engine needs at least one GPU")

@@ -22,6 +22,7 @@ from ..models import load_config, resolve_model
 from ..models.checkpoint import TensorSpec, checkpoint_tensors
 from ..settings import value
 from . import sglang_env
+from .draft_model import build_role_model
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
 from .layout import EngineLayout
 from .probe import LoaderMapping, probe_loaders
@@ -29,12 +30,12 @@ from .probe import LoaderMapping, probe_loaders
 if TYPE_CHECKING:
     import torch
 
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3  # 3: LoaderMapping.derived (FP8 k_scale/v_scale)
 
 
 @dataclass(frozen=True)
 class ReplicaKey:
-    """Model config hash + shard layout + engine rank (+ role, for drafts later)."""
+    """Model config hash + shard layout + engine rank + role ("target", or "draft": replica/roles.py)."""
 
     config_hash: str
     layout: EngineLayout
@@ -42,16 +43,28 @@ class ReplicaKey:
     role: str = "target"
 
     def digest(self) -> str:
-        import sglang
-
         from .. import __version__
 
         text = json.dumps(
-            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, sglang.__version__, __version__],
+            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, _sglang_version(), __version__],
             sort_keys=True,
             default=str,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _sglang_version() -> str:
+    """sglang's version without importing sglang: its package ``__init__`` (transformers patches, the
+    frontend API) took seconds of every disk-cache hit, which otherwise needs no sglang until a
+    group is first loaded. The carried GPU bundles keep each package's METADATA."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        import sglang
+
+        return sglang.__version__
 
 
 def config_hash(config: Any) -> str:
@@ -68,6 +81,7 @@ class ModelReplica:
         self.rank = rank
         self.mapping = mapping
         self.key = key
+        self.role = key.role if key is not None else "target"  # "draft": the engine's MTP draft model
         self._model = model
         self._model_lock = threading.Lock()
         self._sites: dict[str, list[tuple[Any, str]]] | None = None
@@ -86,7 +100,7 @@ class ModelReplica:
         """The meta model; built on first use when the mapping came from the disk cache."""
         with self._model_lock:
             if self._model is None:
-                self._model = sglang_env.build_model(self.config_dir, self.engine, self.rank)
+                self._model = build_role_model(self.config_dir, self.engine, self.rank, self.role)
                 built = {n: TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
                          for n, p in self._model.named_parameters()}
                 if built != self.mapping.param_specs:
@@ -354,12 +368,13 @@ class ModelReplicas:
         self.builds = 0  # replicas built and probed in this process
         self.disk_hits = 0
         self.last_timings: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # the last_timings of every build (and disk_s), summed
 
     def __len__(self) -> int:
         return len(self._replicas)
 
     def get(self, config: Any, engine: EngineLayout, rank: int,
-            hf_specs: Mapping[str, TensorSpec] | None = None) -> ModelReplica:
+            hf_specs: Mapping[str, TensorSpec] | None = None, role: str = "target") -> ModelReplica:
         """The replica of engine rank ``rank`` of an engine with layout ``engine`` (built once).
 
         ``hf_specs`` defaults to the config's published checkpoint (``checkpoint_tensors``).
@@ -368,7 +383,7 @@ class ModelReplicas:
         if isinstance(config, (str, os.PathLike)):
             config = resolve_model(config)
         engine.check_supported()
-        key = ReplicaKey(config_hash(config), engine, rank)
+        key = ReplicaKey(config_hash(config), engine, rank, role)  # role: replica/roles.py
         with self._lock:
             replica = self._replicas.get(key)
             if replica is not None:
@@ -376,6 +391,7 @@ class ModelReplicas:
             replica = self._load_from_disk(config, engine, rank, key)
             if replica is None:
                 replica = self._build(config, engine, rank, key, hf_specs)
+            replica.plan_cache_dir = self.cache_dir  # its copy plans are kept there too (replica/plan_store.py)
             self._replicas[key] = replica
             return replica
 
@@ -385,13 +401,18 @@ class ModelReplicas:
 
     def _build(self, config: Any, engine: EngineLayout, rank: int, key: ReplicaKey,
                hf_specs: Mapping[str, TensorSpec] | None) -> ModelReplica:
+        t_import = time.perf_counter()
+        sglang_env.prepare()  # once per process; timed apart from the model build
         t0 = time.perf_counter()
-        model = sglang_env.build_model(config, engine, rank)
+        model = build_role_model(config, engine, rank, key.role)
         t1 = time.perf_counter()
         mapping = probe_loaders(model, hf_specs if hf_specs is not None else checkpoint_tensors(config))
         t2 = time.perf_counter()
         replica = ModelReplica(config, engine, rank, mapping, model=model, key=key)
-        self.last_timings = {"build_s": t1 - t0, "probe_s": t2 - t1, "groups_s": time.perf_counter() - t2}
+        self.last_timings = {"sglang_import_s": t0 - t_import, "build_s": t1 - t0, "probe_s": t2 - t1,
+                             "groups_s": time.perf_counter() - t2}
+        for k, v in self.last_timings.items():
+            self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.builds += 1
         self._save_to_disk(key, mapping)
         return replica
@@ -405,13 +426,16 @@ class ModelReplicas:
         path = self._cache_path(key)
         if not path or not os.path.exists(path):
             return None
+        t0 = time.perf_counter()
         try:
             with open(path) as f:
                 mapping = LoaderMapping.from_json(json.load(f))
         except (OSError, ValueError, KeyError):
             return None  # a damaged cache entry is rebuilt, never trusted
         self.disk_hits += 1
-        return ModelReplica(config, engine, rank, mapping, key=key)
+        replica = ModelReplica(config, engine, rank, mapping, key=key)
+        self.seconds["disk_s"] = self.seconds.get("disk_s", 0.0) + time.perf_counter() - t0
+        return replica
 
     def _save_to_disk(self, key: ReplicaKey, mapping: LoaderMapping) -> None:
         path = self._cache_path(key)

@@ -31,11 +31,14 @@ from ..planner.assign import assign_engine_ranks
 from ..settings import Settings, settings
 from ..transport.publication import EnginePublication, check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
+from .connect_report import ConnectPhases
+from .early_slots import EarlySlots
 from .gpu_staging import GpuStaging
 from .group import SenderGroup
 from .inputs import TrainerInputs
 from .metrics import metrics_for
 from .prepared import EngineTarget, PreparedRank
+from .quantize import with_quantize_on_send
 from .report import Progress
 from .stager import GroupStager
 from .transforms import GroupTransform
@@ -57,7 +60,8 @@ class WeightSender:
     replicas: the ModelReplicas to take replicas from (default: the process-wide one, so every
     sender of the process shares one replica per shard layout).
     transforms: GroupTransforms run, in order, on every complete parameter group before its
-    loaders (default none: the loaders get the pushed tensors).
+    loaders (default none: the loaders get the pushed tensors; an FP8 block-quantized config
+    adds quantize-on-send last, sender/quantize.py).
     metrics: a prometheus_client registry (True: the default one) for update seconds, bytes and
     failures per engine (sender/metrics.py); without prometheus_client, nothing.
     Other keywords override P2PW_ settings (see p2pweights.settings), transport options included.
@@ -86,11 +90,14 @@ class WeightSender:
         self.pp_stage, self.pp_size = pp_stage, pp_size
         self.settings: Settings = settings(**overrides)
         self.replicas = replicas if replicas is not None else model_replicas()
-        self.transforms: tuple[GroupTransform, ...] = tuple(transforms)
+        # an FP8 block-quantized config: quantize on send (quantize.py), after the given transforms
+        self.transforms: tuple[GroupTransform, ...] = with_quantize_on_send(transforms, self.config)
         self._transport = None
         self._buffers: TransferBuffers | None = None
         self._writer: PipelinedWriter | None = None
         self._staging: GpuStaging | None = None  # for host slots fed from GPU tensors (made on first use)
+        self.connect_phases = ConnectPhases()  # seconds per phase and counts of the last connect
+        self._early: EarlySlots | None = None  # a cold connect's agent and slots, made while replicas build
         self._ranks: list[PreparedRank] = []
         self._engines: list[SglangEngine] = []
         self._next_writer_id = 0
@@ -127,29 +134,45 @@ class WeightSender:
         attaching detaches what it attached and leaves the sender disconnected. Both re-raise."""
         if self._closed:
             raise P2PWeightsError("WeightSender is closed")
+        from ..replica.identity import engine_identity
         from ..replica.layout import EngineLayout
 
+        phases = self.connect_phases = ConnectPhases(self.replicas)
+        if self._transport is None and self._early is None:  # cold: agent (GPU slots) beside the replicas
+            self._early = EarlySlots(self._make_transport, slot_size(self.settings.buffer_size), self.settings.num_slots,
+                                     pin=self.settings.pin, device=self.settings.buffer_device)
         clients = [self._client(e) for e in engines]
         infos = [c.server_info() for c in clients]
+        phases.lap("http server_info")
         layouts = [EngineLayout.from_server_info(info) for info in infos]
+        # same build, same architecture (replica/identity.py): refused before any replica is built
+        identities = [engine_identity(c.name, info, self.config, gpu_arch=getattr(c, "gpu_arch", None))
+                      for c, info in zip(clients, infos)]
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
         mine = [p for p in plan if p.sender == self.sender_index]
+        phases.lap("identity + plan")
         progress = Progress("connect: engine ranks prepared (replica + loader probe)", len(mine))
         ranks = []
         for i, entry in enumerate(mine):
             ranks.append(self._prepare(layouts[entry.engines[0]], entry.engine_rank))
             progress.step(i + 1)
         progress.done()
+        phases.lap("replicas")
         publications: list[tuple[PreparedRank, SglangEngine, EnginePublication]] = []
         for p, entry in zip(ranks, mine):
             for e in entry.engines:
                 client = clients[e]
                 pub = EnginePublication.from_json(client.transfer_engine_info(entry.engine_rank))
+                phases.lap("publication fetch")
+                identities[e].check_rank(entry.engine_rank, pub.device_arch, pub.sglang_version)
                 self._check_publication(p, client, pub)
                 publications.append((p, client, pub))
+                phases.lap("publication checks")
         info_of = {c.name: info for c, info in zip(clients, infos)}  # each rank's session is its own, none shared
         check_sessions([session_claim(client, pub, info_of[client.name]) for _, client, pub in publications])
+        phases.lap("publication checks")
         self._disconnect_all()
+        phases.lap("detach")
         attached: list[EngineTarget] = []
         try:
             self._ensure_buffers(max((max((g.nbytes for g in p.replica.groups), default=0) for p in ranks), default=0))
@@ -157,18 +180,26 @@ class WeightSender:
                 target = EngineTarget(client, p.rank, self._next_writer_id, pub)
                 self._next_writer_id += 1
                 transports.attach_engine(self._transport, self._writer, target.writer_id, target.name, pub)
+                phases.count("peer connects")
                 attached.append(target)
                 p.targets.append(target)
+            phases.lap("peer connect")
             for transform in self.transforms:
                 transform.connect(ranks)
+            phases.lap("transforms")
         except BaseException:
             self._detach(attached)
             raise
         self._ranks = ranks
         self._engines = clients
+        phases.done()
 
     def _prepare(self, layout: Any, rank: int) -> PreparedRank:
-        replica = self.replicas.get(self.model, layout, rank)
+        from ..replica.roles import rank_replica
+
+        # an engine running a draft: its target and draft roles joined (replica/roles.py), so every
+        # weight each role's loader loads goes to that role's published regions ("draft." names)
+        replica = rank_replica(self.replicas, self.model, layout, rank)
         expected = stage_hf_names(replica.hf_specs, int(self.config["num_hidden_layers"]), self.pp_stage, self.pp_size)
         stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs, expected,
                              where=f"{layout.describe()} rank {rank}")
@@ -185,6 +216,13 @@ class WeightSender:
 
     def _ensure_buffers(self, largest_group: int) -> None:
         need = slot_size(self.settings.buffer_size, largest_group)
+        if self._early is not None:  # made while the replicas built (early_slots.py)
+            early, self._early = self._early, None
+            self._transport, self._buffers = early.take()
+            if self._buffers is not None:
+                self._writer = PipelinedWriter(self._transport, self._buffers,
+                                               transfer_timeout=self.settings.transfer_timeout)
+            self.connect_phases.overlapped(early.seconds)
         if self._buffers is not None and self._buffers.slot_bytes >= need:
             return
         if self._buffers is not None:
@@ -192,13 +230,21 @@ class WeightSender:
             self._writer.close()
             self._transport.deregister_memory(self._buffers.address)
             self._buffers.close()
+        phases = self.connect_phases
         if self._transport is None:
-            self._transport = transports.make_sender_transport(self.settings.transport,
-                                                               **self.settings.transport_options())
+            self._transport = self._make_transport()
+            phases.count("agents created")
+        phases.lap("transport agent")
         self._buffers = TransferBuffers(need, self.settings.num_slots, pin=self.settings.pin,
                                         device=self.settings.buffer_device)
+        phases.lap("buffer allocation + pinning")
         self._transport.register_memory(self._buffers.address, self._buffers.total_bytes, self._buffers.location)
+        phases.count("registrations")
+        phases.lap("registration")
         self._writer = PipelinedWriter(self._transport, self._buffers, transfer_timeout=self.settings.transfer_timeout)
+
+    def _make_transport(self) -> Any:
+        return transports.make_sender_transport(self.settings.transport, **self.settings.transport_options())
 
     def _staging_for(self, device: Any) -> GpuStaging:
         if self._staging is None or not self._staging.fits(self._buffers.slot_bytes, device):
@@ -268,7 +314,7 @@ class WeightSender:
                               inputs=inputs, pause_mode=pause_mode, on_failure=on_failure,
                               previous_version=self.last_version, force=force, metrics=self._metrics,
                               on_success=self._updated, verify=verify, owner=self.owner,
-                              lease=self.settings.session_lease)
+                              lease=self.settings.session_lease, copy_plans=self.settings.copy_plans == "on")
         return self._update
 
     def _updated(self, update: Update) -> None:
@@ -285,6 +331,9 @@ class WeightSender:
         if self._closed:
             return
         self._closed = True
+        if self._early is not None:
+            self._early.discard()
+            self._early = None
         self._disconnect_all()
         if self._writer is not None:
             self._writer.close()
