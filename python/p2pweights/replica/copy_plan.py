@@ -21,8 +21,11 @@ Compression: per parameter, runs of consecutive ids become contiguous copies; ru
 length with constant strides in source and destination merge into strided blocks (a column
 shard of a row-parallel weight is one 2-D copy); blocks merge again into up to 4-D copies.
 
-A plan is applied by :meth:`GroupPlan.replay`: one ``as_strided`` view per side and op, copied
-as a batch (``torch._foreach_copy_``) where the devices agree.
+A plan is applied by :meth:`GroupPlan.replay`: its ops compiled once into byte copies of the
+widest element (8, 4, 2 bytes) dividing their runs, strides and offsets (:func:`widen_ops`), then
+one ``as_strided`` view per side, large dense copies one ``copy_`` each, the rest batched
+(``torch._foreach_copy_``) where the devices agree (:func:`run_wide_ops`). Plans on disk:
+plan_store.py.
 """
 from __future__ import annotations
 
@@ -76,6 +79,7 @@ class GroupPlan:
     regions: tuple[SlotRegion, ...]  # the group's parameters, offsets from the group's start
     itemsizes: tuple[int, ...]  # element size of each region
     ops: list[Op] = field(default_factory=list)
+    _wide: list["WideOp"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -93,38 +97,178 @@ class GroupPlan:
                 return False
         return True
 
+    @property
+    def wide_ops(self) -> list["WideOp"]:
+        """The ops as byte copies of the widest integer elements they allow (compiled once)."""
+        if self._wide is None:
+            self._wide = widen_ops(self.ops, self.regions, self.itemsizes)
+        return self._wide
+
+    def check_bounds(self, input_nbytes: Sequence[int]) -> None:
+        """Raise ValueError unless every op stays inside its region and its input (a plan read from
+        disk is untrusted: an op reaching past its region could write another parameter's bytes)."""
+        if len(input_nbytes) != len(self.inputs) or len(self.itemsizes) != len(self.regions):
+            raise ValueError("plan inputs or regions do not match its group")
+        for inp, reg, d_off, s_off, sizes, d_str, s_str in self.ops:
+            if not (-1 <= inp < len(self.inputs) and 0 <= reg < len(self.regions)) or not sizes:
+                raise ValueError("op names no input or region of its group")
+            if len(sizes) != len(d_str) or len(sizes) != len(s_str) or min(sizes) < 1:
+                raise ValueError("op has a malformed shape")
+            size = self.itemsizes[reg]
+            for off, strides, limit in ((d_off, d_str, self.regions[reg].nbytes // size),
+                                        (s_off, s_str, input_nbytes[inp] // size if inp >= 0 else 1)):
+                if inp < 0 and strides is s_str:
+                    continue
+                if off < 0 or min(strides) < 0 or off + sum((n - 1) * st for n, st in zip(sizes, strides)) >= limit:
+                    raise ValueError("op reaches outside its region or input")
+
     def replay(self, tensors: Mapping[str, "torch.Tensor"], slot: "torch.Tensor", offset: int) -> list[SlotRegion]:
         """Write the group's bytes into ``slot`` from ``offset`` (as ``materialize_group`` would)."""
-        import torch
-
         if offset % SLOT_ALIGNMENT or slot.numel() < offset + self.regions[-1].offset + self.regions[-1].nbytes:
             raise LayoutMismatch(f"group {self.group_index} does not fit in a slot of {slot.numel()} bytes at {offset}")
-        dst = [slot[offset + r.offset:offset + r.offset + r.nbytes].view(_int_dtype(s))
-               for r, s in zip(self.regions, self.itemsizes)]
-        src = []
-        for name in self.inputs:
-            t = tensors[name]
-            flat = t.reshape(-1)
-            src.append(flat.view(_int_dtype(flat.element_size())))
-        copies_dst, copies_src, zeros = [], [], []
-        for inp, reg, d_off, s_off, sizes, d_str, s_str in self.ops:
-            d = dst[reg]
-            view = d.as_strided(sizes, d_str, d.storage_offset() + d_off)
-            if inp < 0:
-                zeros.append(view)
-            else:
-                s = src[inp]
-                copies_dst.append(view)
-                copies_src.append(s.as_strided(sizes, s_str, s.storage_offset() + s_off))
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if copies_dst:
-            if all(s.device == slot.device for s in src):
-                torch._foreach_copy_(copies_dst, copies_src)
-            else:  # inputs on another device than the slot: one copy each (H2D / D2H)
-                for d, s in zip(copies_dst, copies_src):
-                    d.copy_(s, non_blocking=True)
+        run_wide_ops(self.wide_ops, [tensors[n] for n in self.inputs], slot,
+                     slot.storage_offset() * slot.element_size() + offset)
         return [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in self.regions]
+
+
+# -- replay: byte copies of the widest elements -----------------------------------------------------
+# one wide op: (input index or -1 for a zero fill, element width in bytes, dst byte offset from the
+# group's start, src byte offset from the input's start, sizes, dst strides, src strides); sizes and
+# strides in elements of that width. Copies of uint8 elements are not vectorised (one byte per
+# thread on a GPU, strided ones byte by byte on a host): the widest element that divides every
+# run, stride and offset moves the same bytes with 2-8x fewer, wider loads.
+WideOp = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+_WIDTHS = (8, 4, 2, 1)
+MEMCPY_BYTES = 1 << 20  # a dense copy this large gets a copy of its own (memcpy), not a batch slot
+
+
+def _collapse(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dimensions and fold a dimension into the next inner one where every side is
+    contiguous across them (a row-contiguous 2-D copy becomes 1-D)."""
+    keep = [i for i, n in enumerate(sizes) if n != 1] or [len(sizes) - 1]
+    sizes = [sizes[i] for i in keep]
+    strides = [[st[i] for i in keep] for st in strides]
+    i = len(sizes) - 2
+    while i >= 0:
+        if all(st[i] == sizes[i + 1] * st[i + 1] for st in strides):
+            sizes[i + 1] *= sizes[i]
+            del sizes[i]
+            for st in strides:
+                del st[i]
+        i -= 1
+    return sizes, strides
+
+
+def _to_bytes(op: Op, regions: Sequence[SlotRegion], itemsizes: Sequence[int]) -> WideOp:
+    inp, reg, d_off, s_off, sizes, d_str, s_str = op
+    size = itemsizes[reg]
+    strides = [[x * size for x in d_str] + [1]] + ([[x * size for x in s_str] + [1]] if inp >= 0 else [])
+    shape, strides = _collapse(list(sizes) + [size], strides)
+    s_strides = strides[1] if inp >= 0 else [0] * len(shape)
+    return (inp, 1, regions[reg].offset + d_off * size, s_off * size if inp >= 0 else 0,
+            tuple(shape), tuple(strides[0]), tuple(s_strides))
+
+
+def _widest(op: WideOp) -> WideOp:
+    inp, _, d_off, s_off, sizes, d_str, s_str = op
+    values = [sizes[-1], d_off, *d_str[:-1]] + ([s_off, *s_str[:-1]] if inp >= 0 else [])
+    contiguous = d_str[-1] == 1 and (inp < 0 or s_str[-1] == 1)
+    for w in _WIDTHS:
+        if w == 1 or (contiguous and all(v % w == 0 for v in values)):
+            break
+    sizes = sizes[:-1] + (sizes[-1] // w,)
+    d_str = tuple(x // w for x in d_str[:-1]) + (d_str[-1],)
+    s_str = tuple(x // w for x in s_str[:-1]) + (s_str[-1],) if inp >= 0 else s_str
+    return (inp, w, d_off, s_off, sizes, d_str, s_str)
+
+
+def widen_ops(ops: Sequence[Op], regions: Sequence[SlotRegion], itemsizes: Sequence[int]) -> list[WideOp]:
+    """Ops as byte copies: contiguous dimensions folded, ops that continue each other (same input,
+    both sides adjacent) joined, then each of the widest element dividing its runs and offsets."""
+    out: list[WideOp] = []
+    for op in ops:
+        b = _to_bytes(op, regions, itemsizes)
+        if out and len(b[4]) == 1 and len(out[-1][4]) == 1 and b[5] == (1,) and out[-1][5] == (1,):
+            p = out[-1]
+            if p[0] == b[0] and p[2] + p[4][0] == b[2] and (b[0] < 0 or (p[6] == b[6] == (1,) and p[3] + p[4][0] == b[3])):
+                out[-1] = (p[0], 1, p[2], p[3], (p[4][0] + b[4][0],), p[5], p[6])
+                continue
+        out.append(b)
+    return [_widest(op) for op in out]
+
+
+def _narrowed(op: WideOp, w: int) -> WideOp:
+    """The same bytes in elements of width ``w`` (which divides the op's)."""
+    inp, width, d_off, s_off, sizes, d_str, s_str = op
+    f = width // w
+    sizes = sizes + (f,)
+    d_str = tuple(x * f for x in d_str) + (1,)
+    s_str = tuple(x * f for x in s_str) + (1,) if inp >= 0 else s_str + (0,)
+    shape, strides = _collapse(list(sizes), [list(d_str), list(s_str)] if inp >= 0 else [list(d_str)])
+    return (inp, w, d_off, s_off, tuple(shape), tuple(strides[0]),
+            tuple(strides[1]) if inp >= 0 else (0,) * len(shape))
+
+
+def _alignment(byte_offset: int) -> int:
+    return next(w for w in _WIDTHS if byte_offset % w == 0)
+
+
+def _storage_view(t: "torch.Tensor", width: int, cache: dict) -> "torch.Tensor":
+    """``t``'s whole storage as integers of ``width`` bytes (as_strided then checks every op's bounds)."""
+    import torch
+
+    key = (t.untyped_storage().data_ptr(), t.device, width)
+    view = cache.get(key)
+    if view is None:
+        storage = t.untyped_storage()
+        view = cache[key] = torch.empty(0, dtype=_int_dtype(width), device=t.device).set_(
+            storage, 0, (storage.nbytes() // width,), (1,))
+    return view
+
+
+def run_wide_ops(ops: Sequence[WideOp], inputs: Sequence["torch.Tensor"], slot: "torch.Tensor", slot_base: int) -> None:
+    """Apply wide ops: the group starts ``slot_base`` bytes into ``slot``'s storage. A dense copy of
+    at least :data:`MEMCPY_BYTES` is one ``copy_`` (a plain memcpy, the fastest a device copies);
+    smaller dense copies of one width go to one ``torch._foreach_copy_`` (one multi-tensor kernel
+    on a GPU instead of a launch each), strided ones to another, zero fills to one
+    ``torch._foreach_zero_``."""
+    import torch
+
+    bases = [t.storage_offset() * t.element_size() for t in inputs]
+    # an input not aligned to an op's width (a view into a larger buffer): narrower elements
+    limit = [min(_alignment(b), _alignment(t.data_ptr())) for b, t in zip(bases, inputs)]
+    slot_limit = min(_alignment(slot_base), _alignment(slot.data_ptr() - slot.storage_offset() * slot.element_size()))
+    cache: dict = {}
+    same_device = all(t.device == slot.device for t in inputs)
+    batches: dict[tuple[int, bool], tuple[list, list]] = {}
+    zeros = []
+    for op in ops:
+        inp, w = op[0], op[1]
+        cap = min(slot_limit, limit[inp]) if inp >= 0 else slot_limit
+        if w > cap:
+            op = _narrowed(op, cap)
+            w = cap
+        _, _, d_off, s_off, sizes, d_str, s_str = op
+        dst = _storage_view(slot, w, cache).as_strided(sizes, d_str, (slot_base + d_off) // w)
+        if inp < 0:
+            zeros.append(dst)
+            continue
+        src = _storage_view(inputs[inp], w, cache).as_strided(sizes, s_str, (bases[inp] + s_off) // w)
+        dense = len(sizes) == 1 and d_str[0] == 1 and s_str[0] == 1
+        if dense and sizes[0] * w >= MEMCPY_BYTES:
+            dst.copy_(src, non_blocking=True)
+            continue
+        pair = batches.setdefault((w, dense), ([], []))
+        pair[0].append(dst)
+        pair[1].append(src)
+    if zeros:
+        torch._foreach_zero_(zeros)
+    for dsts, srcs in batches.values():
+        if same_device:
+            torch._foreach_copy_(dsts, srcs)
+        else:  # inputs on another device than the slot: one copy each (H2D / D2H)
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
 
 
 # -- recording ------------------------------------------------------------------------------------
@@ -152,6 +296,9 @@ def _encode(out: "torch.Tensor", base: int, pass_: int, total_ids: int) -> None:
     if pass_ * size >= width:
         flat.zero_()
         return
+    if size <= 2:  # 1- and 2-byte digits repeat or stay constant in long stretches: no id arithmetic
+        _fill_digits(flat, base, pass_, size)
+        return
     for start in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - start)
         ids = torch.arange(base + start, base + start + n, dtype=id_dtype, device=out.device)
@@ -163,17 +310,56 @@ def _encode(out: "torch.Tensor", base: int, pass_: int, total_ids: int) -> None:
             wide[:, 1:] = 0
 
 
+def _fill_digits(flat: "torch.Tensor", base: int, pass_: int, size: int) -> None:
+    """``flat[j]`` = digit ``pass_`` (base 2^(8·size)) of ``base + j``, written as broadcast copies:
+    digit 0 repeats with period B (copied from one period, B = 256 or 65,536 elements); digit p > 0
+    is constant over aligned blocks of B^p ids (one small vector of block values, expanded). The
+    same bytes as the id arithmetic, at memory speed (``torch.arange`` over every element took
+    most of a recording)."""
+    import torch
+
+    n = flat.numel()
+    period = 1 << (8 * size)
+    kind = _int_dtype(size)
+    if pass_ == 0:  # x mod B: whole periods copied from one
+        pattern = torch.arange(period, dtype=torch.int64, device=flat.device).to(kind)  # wraps to the low bytes
+        start = base % period
+        head = min(n, period - start)
+        flat[:head].copy_(pattern[start:start + head])
+        full, tail = divmod(n - head, period)
+        if full:
+            flat[head:head + full * period].view(full, period).copy_(pattern.expand(full, period))
+        if tail:
+            flat[n - tail:].copy_(pattern[:tail])
+        return
+    block = period ** pass_
+    first_block = base // block
+    head = min(n, (first_block + 1) * block - base)  # ids up to the first block boundary
+    full, tail = divmod(n - head, block)
+    values = (torch.arange(first_block, first_block + 2 + full, dtype=torch.int64, device=flat.device)
+              % period).to(kind)
+    flat[:head].copy_(values[0].expand(head))
+    if full:
+        flat[head:head + full * block].view(full, block).copy_(values[1:1 + full, None].expand(full, block))
+    if tail:
+        flat[n - tail:].copy_(values[1 + full].expand(tail))
+
+
 def _decode(passes: Sequence["torch.Tensor"], region: SlotRegion, itemsize: int, start: int, n: int,
             total_ids: int) -> "torch.Tensor":
-    """The ids (on the CPU) held by elements [start, start + n) of ``region`` across the
-    recorded passes: each pass's elements are the next s-byte parts of the little-endian id."""
+    """The ids held by elements [start, start + n) of ``region`` across the recorded passes (on
+    their device: a GPU finds the runs itself and hands the host only their starts): each pass's
+    elements are the next s-byte parts of the little-endian id."""
     import torch
 
     id_dtype = _id_dtype(total_ids)
     width = id_dtype.itemsize
-    ids = torch.zeros(n, dtype=id_dtype)
-    for p in range(_passes_needed(total_ids, itemsize)):
-        raw = passes[p][region.offset + start * itemsize:region.offset + (start + n) * itemsize].to("cpu")
+    passes_count = _passes_needed(total_ids, itemsize)
+    device = passes[0].device
+    covered = itemsize > width or passes_count * itemsize == width  # every id byte is written below
+    ids = torch.empty(n, dtype=id_dtype, device=device) if covered else torch.zeros(n, dtype=id_dtype, device=device)
+    for p in range(passes_count):
+        raw = passes[p][region.offset + start * itemsize:region.offset + (start + n) * itemsize]
         if itemsize <= width:
             ids.view(_int_dtype(itemsize)).view(n, width // itemsize)[:, p] = raw.view(_int_dtype(itemsize))
         else:
@@ -195,13 +381,15 @@ def _runs(ids: "torch.Tensor", starts: "np.ndarray", itemsizes: "np.ndarray", it
     n = ids.numel()
     if n == 0:
         return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-    if int(ids.min()) < 0 or int(ids.max()) >= total_ids:
+    low, high = (int(x) for x in torch.aminmax(ids))
+    if low < 0 or high >= total_ids:
         raise NotACopy(param, "holds bytes that are no input element (computed, converted or a constant fill)")
     step = ids[1:] - ids[:-1]
-    cont = (step == 1) | ((step == 0) & (ids[1:] == 0))
-    first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(~cont).view(-1) + 1]).numpy()
+    breaks = (step != 1) & ((step != 0) | (ids[1:] != 0))  # a run of zero fills continues through zeros
+    starts_t = torch.nonzero(breaks).view(-1) + 1
+    first_ids = torch.cat([ids[:1], ids[starts_t]]).cpu().numpy().astype(np.int64)
+    first = np.concatenate([np.zeros(1, dtype=np.int64), starts_t.cpu().numpy()])
     lengths = np.diff(np.append(first, n))
-    first_ids = ids.numpy()[first].astype(np.int64)
     # a run of consecutive ids may cross from one input into the next: split it there
     inp = np.searchsorted(starts, first_ids, side="right") - 1
     last = np.searchsorted(starts, first_ids + lengths - 1, side="right") - 1
@@ -372,5 +560,15 @@ def differing_parameters(plan: GroupPlan, expected: "torch.Tensor", expected_off
     if scratch.device.type == "cuda":
         torch.cuda.current_stream(scratch.device).synchronize()
     return [r.param_name for r in plan.regions
-            if not torch.equal(scratch[r.offset:r.offset + r.nbytes],
+            if not _same_bytes(scratch[r.offset:r.offset + r.nbytes],
                                expected[expected_offset + r.offset:expected_offset + r.offset + r.nbytes])]
+
+
+def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    """``torch.equal`` of two byte ranges, as the widest integers both allow (5x faster than bytes)."""
+    import torch
+
+    for w in _WIDTHS:
+        if a.numel() % w == 0 and (a.storage_offset() % w, b.storage_offset() % w) == (0, 0):
+            return torch.equal(a.view(_int_dtype(w)), b.view(_int_dtype(w)))
+    return False  # unreachable: width 1 always fits

@@ -7,8 +7,11 @@ by replaying its plan, without calling a Python loader. A group whose loaders co
 change, arithmetic, a derived tensor) or whose first replay differed stays on the loader path
 for good (its reason is kept in :attr:`ReplicaPlans.refused`).
 
-Plans live with their replica, in this process: a new shard layout or a rebuilt replica starts
-with none, so a changed layout drops them. ``copy_plans="off"`` (``P2PW_COPY_PLANS``) keeps every
+Plans live with their replica, in this process, and in ``P2PW_REPLICA_CACHE_DIR`` next to the
+replica's loader mapping (replica/plan_store.py): a process that finds them there does not record
+again, but treats each as unverified — the group's first load runs the loaders and the plan's
+replay must equal their bytes, or the plan is dropped and recorded afresh. A new shard layout or a
+rebuilt replica has another key, so a changed layout drops them. ``copy_plans="off"`` (``P2PW_COPY_PLANS``) keeps every
 group on the loader path.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from ..replica.copy_plan import GroupPlan, NotACopy, differing_parameters, record_group_plan
 from ..replica.groups import ParameterGroup, SlotRegion
+from ..replica.plan_store import load_plans, plan_path, save_plans
 from .report import UpdateTimes
 
 logger = logging.getLogger("p2pweights.sender")
@@ -32,10 +36,25 @@ class ReplicaPlans:
     def __init__(self) -> None:
         self.plans: dict[int, GroupPlan] = {}
         self.refused: dict[int, str] = {}  # group index -> why it stays on the loader path
+        self.unverified: dict[int, GroupPlan] = {}  # read from disk, not yet checked against the loaders
         self.lock = threading.Lock()
+        self.path: str | None = None  # the disk file (replica/plan_store.py), if the replica has a cache
+        self.digest = ""
+        self.loaded = 0  # plans read from disk
+        self.dropped = 0  # plans read from disk whose first replay differed from the loaders
 
     def known(self, index: int) -> bool:
         return index in self.plans or index in self.refused
+
+    def save(self) -> None:
+        """Write the verified and the still unverified plans to disk (if the replica has a cache)."""
+        if self.path:
+            with self.lock:
+                plans, refused = {**self.unverified, **self.plans}, dict(self.refused)
+            try:
+                save_plans(self.path, self.digest, plans, refused)
+            except OSError as e:  # the cache only saves time
+                logger.warning("could not save copy plans to %s: %s", self.path, e)
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +71,11 @@ def plans_of(replica: Any) -> ReplicaPlans:
         plans = _PLANS.get(replica)
         if plans is None:
             plans = _PLANS[replica] = ReplicaPlans()
+            plans.path = plan_path(replica)
+            if plans.path:
+                plans.digest = replica.key.digest()
+                plans.unverified, plans.refused = load_plans(plans.path, plans.digest, replica)
+                plans.loaded = len(plans.unverified)
         return plans
 
 
@@ -71,28 +95,57 @@ class SlotProducer:
         plans = plans_of(replica)
         replay: list[tuple[ParameterGroup, int, GroupPlan]] = []
         load: list[tuple[ParameterGroup, int]] = []
+        check: dict[int, GroupPlan] = {}  # plans from disk, checked against this load's loader bytes
         for group, offset in placed:
             plan = plans.plans.get(group.index)
             if plan is not None and plan.accepts(tensors):
                 replay.append((group, offset, plan))
-            else:
+                continue
+            with plans.lock:
                 if plan is not None:  # inputs changed shape or dtype (another transform): record again
-                    with plans.lock:
-                        plans.plans.pop(group.index, None)
-                load.append((group, offset))
+                    plans.plans.pop(group.index, None)
+                stored = plans.unverified.pop(group.index, None)
+            if stored is not None and stored.accepts(tensors):
+                check[group.index] = stored
+            load.append((group, offset))
         by_group: dict[int, list[SlotRegion]] = {}
         if load:
             loaded = replica.load_groups(load, {n: tensors[n] for g, _ in load for n in g.hf_names}, target)
             for group, offset in load:
                 by_group[group.index] = [r for r in loaded if offset <= r.offset < offset + group.nbytes]
             self.times.loader_groups += len(load)
+            recorded = self.times.recorded
             for group, offset in load:
+                if group.index in check and self._verify(plans, group, offset, check[group.index], tensors, target):
+                    continue
                 if not plans.known(group.index):
                     self._record(replica, plans, group, offset, tensors, target)
+            if self.times.recorded != recorded:
+                plans.save()
         for group, offset, plan in replay:
             by_group[group.index] = plan.replay(tensors, target, offset)
         self.times.replayed += len(replay)
         return [r for group, _ in placed for r in by_group[group.index]]
+
+    def _verify(self, plans: ReplicaPlans, group: ParameterGroup, offset: int, plan: GroupPlan,
+                tensors: Mapping[str, Any], target: Any) -> bool:
+        """A plan read from disk is kept only if its replay equals what the loaders just wrote."""
+        t0 = time.perf_counter()
+        inputs = {n: tensors[n] for n in group.hf_names}
+        try:
+            ok = not differing_parameters(plan, target, offset, inputs)
+        except Exception:  # noqa: BLE001 - a damaged plan (bounds, shapes): record it again
+            ok = False
+        with plans.lock:
+            if ok:
+                plans.plans[group.index] = plan
+                plans.refused.pop(group.index, None)
+            else:
+                plans.dropped += 1
+                logger.warning("the stored copy plan of group %d (%s) differs from its loaders: recording it again",
+                               group.index, group.params[0])
+        self.times.record_seconds += time.perf_counter() - t0
+        return ok
 
     def _record(self, replica: Any, plans: ReplicaPlans, group: ParameterGroup, offset: int,
                 tensors: Mapping[str, Any], target: Any) -> None:
