@@ -1,12 +1,17 @@
 """Recorded copy plans (replica/copy_plan.py, sender/replay.py): a group's second load replays its
 plan without the loaders and the bytes equal the loaders' byte for byte; a loader that computes
 keeps its group on the loader path; a new layout starts without plans; and a real engine updated
-three times gets replayed bytes from the second update on.
+three times gets replayed bytes from the second update on. With background recording
+(sender/plan_recorder.py) nothing records on the update path, the recorder never runs a replica's
+loaders beside an update, stops on close(), and a broken recorder leaves groups on the loaders.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from p2pweights.receiver import check_weights_equal, start_engine
 from p2pweights.replica import EngineLayout, ModelReplicas
 from p2pweights.replica.copy_plan import NotACopy, record_group_plan
 from p2pweights.sender import WeightSender
+from p2pweights.sender.plan_recorder import PlanRecorder
 from p2pweights.sender.replay import SlotProducer, plan_memory, plans_of
 from p2pweights.sender.report import UpdateTimes
 from replica_configs import write_config
@@ -257,8 +263,10 @@ def test_a_real_engine_gets_replayed_bytes_from_the_second_update_on(tmp_path, t
     engine = start_engine(cfg, layout, transport=transport, name=f"replay-{transport}")
     try:
         specs = checkpoint_tensors(cfg)
-        with WeightSender(cfg, transport=transport, buffer_size=1 << 20, replicas=ModelReplicas()) as sender:
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20, replicas=ModelReplicas(),
+                          copy_plans="on") as sender:
             sender.connect([SglangEngine(engine.url, name=engine.name)])
+            assert sender.recorder is None  # "on": recorded on the update path, no background recorder
             groups = sum(len(p.replica.groups) for p in sender.prepared)
             for step in (1, 2, 3):
                 with sender.update(f"v{step}") as u:
@@ -506,3 +514,214 @@ def test_a_forged_plan_file_cannot_make_the_sender_write_wrong_bytes(tmp_path, f
         _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), f"update {seed}")
     assert plans.dropped == plans.loaded and times.recorded == len(replica.groups)
     assert times.replayed == len(replica.groups)
+
+
+# -- recording in the background (sender/plan_recorder.py) -------------------------------------------
+def _qwen3_replica(tmp_path):
+    cfg = write_config("qwen3", str(tmp_path))
+    return ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 0)
+
+
+def test_background_plans_are_checked_by_the_next_load_then_replayed_and_nothing_records_on_the_update_path(
+        tmp_path, monkeypatch):
+    replica = _qwen3_replica(tmp_path)
+    groups = len(replica.groups)
+    times = UpdateTimes()
+    producer = SlotProducer(times, mode="background")
+    tensors = _inputs(replica, 1)
+    # before the recorder ran: the loaders only, nothing recorded on the update path
+    _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), "no plan yet")
+    plans = plans_of(replica)
+    assert (times.loader_groups, times.recorded, times.replayed) == (groups, 0, 0)
+    assert not plans.plans and not plans.unverified
+    recorder = PlanRecorder([_Rank(replica)], "cpu").start()
+    assert recorder.wait(120) and recorder.error is None
+    assert recorder.recorded == groups == len(plans.unverified) == plans.background and not plans.plans
+    times = UpdateTimes()
+    producer = SlotProducer(times, mode="background")
+    tensors = _inputs(replica, 2)
+    _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), "checked")
+    assert (times.loader_groups, times.recorded, times.replayed) == (groups, 0, 0)
+    assert len(plans.plans) == groups and not plans.unverified  # every plan passed its check
+    tensors = _inputs(replica, 3)
+    with monkeypatch.context() as m:
+        _loaders_only_for(replica, set(), m)
+        got = _produce(producer, replica, tensors)
+    _assert_equal(got, _loader_bytes(replica, tensors), "replayed")
+    assert times.replayed == groups
+
+
+def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_path):
+    """The recorder holds the replica's loaders lock mid-group; an update started then waits for
+    that group only, both finish, and the update's bytes are the loaders'."""
+    replica = _qwen3_replica(tmp_path)
+    inside, release, recording = threading.Event(), threading.Event(), threading.Event()
+    overlaps = []
+
+    def slow_record(rep, group, like, device=None):
+        recording.set()
+        inside.set()
+        release.wait(30)
+        try:
+            return record_group_plan(rep, group, like, device=device)
+        finally:
+            recording.clear()
+
+    load_groups = replica.load_groups
+
+    def watched(placed, tensors, slot):
+        overlaps.append(recording.is_set())
+        return load_groups(placed, tensors, slot)
+
+    replica.load_groups = watched
+    try:
+        recorder = PlanRecorder([_Rank(replica)], "cpu", record=slow_record).start()
+        assert inside.wait(60)
+        tensors = _inputs(replica, 4)
+        got: dict = {}
+        update = threading.Thread(target=lambda: got.update(_produce(SlotProducer(UpdateTimes(), mode="background"),
+                                                                      replica, tensors)))
+        update.start()
+        update.join(0.5)
+        assert update.is_alive()  # waiting for the group being recorded
+        release.set()
+        update.join(60)
+        assert not update.is_alive() and recorder.wait(120)
+        assert overlaps and not any(overlaps)
+    finally:
+        release.set()
+        del replica.load_groups
+    _assert_equal(got, _loader_bytes(replica, tensors), "update beside the recorder")
+    assert recorder.recorded == len(replica.groups)
+
+
+def test_stop_ends_the_recorder_between_groups(tmp_path):
+    replica = _qwen3_replica(tmp_path)
+    seen = []
+
+    def pause_after_two(rep, group):
+        seen.append(group.index)
+        while len(seen) > 2 and not recorder.stopped:
+            time.sleep(0.01)
+
+    recorder = PlanRecorder([_Rank(replica)], "cpu")
+    recorder.before_group = pause_after_two
+    recorder.start()
+    deadline = time.monotonic() + 60
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    recorder.stop()
+    assert recorder.finished.is_set() and not recorder._thread.is_alive()
+    assert recorder.recorded == 2 == len(plans_of(replica).unverified)
+
+
+def _forged_record(rep, group, like, device=None):
+    """A recorder gone wrong: in-bounds plans that read one element off (like _shift_a_source)."""
+    plan = record_group_plan(rep, group, like, device=device)
+    i = next(i for i, op in enumerate(plan.ops) if op[0] >= 0)
+    inp, reg, d, src, n, ds, ss = plan.ops[i]
+    plan.ops[i] = (inp, reg, d, src + 1, n[:-1] + (n[-1] - 1,), ds, ss) if n[-1] > 1 else (inp, reg, d, src + 1, n, ds, ss)
+    return plan
+
+
+def _failing_record(rep, group, like, device=None):
+    raise RuntimeError("recorder broke")
+
+
+@pytest.mark.parametrize("record", [_forged_record, _failing_record])
+def test_a_forged_or_failing_recorder_leaves_its_groups_on_the_loader_path_with_right_bytes(
+        tmp_path, caplog, record):
+    replica = _qwen3_replica(tmp_path)
+    groups = len(replica.groups)
+    with caplog.at_level(logging.WARNING, logger="p2pweights.sender"):
+        recorder = PlanRecorder([_Rank(replica)], "cpu", record=record).start()
+        assert recorder.wait(120)
+    plans = plans_of(replica)
+    if record is _failing_record:
+        assert recorder.failed == groups and "recorder broke" in recorder.error and not plans.unverified
+        assert sum("background copy-plan recording failed" in r.message for r in caplog.records) == 1
+    else:
+        assert recorder.recorded == groups == len(plans.unverified)
+    times = UpdateTimes()
+    producer = SlotProducer(times, mode="background")
+    for seed in (5, 6):
+        tensors = _inputs(replica, seed)
+        _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), f"update {seed}")
+    assert (times.replayed, times.recorded, times.loader_groups) == (0, 0, 2 * groups)
+    assert not plans.plans
+
+
+@pytest.mark.parametrize("pause_at", [None, "half"])
+def test_a_real_engine_with_background_recording(tmp_path, pause_at):
+    """WeightSender (P2PW_COPY_PLANS=background) -> a real engine over Mooncake. Recorder done
+    before the first update: it loads + checks every group and records nothing; the second replays
+    all. Recorder paused mid-way during the first update: both finish, the checked groups replay
+    next, the rest after their own check. Every update byte-exact; close() stops the recorder."""
+    cfg = write_config("qwen3", str(tmp_path))
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="background-plans")
+    try:
+        specs = checkpoint_tensors(cfg)
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20, replicas=ModelReplicas(),
+                          copy_plans="background") as sender:
+            sender.connect([SglangEngine(engine.url, name=engine.name)])
+            recorder, resume = sender.recorder, threading.Event()
+            groups = sum(len(p.replica.groups) for p in sender.prepared)
+            half = groups // 2
+
+            def pause(rep, group):
+                while pause_at and recorder.recorded >= half and not resume.wait(0.01) and not recorder.stopped:
+                    pass
+
+            recorder.before_group = pause
+            if pause_at is None:
+                assert recorder.wait(300)
+            else:
+                while recorder.recorded < half:
+                    time.sleep(0.01)
+            expected = {1: (groups, 0, 0, groups if pause_at is None else half)}
+            for step in (1, 2, 3):
+                with sender.update(f"v{step}") as u:
+                    for name, t in random_checkpoint(specs, step):
+                        u.push(name, t)
+                r = u.report
+                result = check_weights_equal(engine.url, hf_seed=step)
+                assert result["success"], result["message"]
+                assert r.recorded_plans == 0  # never on the update path
+                if step == 1:
+                    assert (r.loader_groups, r.replayed_groups, r.background_plans) == (groups, 0,
+                                                                                      expected[1][3])
+                    resume.set()
+                    assert recorder.wait(300)
+                    assert r.background_plans <= recorder.recorded == groups
+                elif step == 2 and pause_at:
+                    assert (r.replayed_groups, r.loader_groups) == (half, groups - half)
+                else:
+                    assert (r.replayed_groups, r.loader_groups) == (groups, 0)
+                    assert "in the background" in str(r)
+        assert not recorder._thread.is_alive() and sender.recorder is None
+    finally:
+        engine.close()
+
+
+def test_background_plans_of_an_fp8_engine_are_recorded_for_the_quantized_checkpoint(monkeypatch):
+    """From specs alone, an FP8 engine's plans are recorded for what QuantizeOnSend feeds the loaders
+    (float8 weights, float32 scales): checked by the next load, then every group replays, bytes exact."""
+    from p2pweights.models import resolve_model
+    from p2pweights.models.quant import quant_scheme
+    from p2pweights.models.registry import load_config
+
+    tiny = resolve_model("deepseek-v3-fp8-tiny")
+    replica = ModelReplicas().get(tiny, EngineLayout.parse("tp=2"), 0)
+    recorder = PlanRecorder([_Rank(replica)], "cpu").start()
+    assert recorder.wait(300) and recorder.recorded == len(replica.groups)
+    wanted = {n for g in replica.groups for n in g.hf_names}
+    producer = SlotProducer(UpdateTimes(), mode="background")
+    for seed, replayed in ((1, False), (2, True)):
+        tensors = {n: t for n, t in random_checkpoint(replica.hf_specs, seed, quant_scheme(load_config(tiny)))
+                   if n in wanted}
+        with monkeypatch.context() as m:
+            if replayed:
+                _loaders_only_for(replica, set(), m)
+            got = _produce(producer, replica, tensors)
+        _assert_equal(got, _loader_bytes(replica, tensors), f"fp8 update {seed}")
+    assert producer.times.replayed == len(replica.groups) and producer.times.recorded == 0

@@ -196,6 +196,29 @@ def test_an_engine_whose_picked_port_is_taken_before_it_binds_picks_another(conf
         taken.close()
 
 
+def test_engines_started_together_pick_another_port_when_one_is_taken_before_it_binds(configs, monkeypatch):
+    import socket
+
+    from p2pweights.receiver import local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([None, taken.getsockname()[1]])  # the second engine's first pick is taken
+    real = local.free_port
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        engines = local.start_engines(configs["qwen3"], "tp=1", count=2, transport="mooncake", name_prefix="race-")
+        try:
+            assert taken.getsockname()[1] not in [e.port for e in engines]
+            assert all(SglangEngine(e.url).health() for e in engines)
+        finally:
+            for e in engines:
+                e.close()
+    finally:
+        taken.close()
+
+
 def test_the_launcher_forks_every_rank_from_a_single_threaded_process(dense_engine):
     """Forking a process that runs threads can leave a lock held forever in the child: the launcher's
     loop starts no thread, Python or native, before or between its forks."""

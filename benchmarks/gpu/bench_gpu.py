@@ -289,6 +289,11 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
         t0 = time.perf_counter()
         sender.connect([SglangEngine(engine.url, name="vram-engine")])
         connect_s = time.perf_counter() - t0
+        # a trainer trains between connect and its first update: the background recorder's time
+        t0 = time.perf_counter()
+        if getattr(sender, "recorder", None) is not None:
+            sender.recorder.wait()
+        record_s = time.perf_counter() - t0
         for step in range(1, steps + 1):
             tensors = [(n, random_tensor(n, s, step).to("cuda")) for n, s in specs.items()]
             torch.cuda.synchronize()
@@ -311,7 +316,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
                          "seconds": r.seconds, "data_s": r.data_seconds,
                          "gbps": r.gbps, "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
                          "waiting_s": r.waiting_seconds, "staging_s": r.staging_seconds, "control_s": r.control_seconds,
-                         "n_slots": r.slots, "connect_s": connect_s,
+                         "n_slots": r.slots, "connect_s": connect_s, "background_record_s": record_s,
                          "replayed_groups": getattr(r, "replayed_groups", None),
                          "loader_groups": getattr(r, "loader_groups", None),
                          "equal": equal})

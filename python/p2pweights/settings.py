@@ -138,9 +138,10 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_BUFFER_DEVICE", _str, "cpu", "where slots live: `cpu` (pinned host) or `cuda[:N]`", _device),
     Setting("P2PW_PIN", _str, "auto", "host slot pinning: `auto` (CUDA host registration, else mlock), `cuda`, "
             "`mlock`, `none`", _one_of("auto", "cuda", "mlock", "none")),
-    Setting("P2PW_COPY_PLANS", _str, "on", "`on`: from a group's second load on, replay its recorded copy plan "
-            "instead of sglang's loaders (verified byte for byte at recording); `off`: always the loaders",
-            _one_of("on", "off")),
+    Setting("P2PW_COPY_PLANS", _str, "background", "`background`: record copy plans in a thread after connect, "
+            "check each against the loaders at its group's next load, then replay it instead of sglang's loaders; "
+            "`on`: record on a group's first load; `off`: always the loaders",
+            _one_of("on", "background", "off")),
     Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
             default_text="(search)"),
     # transports

@@ -138,8 +138,9 @@ class LocalEngine:
             except EngineError as e:
                 # a port picked here is free when picked, not when the leader binds it: another
                 # process may take it in between; pick again (a port the caller chose is kept)
-                if not pick_port or attempt == 2 or "Address already in use" not in str(e):
+                if not pick_port or attempt == 2 or not lost_its_port(e):
                     raise
+                self.port = 0
         return self
 
     def wait_ready(self, timeout: float | None = None) -> "LocalEngine":
@@ -208,15 +209,28 @@ def start_engine(model: str, engine: str = "tp=1", **kwargs: Any) -> LocalEngine
     return LocalEngine(model, engine, **kwargs).start()
 
 
+def lost_its_port(error: EngineError) -> bool:
+    """The leader could not bind its port (taken by another process since it was picked)."""
+    return "Address already in use" in str(error)
+
+
 def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_prefix: str = "engine",
                   **kwargs: Any) -> list[LocalEngine]:
     """Start ``count`` engines at once (every rank process in parallel) and wait for all of them."""
     engines = [LocalEngine(model, engine, name=f"{name_prefix}{i}", **kwargs) for i in range(count)]
+    picked = [e.port == 0 for e in engines]
     try:
         for e in engines:
             e.start(wait=False)
-        for e in engines:
-            e.wait_ready()
+        for e, pick in zip(engines, picked):
+            try:
+                e.wait_ready()
+            except EngineError as err:
+                if not (pick and lost_its_port(err)):
+                    raise
+                e.port = 0  # another process took the picked port before the leader bound it
+                e.procs.clear()
+                e.start()  # picks again, with start's own retries
     except BaseException:
         for e in engines:
             e.close()

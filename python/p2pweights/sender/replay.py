@@ -11,8 +11,15 @@ Plans live with their replica, in this process, and in ``P2PW_REPLICA_CACHE_DIR`
 replica's loader mapping (replica/plan_store.py): a process that finds them there does not record
 again, but treats each as unverified — the group's first load runs the loaders and the plan's
 replay must equal their bytes, or the plan is dropped and recorded afresh. A new shard layout or a
-rebuilt replica has another key, so a changed layout drops them. ``copy_plans="off"`` (``P2PW_COPY_PLANS``) keeps every
-group on the loader path.
+rebuilt replica has another key, so a changed layout drops them.
+
+``P2PW_COPY_PLANS`` (``copy_plans=``): ``on`` records on the update path as above; ``background``
+(the default) records off it, in the sender's :class:`~p2pweights.sender.plan_recorder.PlanRecorder`
+thread after ``connect``, from the HF specs alone: its plans start unverified, like plans from disk,
+and a group without a plan yet only runs its loaders (nothing is recorded on the update path);
+``off`` keeps every group on the loader path. The recorder and an update never run one replica's
+loaders at once (they re-point its parameters): :attr:`ReplicaPlans.loaders` is held per group by
+the recorder and per loader batch by the update.
 """
 from __future__ import annotations
 
@@ -37,11 +44,13 @@ class ReplicaPlans:
         self.plans: dict[int, GroupPlan] = {}
         self.refused: dict[int, str] = {}  # group index -> why it stays on the loader path
         self.unverified: dict[int, GroupPlan] = {}  # read from disk, not yet checked against the loaders
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the dicts above
+        self.loaders = threading.Lock()  # held while the replica's loaders run (update or recorder)
         self.path: str | None = None  # the disk file (replica/plan_store.py), if the replica has a cache
         self.digest = ""
         self.loaded = 0  # plans read from disk
         self.dropped = 0  # plans read from disk whose first replay differed from the loaders
+        self.background = 0  # plans recorded by the background recorder (plan_recorder.py)
 
     def known(self, index: int) -> bool:
         return index in self.plans or index in self.refused
@@ -82,20 +91,23 @@ def plans_of(replica: Any) -> ReplicaPlans:
 class SlotProducer:
     """Fills one engine rank's placed groups into a slot: replay or loaders (see the module)."""
 
-    def __init__(self, times: UpdateTimes, enabled: bool = True):
+    def __init__(self, times: UpdateTimes, enabled: bool = True, mode: str = "on"):
         self.times = times  # counts: replayed, loader_groups, recorded, record_seconds
-        self.enabled = enabled
+        self.mode = mode if enabled else "off"  # P2PW_COPY_PLANS: on | background | off
+        self.enabled = self.mode != "off"
 
     def __call__(self, rank: Any, placed: Sequence[tuple[ParameterGroup, int]], tensors: Mapping[str, Any],
                  target: Any) -> list[SlotRegion]:
         replica = rank.replica
+        plans = plans_of(replica)
         if not self.enabled:
             self.times.loader_groups += len(placed)
-            return replica.load_groups(placed, tensors, target)
-        plans = plans_of(replica)
+            with plans.loaders:
+                return replica.load_groups(placed, tensors, target)
         replay: list[tuple[ParameterGroup, int, GroupPlan]] = []
         load: list[tuple[ParameterGroup, int]] = []
-        check: dict[int, GroupPlan] = {}  # plans from disk, checked against this load's loader bytes
+        check: dict[int, GroupPlan] = {}  # unverified plans (disk, recorder), checked against the loaders' bytes
+        other: dict[int, bool] = {}  # groups whose plan was recorded for inputs of other shapes or dtypes
         for group, offset in placed:
             plan = plans.plans.get(group.index)
             if plan is not None and plan.accepts(tensors):
@@ -107,10 +119,13 @@ class SlotProducer:
                 stored = plans.unverified.pop(group.index, None)
             if stored is not None and stored.accepts(tensors):
                 check[group.index] = stored
+            elif stored is not None or plan is not None:
+                other[group.index] = True  # recorded for other inputs: only this path can record it again
             load.append((group, offset))
         by_group: dict[int, list[SlotRegion]] = {}
         if load:
-            loaded = replica.load_groups(load, {n: tensors[n] for g, _ in load for n in g.hf_names}, target)
+            with plans.loaders:  # the background recorder waits (it re-points the same parameters)
+                loaded = replica.load_groups(load, {n: tensors[n] for g, _ in load for n in g.hf_names}, target)
             for group, offset in load:
                 by_group[group.index] = [r for r in loaded if offset <= r.offset < offset + group.nbytes]
             self.times.loader_groups += len(load)
@@ -118,8 +133,14 @@ class SlotProducer:
             for group, offset in load:
                 if group.index in check and self._verify(plans, group, offset, check[group.index], tensors, target):
                     continue
-                if not plans.known(group.index):
-                    self._record(replica, plans, group, offset, tensors, target)
+                if plans.known(group.index):
+                    continue
+                if self.mode == "on" or group.index in other:
+                    with plans.loaders:
+                        self._record(replica, plans, group, offset, tensors, target)
+                elif group.index in check:  # background: a recorded plan that differs stays refused
+                    with plans.lock:
+                        plans.refused[group.index] = "its recorded plan's replay differs from the loaders"
             if self.times.recorded != recorded:
                 plans.save()
         for group, offset, plan in replay:
@@ -142,8 +163,9 @@ class SlotProducer:
                 plans.refused.pop(group.index, None)
             else:
                 plans.dropped += 1
-                logger.warning("the stored copy plan of group %d (%s) differs from its loaders: recording it again",
-                               group.index, group.params[0])
+                logger.warning("the unverified copy plan of group %d (%s) differs from its loaders: %s",
+                               group.index, group.params[0],
+                               "recording it again" if self.mode == "on" else "the group stays on the loader path")
         self.times.record_seconds += time.perf_counter() - t0
         return ok
 
@@ -168,6 +190,12 @@ class SlotProducer:
                 plans.plans[group.index] = plan
                 self.times.recorded += 1
         self.times.record_seconds += time.perf_counter() - t0
+
+
+def background_recorded(replicas: Sequence[Any]) -> int:
+    """Plans of these replicas (each once) that the background recorder recorded."""
+    seen: dict[int, Any] = {id(r): r for r in replicas}
+    return sum(plans_of(r).background for r in seen.values())
 
 
 def plan_memory(replicas: Sequence[Any]) -> int:

@@ -59,6 +59,7 @@ class UpdateReport:
     loader_groups: int = 0  # groups produced by the loaders (first update, refused groups, plans off)
     recorded_plans: int = 0  # copy plans recorded and verified in this update
     plan_bytes: int = 0  # memory the recorded copy plans of this sender's replicas hold
+    background_plans: int = 0  # copy plans of these replicas recorded in the background (P2PW_COPY_PLANS)
 
     def engine(self, name: str) -> EngineRankReport:
         """The report of one engine rank by its target name (``engine/rankN``)."""
@@ -84,9 +85,10 @@ class UpdateReport:
             f"{self.groups} groups in {self.slots} slots; loading {self.loading_seconds:.3f} s, writing "
             f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s"
         ]
-        if self.replayed_groups or self.recorded_plans or self.plan_bytes:
+        if self.replayed_groups or self.recorded_plans or self.plan_bytes or self.background_plans:
             lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "
-                         f"{self.recorded_plans} recorded; plans hold {format_size(self.plan_bytes)}")
+                         f"{self.recorded_plans} recorded, {self.background_plans} in the background; "
+                         f"plans hold {format_size(self.plan_bytes)}")
         for e in self.engines:
             lines.append(f"  {e.engine} rank {e.rank}: {format_size(e.bytes)} {e.seconds:.3f} s {e.gbps:.2f} GB/s {e.state}"
                          + (f" ({e.error})" if e.error else ""))

@@ -28,7 +28,7 @@ from .group import SenderGroup, SenderStatus, all_failures, others_failures
 from .inputs import TrainerInputs, check_version_order
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
-from .replay import SlotProducer, plan_memory
+from .replay import SlotProducer, background_recorded, plan_memory
 from .report import EngineRankReport, UpdateReport, UpdateTimes
 from .transforms import GroupLoad, GroupTransform, apply_transforms
 from .verify import WrittenDigests, verify_written
@@ -58,7 +58,7 @@ class Update:
                  inputs: TrainerInputs | None = None, pause_mode: str = "abort",
                  on_failure: str = "resume_if_unwritten", previous_version: str | None = None, force: bool = False,
                  metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
-                 owner: str | None = None, lease: float | None = None, copy_plans: bool = True):
+                 owner: str | None = None, lease: float | None = None, copy_plans: str = "on"):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if on_failure not in ON_FAILURE:
@@ -76,8 +76,8 @@ class Update:
         self._controls = control and self._group.controller
         self.times = UpdateTimes()
         handover = SlotHandOver(writer, self.times)
-        # groups with a verified copy plan are replayed, the others loaded (and recorded): replay.py
-        producer = SlotProducer(self.times, enabled=copy_plans)
+        # groups with a verified copy plan are replayed, the others loaded (and, copy_plans="on", recorded): replay.py
+        producer = SlotProducer(self.times, mode=copy_plans)
         self.pipeline = SlotPipeline(handover, FillerChoice(handover, staging_for, producer), self.times)
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
@@ -390,7 +390,8 @@ class Update:
                             data_seconds, self._validate_seconds, self._pause_seconds, senders,
                             list(self._inputs.skipped) if self._inputs is not None else [],
                             {n.strip("_"): s for n, s in self._verbs.items()}, tm.replayed, tm.loader_groups,
-                            tm.recorded, plan_memory([p.replica for p in self._ranks]))
+                            tm.recorded, plan_memory([p.replica for p in self._ranks]),
+                            background_recorded([p.replica for p in self._ranks]))
 
 
 def _control_failures(error: Exception | None) -> dict[str, str]:

@@ -37,6 +37,7 @@ from .gpu_staging import GpuStaging
 from .group import SenderGroup
 from .inputs import TrainerInputs
 from .metrics import metrics_for
+from .plan_recorder import PlanRecorder
 from .prepared import EngineTarget, PreparedRank
 from .quantize import with_quantize_on_send
 from .report import Progress
@@ -104,6 +105,7 @@ class WeightSender:
         self._closed = False
         self._metrics = metrics_for(metrics)
         self._update: Update | None = None  # the update in flight
+        self.recorder: PlanRecorder | None = None  # copy plans recorded off the update path (plan_recorder.py)
         self.last_version: str | None = None  # of this sender's last complete update
         self.owner = new_owner_id()  # the controller id of every session this sender opens
 
@@ -192,6 +194,8 @@ class WeightSender:
             raise
         self._ranks = ranks
         self._engines = clients
+        if self.settings.copy_plans == "background":
+            self.recorder = PlanRecorder(ranks, self.settings.buffer_device, busy=self._updating).start()
         phases.done()
 
     def _prepare(self, layout: Any, rank: int) -> PreparedRank:
@@ -260,7 +264,13 @@ class WeightSender:
             except P2PWeightsError:
                 pass  # already gone
 
+    def _updating(self) -> bool:
+        return self._update is not None and self._update._phase in ("new", "open")
+
     def _disconnect_all(self) -> None:
+        if self.recorder is not None:
+            self.recorder.stop()
+            self.recorder = None
         self._detach([t for p in self._ranks for t in p.targets])
         self._ranks, self._engines = [], []
 
@@ -314,7 +324,7 @@ class WeightSender:
                               inputs=inputs, pause_mode=pause_mode, on_failure=on_failure,
                               previous_version=self.last_version, force=force, metrics=self._metrics,
                               on_success=self._updated, verify=verify, owner=self.owner,
-                              lease=self.settings.session_lease, copy_plans=self.settings.copy_plans == "on")
+                              lease=self.settings.session_lease, copy_plans=self.settings.copy_plans)
         return self._update
 
     def _updated(self, update: Update) -> None:

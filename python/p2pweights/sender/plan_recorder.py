@@ -1,0 +1,153 @@
+"""Recording copy plans in the background, off the update's critical path (``P2PW_COPY_PLANS=background``).
+
+Recording a group's plan runs its loaders on index-encoded inputs (replica/copy_plan.py): it needs
+the HF inputs' shapes and dtypes, never their values. So right after ``WeightSender.connect`` a
+daemon thread walks the prepared ranks' groups and records each from the replica's HF specs — the
+engine checkpoint's shapes and dtypes, which is what the stager admits and, for an FP8 engine,
+what QuantizeOnSend produces — into scratch memory on the slots' device. Each plan is kept
+*unverified*, exactly like a plan read from ``P2PW_REPLICA_CACHE_DIR``: the group's next load runs
+the loaders and keeps the plan only if its replay equals their bytes (sender/replay.py).
+
+Sharing the replica: its loaders re-point the replica's parameters, so the recorder holds the
+replica's :attr:`~p2pweights.sender.replay.ReplicaPlans.loaders` lock for one group at a time, and
+between groups it yields: it sleeps briefly, and waits while an update of its sender is in flight,
+so an update waits for one group's recording at most. The thread runs at the lowest CPU priority,
+records one group at a time (memory: one group's scratch), stops on ``close()`` or a reconnect, and
+logs its first error once: a group it could not record stays on the loader path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+from ..replica.copy_plan import NotACopy, record_group_plan
+from .replay import plans_of
+
+logger = logging.getLogger("p2pweights.sender")
+
+PAUSE_SECONDS = 0.002  # between groups: the trainer's threads get the GIL and the cores
+BUSY_POLL_SECONDS = 0.05  # while an update is in flight
+
+
+def _lowest_priority() -> None:
+    """Nice this thread (Linux: a thread id is a process id to setpriority); best effort."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def spec_inputs(replica: Any, group: Any) -> dict[str, Any]:
+    """Shape-and-dtype stand-ins (meta tensors) of the group's HF inputs as the sender feeds them."""
+    import torch
+
+    specs = replica.hf_specs
+    return {n: torch.empty(tuple(specs[n].shape), dtype=getattr(torch, specs[n].dtype), device="meta")
+            for n in group.hf_names}
+
+
+class PlanRecorder:
+    """Records the plans of ``ranks``' groups in a daemon thread (see the module).
+
+    ``busy()``: True while an update is in flight (the recorder waits). ``recorded``: plans recorded;
+    ``refused``: groups whose loaders compute; ``failed``: groups that raised; ``error``: the first
+    failure. ``before_group(replica, group)``: called before each group (tests pause it there).
+    """
+
+    def __init__(self, ranks: Sequence[Any], device: Any, busy: Callable[[], bool] = lambda: False,
+                 record: Callable[..., Any] = record_group_plan):
+        self._ranks = list(ranks)
+        self._device = device
+        self._busy = busy
+        self._record = record
+        self._stop = threading.Event()
+        self.finished = threading.Event()
+        self.recorded = self.refused = self.failed = 0
+        self.error: str | None = None
+        self.before_group: Callable[[Any, Any], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="p2pw-plan-recorder", daemon=True)
+
+    def start(self) -> "PlanRecorder":
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every group was visited (or the recorder stopped); False on timeout."""
+        return self.finished.wait(timeout)
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Stop after the group being recorded (if any) and join the thread."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        _lowest_priority()
+        try:
+            seen: set[int] = set()
+            for p in self._ranks:
+                replica = p.replica
+                if id(replica) in seen:
+                    continue
+                seen.add(id(replica))
+                plans = plans_of(replica)
+                before = self.recorded
+                for group in replica.groups:
+                    if not self._pause():
+                        return
+                    if self.before_group is not None:
+                        self.before_group(replica, group)
+                    if self._stop.is_set():
+                        return
+                    self._record_one(replica, plans, group)
+                if self.recorded != before:
+                    plans.save()
+        finally:
+            self.finished.set()
+
+    def _pause(self) -> bool:
+        """Yield between groups; wait while an update runs. False once stopped."""
+        if self._stop.wait(PAUSE_SECONDS):
+            return False
+        while self._busy():
+            if self._stop.wait(BUSY_POLL_SECONDS):
+                return False
+        return True
+
+    def _record_one(self, replica: Any, plans: Any, group: Any) -> None:
+        def settled() -> bool:
+            with plans.lock:
+                return plans.known(group.index) or group.index in plans.unverified
+
+        if settled():
+            return
+        try:
+            like = spec_inputs(replica, group)
+            with plans.loaders:
+                if settled():  # an update recorded or checked it meanwhile (copy_plans="on")
+                    return
+                plan = self._record(replica, group, like, device=self._device)
+        except NotACopy as e:
+            with plans.lock:
+                plans.refused[group.index] = str(e)
+            self.refused += 1
+            logger.info("group %d (%s) stays on the loader path: %s", group.index, group.params[0], e)
+            return
+        except Exception as e:  # noqa: BLE001 - recording only saves time: the loaders' path stands
+            self.failed += 1
+            if self.error is None:
+                self.error = f"{type(e).__name__}: {e}"
+                logger.warning("background copy-plan recording failed for group %d (%s): %s; such groups stay "
+                               "on the loader path", group.index, group.params[0], self.error)
+            return
+        with plans.lock:
+            if not (plans.known(group.index) or group.index in plans.unverified):
+                plans.unverified[group.index] = plan
+                plans.background += 1
+                self.recorded += 1
