@@ -394,6 +394,13 @@ def test_wide_ops_fold_join_and_widen_and_their_bytes_equal_the_element_copies()
     slot.fill_(0xA5)
     run_wide_ops(wide, shifted, slot, 512)
     assert torch.equal(slot[512:1536], expected)
+    # the element-op path (GPU slots) writes the same bytes
+    from p2pweights.replica.element_ops import run_element_ops
+
+    slot.fill_(0xA5)
+    run_element_ops(ops, regions, itemsizes, inputs, slot[512:])
+    assert torch.equal(slot[512:1536], expected)
+    assert bool((slot[:512] == 0xA5).all()) and bool((slot[1536:] == 0xA5).all())
 
 
 def test_every_recorded_plan_replays_as_wide_copies(tmp_path):
