@@ -12,15 +12,19 @@ host memory; ``--device cuda``: HF tensors and slots on the GPU (GPU slots). Row
 - first: the first update with plans on (loaders + recording + the first replay's check), once;
 - first (from disk): the same in a fresh replica of the same key whose plans were saved in its
   ``P2PW_REPLICA_CACHE_DIR`` (loaders + the check of each stored plan, no recording), once;
-- replay: every group from its recorded plan, best of ``--steps`` fills (alternating with the
-  loader fills, so both see the same memory state and neighbours); column ``copies``: the plan's
-  ops, then (after "->") the wide byte copies they are replayed as;
-- replay (other path): the replay the producer does not take on this device, as a baseline —
-  element views in one multi-tensor copy (what GPU slots take) on a host, the wide byte copies
-  (what host slots take) on a GPU.
+- replay: every group from its recorded plan as the producer replays it (the native programs where
+  they run: see replica/native_copies.py), best of ``--steps`` fills (alternating with the other
+  rows' fills, so all see the same memory state and neighbours); column ``copies``: the plan's
+  ops, then (after "->") the wide byte copies, then the native program's 2-D copy descriptors;
+- replay: <path>: each replay path forced, as an A/B in the same run — element views in one
+  multi-tensor copy (replica/element_ops.py), wide byte copies (replica/byte_copies.py), and the
+  native programs: on a host memcpy across ``P2PW_COPY_THREADS`` threads and across 1; on a GPU
+  one CUDA driver call per 1-D copy ("native each") or one cuMemcpyBatchAsync ("native batch").
+  A native row that fell back to the torch views says so (FELL BACK, with the reason).
 
-Every replayed slot is compared byte for byte with the loaders' bytes of the same inputs
-(column ``equal``).
+Every replay path's slot is compared byte for byte with the loaders' bytes of the same inputs
+(column ``equal``); the footer gives native/wide and native/element ratios. ``--json`` / ``--out``:
+the same rows as JSON.
 """
 from __future__ import annotations
 
@@ -84,32 +88,60 @@ def _fill(producer, rank, batches, inputs, slots, device) -> float:
     return time.perf_counter() - t0
 
 
-def _other_replay(plans_of, replica, device):
-    """The replay path the producer does NOT take on this device, as a baseline: element views in
-    one multi-tensor copy (replica/element_ops.py; GPU slots take it) or wide byte copies
-    (copy_plan.run_wide_ops; host slots take it)."""
+def _paths(plans_of, replica, device: str, threads: int) -> dict[str, tuple]:
+    """Every replay path of this device as a producer, for the A/B rows (name -> (producer, stats)):
+    element views in one multi-tensor copy (replica/element_ops.py), wide byte copies
+    (replica/byte_copies.py), and the native programs (replica/native_copies.py): memcpy threads on
+    a host; on a GPU one driver call per 1-D copy ("each") or one batch call ("batch")."""
+    from p2pweights.replica import native_copies
     from p2pweights.replica.copy_plan import run_wide_ops
     from p2pweights.replica.element_ops import run_element_ops
 
     stored = plans_of(replica).plans
-    wide = str(device).startswith("cuda")
 
-    def produce(rank, placed, tensors, slot):
-        for group, offset in placed:
-            plan = stored[group.index]
-            inputs = [tensors[n] for n in plan.inputs]
-            if wide:
-                run_wide_ops(plan.wide_ops, inputs, slot, slot.storage_offset() * slot.element_size() + offset)
-            else:
-                run_element_ops(plan.ops, plan.regions, plan.itemsizes, inputs, slot[offset:])
-    return produce, ("wide copies" if wide else "element ops")
+    def each_group(apply):
+        def produce(rank, placed, tensors, slot):
+            for group, offset in placed:
+                plan = stored[group.index]
+                apply(plan, [tensors[n] for n in plan.inputs], slot, offset)
+        return produce
+
+    paths = {
+        "element views": (each_group(lambda p, ins, slot, off: run_element_ops(
+            p.ops, p.regions, p.itemsizes, ins, slot[off:])), {}),
+        "wide copies": (each_group(lambda p, ins, slot, off: run_wide_ops(
+            p.wide_ops, ins, slot, slot.storage_offset() * slot.element_size() + off)), {}),
+    }
+
+    def native(**kw):
+        stats = {"native": 0, "fell back": 0, "calls": 0}
+
+        def apply(p, ins, slot, off):
+            calls = native_copies.state.driver_calls
+            if native_copies.replay_natively(p, ins, slot, off, **kw):
+                stats["native"] += 1
+                stats["calls"] += native_copies.state.driver_calls - calls
+            else:  # counted and shown: a row that fell back measures the torch views, not the native copies
+                stats["fell back"] += 1
+                run_element_ops(p.ops, p.regions, p.itemsizes, ins, slot[off:])
+        return each_group(apply), stats
+
+    if device.startswith("cuda"):
+        paths["native each"] = native(mode="each")
+        paths["native batch"] = native(mode="batch")
+    else:
+        paths[f"native {threads} threads"] = native(threads=threads)
+        if threads != 1:
+            paths["native 1 thread"] = native(threads=1)
+    return paths
 
 
 def run_case(model: str, spec: str, device: str, layers: int, steps: int, directory: str) -> list[dict]:
     import torch
 
+    from p2pweights import _native, settings
     from p2pweights.models.checkpoint import random_tensor
-    from p2pweights.replica import EngineLayout, ModelReplicas
+    from p2pweights.replica import EngineLayout, ModelReplicas, native_copies
     from p2pweights.sender.buffers import slot_size
     from p2pweights.sender.replay import SlotProducer, plan_memory, plans_of
     from p2pweights.sender.report import UpdateTimes
@@ -133,7 +165,9 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     plans = SlotProducer(times)
     first = _fill(plans, rank, batches, inputs, slots, device)  # loaders + recording + the first check
     stored = plans_of(replica).plans.values()
-    copies = f"{sum(len(p.ops) for p in stored)}->{sum(len(p.wide_ops) for p in stored)}"
+    programs = [native_copies.program_of(p) for p in stored]
+    descriptors = sum(len(p) for p in programs if p is not None)
+    copies = f"{sum(len(p.ops) for p in stored)}->{sum(len(p.wide_ops) for p in stored)}->{descriptors}"
     memory = format_size(plan_memory([replica]))
     # a fresh process's view: another replica of the same key, its plans read from the cache folder
     again = ModelReplicas(cache_dir=cache).get(config, EngineLayout.parse(spec), 0)
@@ -142,35 +176,54 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     from_disk = _fill(SlotProducer(disk_times), _Rank(again), batches, inputs, slots, device)
     disk_plans = plans_of(again)
     loader = SlotProducer(UpdateTimes(), enabled=False)
-    element, other = _other_replay(plans_of, replica, device)
+    paths = _paths(plans_of, replica, device, settings.value("P2PW_COPY_THREADS"))
     # alternate the paths (same memory state, same neighbours on a shared host): best of each
-    best = {"loader": float("inf"), "replay": float("inf"), "element": float("inf")}
+    best = {name: float("inf") for name in ["loader", "replay", *paths]}
     for _ in range(steps):
         best["loader"] = min(best["loader"], _fill(loader, rank, batches, inputs, slots, device))
         best["replay"] = min(best["replay"], _fill(plans, rank, batches, inputs, slots, device))
-        best["element"] = min(best["element"], _fill(element, rank, batches, inputs, slots, device))
-    rows.append({**base, "path": "loader", "copies": "-", "seconds": best["loader"], "plan": "-", "equal": "-"})
-    rows.append({**base, "path": f"first ({times.recorded} recorded)", "copies": copies, "seconds": first,
-                 "plan": memory, "equal": "-"})
-    rows.append({**base, "path": f"first from disk ({len(disk_plans.plans)} checked, {disk_times.recorded} recorded)",
-                 "copies": copies, "seconds": from_disk, "plan": memory, "equal": "-"})
-    rows.append({**base, "path": f"replay (other path: {other})", "copies": copies, "seconds": best["element"],
-                 "plan": memory, "equal": "-"})
-    sec = best["replay"]
-    # the check: each slot replayed, then the loaders' bytes of the same inputs, region by region
-    equal = True
+        for name, (produce, _) in paths.items():
+            best[name] = min(best[name], _fill(produce, rank, batches, inputs, slots, device))
+    # the check: each slot filled by every path, then the loaders' bytes of the same inputs, region by region
+    equal = {name: True for name in ["replay", *paths]}
     check = torch.zeros_like(slots[0])
     for placed in batches:
         tensors = {n: inputs[n] for g, _ in placed for n in g.hf_names}
-        regions = plans(rank, placed, tensors, slots[0])
         replica.load_groups(placed, tensors, check)
-        equal &= all(torch.equal(slots[0][r.offset:r.offset + r.nbytes], check[r.offset:r.offset + r.nbytes])
-                     for r in regions)
-    rows.append({**base, "path": f"replay ({times.replayed // (steps + 1)} groups)", "copies": copies,
-                 "seconds": sec, "plan": memory, "equal": str(equal)})
+        for name, produce in [("replay", plans), *((n, p) for n, (p, _) in paths.items())]:
+            slots[0].fill_(0xA5)
+            produce(rank, placed, tensors, slots[0])
+            regions = [r for g, off in placed for r in _regions(g, off)]
+            _sync(device)
+            equal[name] &= all(torch.equal(slots[0][r.offset:r.offset + r.nbytes], check[r.offset:r.offset + r.nbytes])
+                               for r in regions)
+    rows.append({**base, "key": "loader", "path": "loader", "copies": "-", "seconds": best["loader"], "plan": "-", "equal": "-"})
+    rows.append({**base, "key": "first", "path": f"first ({times.recorded} recorded)", "copies": copies, "seconds": first,
+                 "plan": memory, "equal": "-"})
+    disk = f"first from disk ({len(disk_plans.plans)} checked, {disk_times.recorded} recorded)"
+    rows.append({**base, "key": "first from disk", "path": disk,
+                 "copies": copies, "seconds": from_disk, "plan": memory, "equal": "-"})
+    for name, (_, stats) in paths.items():
+        note = ""
+        if stats.get("fell back"):
+            note = f" FELL BACK {stats['fell back']}x: {native_copies.state.cuda_off or 'see replica/native_copies.py'}"
+        elif name == "native batch" and (native_copies.state.batch_off or not _native.cuda_driver_info()["batch"]):
+            note = f" RAN AS EACH: {native_copies.state.batch_off or 'the driver has no cuMemcpyBatchAsync'}"
+        elif name.startswith("native") and device.startswith("cuda"):
+            note = f" ({stats['calls'] // (steps + 1)} driver calls per fill)"  # steps + the check's fill
+        rows.append({**base, "key": name, "path": f"replay: {name}{note}", "copies": copies, "seconds": best[name],
+                     "plan": memory, "equal": str(equal[name])})
+    rows.append({**base, "key": "replay", "path": f"replay ({times.replayed // (steps + 1)} groups)", "copies": copies,
+                 "seconds": best["replay"], "plan": memory, "equal": str(equal["replay"])})
     for r in rows:
         r["gbps"] = total / r["seconds"] / 1e9
     return rows
+
+
+def _regions(group, offset):
+    from p2pweights.replica.groups import SlotRegion
+
+    return [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in group.regions]
 
 
 def main() -> int:
@@ -193,14 +246,14 @@ def main() -> int:
     ok = all(r["equal"] != "False" for r in rows)
     speedups = {}
     for model, spec in CASES:
-        mine = {r["path"]: r for r in rows if r["model"] == model}
-        paths = {p.split(" (")[0] if not p.startswith("replay (other") else "other": r for p, r in mine.items()}
+        paths = {r["key"]: r for r in rows if r["model"] == model}
         if "loader" in paths and "replay" in paths:
-            speedups[f"{model} {spec}"] = {
-                "replay/loader": paths["replay"]["gbps"] / paths["loader"]["gbps"],
-                "replay/other path": paths["replay"]["gbps"] / paths["other"]["gbps"],
-                "first from disk/first": paths["first from disk"]["seconds"] / paths["first"]["seconds"],
-            }
+            ratio = {"replay/loader": paths["replay"]["gbps"] / paths["loader"]["gbps"]}
+            for name in (k for k in paths if k.startswith("native")):
+                ratio[f"{name}/wide"] = paths[name]["gbps"] / paths["wide copies"]["gbps"]
+                ratio[f"{name}/element"] = paths[name]["gbps"] / paths["element views"]["gbps"]
+            ratio["first from disk/first"] = paths["first from disk"]["seconds"] / paths["first"]["seconds"]
+            speedups[f"{model} {spec}"] = ratio
     footer = "# " + "; ".join(f"{k}: " + ", ".join(f"{n} {v:.2f}x" for n, v in d.items()) for k, d in speedups.items())
     footer += "\n# " + ("OK" if ok else "FAILED") + ": every replayed slot byte-exact against the loaders"
     if a.out:

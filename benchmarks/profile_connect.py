@@ -9,12 +9,15 @@ Starts a real engine (``receiver.start_engine``: one rank process per GPU of the
 one process, times:
 
   import       torch and p2pweights (a trainer has them already); sglang is imported by the cold
-               connect (its "sglang_import_s"), or before it with --import-first
+               connect (its "sglang_import_s"), or before it with --import-first, or by the sender's
+               warm-up with --prepare-lead S: WeightSender(prepare=True), then S seconds of the
+               trainer's own start-up (sleeping here), then the cold connect
   cold         the first connect: replicas built (model on meta + loader probe), transport agent
                created, slots allocated, pinned and registered, publications fetched and checked,
                peers connected
   warm         the same sender connecting again to the same engine (nothing should be rebuilt,
-               re-registered, or re-created)
+               re-registered, or re-created), once the cold connect's background copy-plan recorder
+               ended (a reconnect stops it after its current group: its wait is not the connect's)
   new sender   a second WeightSender of the same process (replicas shared: invariant 7)
   disk cache   a sender with a fresh ModelReplicas reading P2PW_REPLICA_CACHE_DIR (no probe)
   fresh process, disk cache   the same in a new interpreter: what a restarted trainer pays
@@ -66,7 +69,7 @@ print("P2PW_FRESH " + json.dumps(r))
 
 
 def profile(model: str, engine_spec: str, transport: str, receiver_device: str, buffer_device: str,
-            repeat_warm: int = 3, import_first: bool = False) -> dict:
+            repeat_warm: int = 3, import_first: bool = False, prepare_lead: float | None = None) -> dict:
     from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
     from p2pweights.receiver import start_engine
@@ -100,9 +103,20 @@ def profile(model: str, engine_spec: str, transport: str, receiver_device: str, 
             sender.connect([SglangEngine(engine.url, name="engine0")])
             return sender.connect_phases.as_json()
 
-        first = WeightSender(cfg, transport=transport, buffer_device=buffer_device, replicas=replicas)
+        first = WeightSender(cfg, transport=transport, buffer_device=buffer_device, replicas=replicas,
+                             **({"prepare": True} if prepare_lead is not None else {}))  # older trees: no keyword
         senders.append(first)
+        if prepare_lead is not None:  # the trainer's own start-up while the warm-up runs (sender/warmup.py)
+            warmup = first._warmup
+            time.sleep(prepare_lead)
+            result["prepare"] = {"lead_s": prepare_lead, "warmup_done_at_connect": warmup.done()}
         result["connects"]["cold"] = connect(first)
+        if first.recorder is not None:  # copy plans recorded in the background after connect (P2PW_COPY_PLANS):
+            t = time.perf_counter()  # a reconnect stops the recorder after its current group (seconds for a
+            first.recorder.wait()  # large embedding on a CPU), so the warm connects are measured after it
+            result["recording_after_cold_s"] = time.perf_counter() - t
+        if prepare_lead is not None:
+            result["prepare"]["warmup_s"] = warmup.seconds
         warm = [connect(first) for _ in range(repeat_warm)]
         result["connects"]["warm"] = min(warm, key=lambda r: r["total_s"])
         second = WeightSender(cfg, transport=transport, buffer_device=buffer_device, replicas=replicas)
@@ -148,6 +162,12 @@ def table(result: dict) -> str:
     head = f"{result['model']} {result['engine']} over {result['transport']}: receiver {result['receiver_device']}, " \
            f"slots {result['buffer_device']}; engine start {result['engine_start_s']:.1f} s"
     imports = ", ".join(f"{k} {v:.2f} s" for k, v in result["import_s"].items())
+    if "prepare" in result:
+        w = result["prepare"]
+        imports += (f"; warm-up (prepare=True) {w.get('warmup_s') or 0:.2f} s, started {w['lead_s']:.1f} s before the "
+                    f"cold connect ({'done' if w['warmup_done_at_connect'] else 'not done'} by then)")
+    if "recording_after_cold_s" in result:
+        imports += f"; warm connects measured after the plan recorder ended ({result['recording_after_cold_s']:.2f} s)"
     lines = [head, f"imports before the cold connect: {imports}", "",
              f"{'phase (s)':<34}" + "".join(f"{SHORT.get(c, c):>12}" for c in cols)]
     replica_keys = sorted({k for r in runs for k in r["replica_s"]})
@@ -178,9 +198,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeat-warm", type=int, default=3, help="warm connects (the fastest is shown)")
     p.add_argument("--import-first", action="store_true",
                    help="import sglang before the cold connect (default: inside it, as a trainer's first connect)")
+    p.add_argument("--prepare-lead", type=float, metavar="S",
+                   help="WeightSender(prepare=True), then S seconds before the cold connect (a trainer's start-up)")
     p.add_argument("--json", metavar="FILE", help="also write the result there")
     a = p.parse_args(argv)
-    result = profile(a.model, a.engine, a.transport, a.receiver_device, a.buffer_device, a.repeat_warm, a.import_first)
+    result = profile(a.model, a.engine, a.transport, a.receiver_device, a.buffer_device, a.repeat_warm, a.import_first,
+                     a.prepare_lead)
     print(table(result))
     print("P2PW_CONNECT " + json.dumps(result), flush=True)
     if a.json:

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
 #include "buffers/transfer_buffer.h"
 #include "transport/loopback.h"
@@ -92,6 +93,63 @@ PYBIND11_MODULE(_native, m) {
     d["device_count"] = c.device_count();
     return d;
   }, "Whether a CUDA runtime was found at run time, which library, and how many devices it sees.");
+
+  // Copy programs (csrc/buffers/copy_program.h): return (code, message[, driver calls]) so that the
+  // Python edge names the group (replica/native_copies.py); the GIL is released for the copies.
+  m.def("cuda_driver_info", [] {
+    CudaDriverInfo i = cuda_driver_info();
+    py::dict d;
+    d["loaded"] = i.loaded;
+    d["batch"] = i.batch;
+    d["library"] = i.library;
+    d["error"] = i.error;
+    return d;
+  }, "Whether the CUDA driver (libcuda) was found, and whether it has cuMemcpyBatchAsync.");
+  auto program_of = [](const py::array_t<int64_t, py::array::c_style>& program, Status* s) -> size_t {
+    if (program.ndim() != 2 || program.shape(1) != kCopyColumns) {
+      *s = Status(Code::kInvalidArgument, "a copy program is an (n, 7) int64 array");
+      return 0;
+    }
+    return static_cast<size_t>(program.shape(0));
+  };
+  auto inputs_of = [](const std::vector<uint64_t>& addrs, const std::vector<uint64_t>& nbytes, Status* s) {
+    std::vector<CopyInput> in(addrs.size());
+    if (addrs.size() != nbytes.size()) *s = Status(Code::kInvalidArgument, "input addresses and sizes differ in length");
+    for (size_t i = 0; i < in.size() && i < nbytes.size(); ++i) in[i] = CopyInput{addrs[i], nbytes[i]};
+    return in;
+  };
+  m.def("run_copy_program_host", [program_of, inputs_of](const py::array_t<int64_t, py::array::c_style>& program,
+                                                         uint64_t slot, uint64_t slot_bytes,
+                                                         const std::vector<uint64_t>& input_addrs,
+                                                         const std::vector<uint64_t>& input_nbytes, int threads) {
+    Status s;
+    const size_t n = program_of(program, &s);
+    std::vector<CopyInput> in = inputs_of(input_addrs, input_nbytes, &s);
+    if (s.ok()) {
+      py::gil_scoped_release nogil;
+      s = run_host_program(program.data(), n, slot, slot_bytes, in, threads);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
+     py::arg("threads") = 1);
+  m.def("run_copy_program_cuda", [program_of, inputs_of](const py::array_t<int64_t, py::array::c_style>& program,
+                                                         uint64_t slot, uint64_t slot_bytes,
+                                                         const std::vector<uint64_t>& input_addrs,
+                                                         const std::vector<uint64_t>& input_nbytes, uint64_t stream,
+                                                         const std::string& mode) {
+    Status s;
+    int64_t calls = 0;
+    const size_t n = program_of(program, &s);
+    std::vector<CopyInput> in = inputs_of(input_addrs, input_nbytes, &s);
+    if (mode != "each" && mode != "batch") s = Status(Code::kInvalidArgument, "copy mode must be each or batch");
+    if (s.ok()) {
+      py::gil_scoped_release nogil;
+      s = run_device_program(program.data(), n, slot, slot_bytes, in, stream,
+                             mode == "batch" ? CopyMode::kBatch : CopyMode::kEach, &calls);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
+  }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
+     py::arg("stream"), py::arg("mode") = "each");
 
   py::class_<SlotView>(m, "SlotView", py::buffer_protocol(),
                        "The exporter of a slot view; holds the transfer buffer open while alive.")

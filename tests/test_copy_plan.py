@@ -622,6 +622,28 @@ def test_stop_ends_the_recorder_between_groups(tmp_path):
     assert recorder.recorded == 2 == len(plans_of(replica).unverified)
 
 
+def test_a_reconnect_does_not_wait_for_the_group_being_recorded(tmp_path):
+    """WeightSender.connect stops the old recorder with timeout 0: it returns while a group is
+    still being recorded, and the recorder ends after that group."""
+    replica = _qwen3_replica(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+
+    def block_in_first(rep, group):
+        inside.set()
+        release.wait(60)
+
+    recorder = PlanRecorder([_Rank(replica)], "cpu")
+    recorder.before_group = block_in_first
+    recorder.start()
+    assert inside.wait(60)
+    t0 = time.monotonic()
+    recorder.stop(timeout=0)
+    assert time.monotonic() - t0 < 1.0 and recorder._thread.is_alive()
+    release.set()
+    recorder._thread.join(60)
+    assert not recorder._thread.is_alive() and recorder.recorded <= 1
+
+
 def _forged_record(rep, group, like, device=None):
     """A recorder gone wrong: in-bounds plans that read one element off (like _shift_a_source)."""
     plan = record_group_plan(rep, group, like, device=device)

@@ -31,6 +31,22 @@ class CudaRuntimeInfo(TypedDict):
 
 def cuda_runtime_info() -> CudaRuntimeInfo: ...
 
+class CudaDriverInfo(TypedDict):
+    loaded: bool
+    batch: bool  # cuMemcpyBatchAsync found
+    library: str
+    error: str
+
+def cuda_driver_info() -> CudaDriverInfo: ...
+
+# Copy programs (csrc/buffers/copy_program.h; replica/native_copies.py): an (n, 7) int64 array of 2-D
+# byte copies, checked against slot_bytes and each input's bytes before anything is written.
+# Return (code, message) / (code, message, driver calls); code 0 is OK (csrc/status.h).
+def run_copy_program_host(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
+                          input_nbytes: list[int], threads: int = 1) -> tuple[int, str]: ...
+def run_copy_program_cuda(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
+                          input_nbytes: list[int], stream: int, mode: str = "each") -> tuple[int, str, int]: ...
+
 class SlotView:
     """The buffer-protocol exporter behind a slot view; holds the transfer buffer open while alive."""
 

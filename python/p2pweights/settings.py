@@ -90,6 +90,13 @@ def _flag(v: str) -> str:
     return v
 
 
+def _switch(v: str) -> bool:
+    """0/1 in the environment; a keyword may pass a bool."""
+    if v.strip() not in ("", "0", "1"):
+        raise ValueError("must be 0 or 1")
+    return v.strip() == "1"
+
+
 def _log_level(v: str) -> str:
     if v.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
@@ -142,6 +149,11 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "check each against the loaders at its group's next load, then replay it instead of sglang's loaders; "
             "`on`: record on a group's first load; `off`: always the loaders",
             _one_of("on", "background", "off")),
+    Setting("P2PW_PREPARE", _switch, False, "`1`: a WeightSender starts, at construction, on a thread, what its "
+            "first connect would import (sglang, the model's module) and its transport agent; connect waits for "
+            "what is not done", default_text="0"),
+    Setting("P2PW_COPY_THREADS", int, min(4, os.cpu_count() or 1), "threads of a replayed copy plan's native "
+            "host copies (a group under 4 MiB runs on one)", _at_least_one, default_text="min(4, cores)"),
     Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
             default_text="(search)"),
     # transports
@@ -172,6 +184,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             default_text="unset"),
     Setting("P2PW_SESSION_LEASE", float, 30.0, "seconds an update session lives without its owner renewing it; "
             "then it expires (torn if it received writes)", _positive, default_text="30"),
+    Setting("P2PW_OPEN_BESIDE_SLOTS", _switch, False, "`1`: a sender alone pauses the engines at its first push, "
+            "then opens their session (begin) on a thread while it fills the first slots; the first write waits "
+            "for every session", default_text="0"),
     # trust in what is written
     Setting("P2PW_CHECK_FINITE", _str, "", "`1`: refuse NaN/Inf in pushed tensors, naming the tensor, before any "
             "write", _flag, default_text="unset"),
@@ -257,6 +272,7 @@ class Settings:
     check_finite: str
     verify: str
     copy_plans: str
+    prepare: bool
 
     def transport_options(self) -> dict[str, Any]:
         """Keyword arguments for the chosen transport's backend (only those that are set)."""

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from ..settings import format_size, parse_size, settings
+from ..settings import format_size, lookup, parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that does not decide a rank's bytes is refused (default: %(default)s)")
     p.add_argument("--senders", type=int, default=2, help="sender processes, the trainer's data replicas (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
-    p.add_argument("--transport", choices=("mooncake", "nixl"), default=None,
-                   help="P2P transport (default: P2PW_TRANSPORT, else mooncake)")
+    p.add_argument("--transport", choices=("mooncake", "nixl", "auto"), default=None,
+                   help="P2P transport; auto: nixl where its native C-API path loads (no GIL on the write path; "
+                        "UCX shared memory on one host: each byte copied once, where Mooncake's TCP copies it twice "
+                        "in the kernel), else mooncake (default: P2PW_TRANSPORT when set, else auto)")
     p.add_argument("--modes", default=None,
                    help="comma-separated: p2p, broadcast (default: p2p,broadcast; p2p for an FP8 model: the gloo "
                         "broadcast baseline has no float8 type)")
@@ -31,6 +33,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
+
+
+def pick_transport(name: str) -> tuple[str, str]:
+    """(transport, why) for --transport: "auto" is nixl where NIXL's native C-API sender path loads
+    here (the library opens and NIXL's Python package, which the receivers use, imports), else
+    mooncake; why is "" for an explicit name."""
+    if name != "auto":
+        return name, ""
+    import ctypes
+
+    from ..errors import TransportError
+    from ..transport import nixl, nixl_native
+
+    path = nixl_native.data_path()
+    if path["path"] != "native":
+        return "mooncake", f" (auto: NIXL's native path is not available: {path['reason']})"
+    try:
+        ctypes.CDLL(path["library"])
+        nixl.nixl_api()  # the receivers' side
+    except (OSError, TransportError) as e:
+        return "mooncake", f" (auto: NIXL's C API does not load here: {e})"
+    return "nixl", " (auto: NIXL's native C-API path loads here)"
+
+
+def _default_transport() -> str:
+    """P2PW_TRANSPORT when it is set; else ``auto``: on one host the demo's writes cross loopback,
+    where NIXL's shared memory beats Mooncake's TCP (docs/transports.md)."""
+    value, source = lookup("P2PW_TRANSPORT")
+    return value if source != "default" else "auto"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     except UnknownModel as e:
         raise UnknownModel(f"--model: {e}") from None
     EngineLayout.parse(args.engine, command="demo")
-    transport = args.transport or settings().transport
+    transport, why = pick_transport(args.transport or _default_transport())
     fp8 = quant_scheme(load_config(model)) is not None
     modes = [m for m in (args.modes or ("p2p" if fp8 else "p2p,broadcast")).split(",") if m]
     unknown = set(modes) - {"p2p", "broadcast"}
@@ -62,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=out, flush=True)
 
     progress(f"p2pweights demo: model {args.model}, {args.engines} engine(s) x {args.engine}, "
-             f"{args.senders} sender(s), {args.steps} step(s), transport {transport}, modes {','.join(modes)}")
+             f"{args.senders} sender(s), {args.steps} step(s), transport {transport}{why}, modes {','.join(modes)}")
     results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
                        progress=progress, verbose=args.verbose, verify=args.verify)
@@ -70,11 +101,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results_json(results), indent=2))
     else:
         print()
-        print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal")
+        print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal  "
+              f"sender CPU s")
         for r in results:
             eq = {True: "yes", False: "NO", None: "-"}[r.equal]
+            cpu = "/".join(f"{c:.2f}" for c in r.sender_cpu_seconds) or "-"  # per sender process, P2P only
             print(f"{r.label:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  "
-                  f"{r.gbps:6.2f}  {eq}")
+                  f"{r.gbps:6.2f}  {eq:>5}  {cpu}")
         verified = [r.seconds for r in results if r.verified]
         plain = [r.seconds for r in results if r.mode == "p2p" and not r.verified]
         if verified and plain:

@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..settings import format_size
@@ -41,6 +41,10 @@ class StepResult:
     waiting_seconds: float = 0.0  # blocked on a free slot or on the last writes
     verified: bool = False        # update(verify=True): engine ranks digested what they hold (--verify)
     verify_seconds: float = 0.0   # the slowest sender's verification, part of ``seconds``
+    # P2P only, per sender process: CPU seconds of its update (UpdateReport.cpu_seconds: all its
+    # threads) and of it the thread that ran update() (loaders, staging; the rest is native writes)
+    sender_cpu_seconds: list[float] = field(default_factory=list)
+    sender_caller_cpu_seconds: list[float | None] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -91,7 +95,8 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
                     r = update.report
                     conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
                                         "loading": r.loading_seconds, "waiting": r.waiting_seconds,
-                                        "verify": update.verify_seconds, "report": str(r)}))
+                                        "verify": update.verify_seconds, "report": str(r),
+                                        "cpu": r.cpu_seconds, "caller_cpu": r.caller_cpu_seconds}))
                 except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
                     conn.send(("failed", f"{type(e).__name__}: {e}"))
                 tensors = None
@@ -222,7 +227,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
                                       equal, why, slowest["loading"], slowest["waiting"], verified,
-                                      max((p.get("verify", 0.0) for p in done), default=0.0)))
+                                      max((p.get("verify", 0.0) for p in done), default=0.0),
+                                      [p["cpu"] for p in done], [p["caller_cpu"] for p in done]))
             progress(_row_text(results[-1]))
             if verbose:
                 for i, p in enumerate(done):
@@ -263,7 +269,9 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
 def _row_text(r: StepResult) -> str:
     eq = {True: "yes", False: "NO", None: "-"}[r.equal]
     return (f"{r.label:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank  "
-            f"{r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  equal: {eq}" + (f"  ({r.detail})" if r.detail and not r.equal else ""))
+            f"{r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  equal: {eq}"
+            + (f"  sender CPU {'/'.join(f'{c:.2f}' for c in r.sender_cpu_seconds)} s" if r.sender_cpu_seconds else "")
+            + (f"  ({r.detail})" if r.detail and not r.equal else ""))
 
 
 def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int = 2, steps: int = 2,

@@ -2,9 +2,13 @@
 timeout and a read timeout.
 
 Every control-plane call p2pweights makes (a trainer to an engine, a receiver's leader to its
-ranks, a rank to its bootstrap server) goes through :func:`request`. Each call opens a fresh
-connection: calls are rare (a handful per update) and a fresh connection never meets a socket
-the peer closed meanwhile.
+ranks, a rank to its bootstrap server) goes through :func:`request`. Connections are kept alive
+and reused (:class:`ConnectionPool`): a verb on an open connection costs one round trip, where a
+fresh one also pays the connect and, on the server, a new thread. A kept connection is reused only
+while it is younger than ``IDLE_REUSE_S`` (below the keep-alive timeouts of sglang's server,
+uvicorn: 5 s, and the receiver's: 30 s) and the peer has not closed it; should the peer close it
+anyway just as it is reused, a GET is sent again on a fresh connection and any other call fails as
+"connection lost" (its verb may have run: the caller's failure policy decides, never a silent repeat).
 
 The two timeouts are separate because they fail for different reasons: a connect that does not
 complete within seconds means the engine is down or unreachable; an answer may legitimately take
@@ -18,7 +22,11 @@ from __future__ import annotations
 import hmac
 import http.client
 import json
+import os
+import select
 import socket
+import threading
+import time
 from typing import Any, Mapping
 from urllib.parse import urlencode, urlsplit
 
@@ -52,34 +60,128 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
     if body is not None:
         data = json.dumps(body).encode()
         send_headers["Content-Type"] = "application/json"
+    key = (parts.scheme, parts.hostname, parts.port)
+    conn = POOL.take(key)
+    if conn is not None:
+        try:
+            return _exchange(conn, key, method, target, data, send_headers, read_s, what)
+        except _Stale:
+            if method != "GET":
+                raise EngineUnreachable(f"{what}: connection lost (the server closed a kept-alive connection as "
+                                        f"it was reused); the call may have run",
+                                        hint="did the engine restart? check its state before repeating") from None
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(parts.hostname, parts.port, timeout=connect_s)
     try:
-        try:
-            conn.connect()
-        except ConnectionRefusedError as e:
-            raise EngineUnreachable(f"{what}: connection refused",
-                                    hint=f"is the engine running and listening at {url}?") from e
-        except socket.timeout as e:
-            raise EngineUnreachable(f"{what}: no connection within {connect_s:g}s",
-                                    hint="is the host reachable? (P2PW_ENGINE_CONNECT_TIMEOUT)") from e
-        except OSError as e:
-            raise EngineUnreachable(f"{what}: cannot connect: {e}",
-                                    hint=f"is the engine running and listening at {url}?") from e
-        conn.sock.settimeout(read_s)
-        try:
-            conn.request(method, target, body=data, headers=send_headers)
-            resp = conn.getresponse()
-            status, raw = resp.status, resp.read()
-        except socket.timeout as e:
-            raise EngineUnreachable(
-                f"{what}: no answer within {read_s:g}s",
-                hint="the engine may be stuck or still post-processing; raise timeout= (P2PW_ENGINE_TIMEOUT)") from e
-        except (http.client.HTTPException, OSError) as e:
-            raise EngineUnreachable(f"{what}: connection lost: {e!r}", hint="did the engine process exit?") from e
-    finally:
+        conn.connect()
+    except ConnectionRefusedError as e:
         conn.close()
+        raise EngineUnreachable(f"{what}: connection refused",
+                                hint=f"is the engine running and listening at {url}?") from e
+    except socket.timeout as e:
+        conn.close()
+        raise EngineUnreachable(f"{what}: no connection within {connect_s:g}s",
+                                hint="is the host reachable? (P2PW_ENGINE_CONNECT_TIMEOUT)") from e
+    except OSError as e:
+        conn.close()
+        raise EngineUnreachable(f"{what}: cannot connect: {e}",
+                                hint=f"is the engine running and listening at {url}?") from e
+    POOL.connects += 1
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
+    try:
+        return _exchange(conn, key, method, target, data, send_headers, read_s, what)
+    except _Stale as e:
+        raise EngineUnreachable(f"{what}: connection lost: {e.__cause__!r}", hint="did the engine process exit?") from e
+
+
+class _Stale(Exception):
+    """A connection closed by the peer before any byte of the answer came (raised from the cause)."""
+
+
+def _exchange(conn: http.client.HTTPConnection, key: tuple, method: str, target: str, data: bytes | None,
+              headers: dict, read_s: float, what: str) -> tuple[int, Any]:
+    """One request and its answer on ``conn``; the connection goes back to the pool when the server
+    keeps it open."""
+    conn.sock.settimeout(read_s)
+    try:
+        conn.request(method, target, body=data, headers=headers)
+        resp = conn.getresponse()
+        status, raw = resp.status, resp.read()
+    except socket.timeout as e:
+        conn.close()
+        raise EngineUnreachable(
+            f"{what}: no answer within {read_s:g}s",
+            hint="the engine may be stuck or still post-processing; raise timeout= (P2PW_ENGINE_TIMEOUT)") from e
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+        conn.close()
+        raise _Stale() from e
+    except (http.client.HTTPException, OSError) as e:
+        conn.close()
+        raise EngineUnreachable(f"{what}: connection lost: {e!r}", hint="did the engine process exit?") from e
+    if resp.will_close:
+        conn.close()
+    else:
+        POOL.give(key, conn)
     return status, decode(raw)
+
+
+class ConnectionPool:
+    """Idle kept-alive connections by (scheme, host, port), most recent first; per process (a forked
+    child starts with none: its parent's sockets are the parent's)."""
+
+    def __init__(self, idle_reuse_s: float = 2.0, per_server: int = 16):
+        self.idle_reuse_s = idle_reuse_s
+        self.per_server = per_server
+        self.connects = 0  # fresh connections opened by request() (tests count reuse by it)
+        self._idle: dict[tuple, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def take(self, key: tuple) -> http.client.HTTPConnection | None:
+        """A kept connection to ``key`` that is fresh and still open, or None."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = {}, os.getpid()
+            idle = self._idle.get(key, [])
+            while idle:
+                conn, since = idle.pop()
+                if now - since <= self.idle_reuse_s and _still_open(conn):
+                    return conn
+                conn.close()
+        return None
+
+    def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if self._pid != os.getpid() or len(idle) >= self.per_server:
+                conn.close()
+                return
+            idle.append((conn, time.monotonic()))
+
+    def clear(self) -> None:
+        """Close every idle connection."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn, _ in conns:
+                conn.close()
+
+
+def _still_open(conn: http.client.HTTPConnection) -> bool:
+    """An idle connection the server has not closed: nothing to read on it (a close reads as EOF)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+#: this process's kept-alive connections (control.http.request's)
+POOL = ConnectionPool()
 
 
 def bearer(api_key: str | None) -> dict[str, str]:

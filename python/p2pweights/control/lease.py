@@ -88,6 +88,11 @@ class LeaseRenewer:
             self.leased[engine.name] = engine
             self.lease = min(self.lease, float(answered_lease))
 
+    def forget(self, engine: Any) -> None:
+        """``engine``'s session ended: no more renewals of it."""
+        with self._lock:
+            self.leased.pop(engine.name, None)
+
     def start(self) -> None:
         if self.leased and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="p2pw-lease", daemon=True)
@@ -124,7 +129,7 @@ class LeaseRenewer:
             errors = self.check_in(list(self.leased.values()))
             if self._stop.is_set():  # the session ended meanwhile: nothing left to renew
                 return
-            for name in self.leased:
+            for name in list(self.leased):  # forget() may take one out meanwhile
                 if name in errors:
                     if name not in self.lost:
                         logger.warning("engine %s: renewing the weight-update lease failed: %s", name, errors[name])

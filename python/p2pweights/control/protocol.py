@@ -62,6 +62,17 @@ SESSION_OWNER_HEADER = "X-P2PW-Session-Owner"
 SESSION_LEASE_HEADER = "X-P2PW-Session-Lease"
 TORN = "torn"                                   # what /health and /server_info say of torn weights
 
+#: A receiver's begin answers ``END_FOLDS: true``: its end_weight_update may be asked, in its body's
+#: ``END_THEN`` (``{"new_version": str, "continue": bool, "torch_empty_cache": bool}``), to bump the
+#: version and continue generation right after it ended, in the same call; its answer then says what
+#: each did under ``END_THEN`` (``{"update_weight_version": {"success", "message", ...}, ...}``).
+#: One round trip instead of three; sglang's servers never get it (they do not answer END_FOLDS).
+END_FOLDS = "p2pw_end_then"
+END_THEN = "p2pw_then"
+#: a receiver's answer to a session verb carries its own timings under this key (seconds by phase:
+#: ``server_s``, its fan-outs to the ranks, each rank's, and a folded end's ``<verb>_s``)
+TIMINGS_KEY = "p2pw_timings"
+
 #: a receiver's leader reaches its other engine ranks at ``POST {RANK_ROUTE_PREFIX}<verb>`` (internal)
 RANK_ROUTE_PREFIX = "/p2pw_rank/"
 
@@ -99,7 +110,11 @@ class BeginWeightUpdateReq(Body):
 
 @dataclass
 class EndWeightUpdateReq(Body):
+    """sglang's body is empty. ``extra`` carries p2pweights' ``p2pw_then`` (:data:`END_THEN`), sent
+    only to an engine whose begin answered :data:`END_FOLDS` (a receiver; never to sglang)."""
+
     SGLANG: ClassVar[str | None] = "EndWeightUpdateReqInput"
+    extra: dict = field(default_factory=dict, metadata={"extra": True})
 
 
 @dataclass
@@ -380,6 +395,21 @@ def route(verb: str) -> Route:
 
 
 # ---- error payloads --------------------------------------------------------------------------
+
+
+def end_then(req: EndWeightUpdateReq) -> dict | None:
+    """The checked :data:`END_THEN` of an end_weight_update body (``new_version``, ``continue``,
+    ``torch_empty_cache``; the flags default to true), or None when the body has none."""
+    then = req.extra.get(END_THEN)
+    if then is None:
+        return None
+    if not isinstance(then, dict) or not isinstance(then.get("new_version"), str):
+        raise InvalidRequest(f"field {END_THEN!r} must be an object with 'new_version' (a string), "
+                             f"'continue' and 'torch_empty_cache' (booleans)")
+    flags = {k: then.get(k, True) for k in ("continue", "torch_empty_cache")}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise InvalidRequest(f"fields 'continue' and 'torch_empty_cache' of {END_THEN!r} must be booleans")
+    return {"new_version": then["new_version"], **flags}
 
 
 def error_payload(error: BaseException | str, *, type_name: str | None = None, **fields: Any) -> dict:

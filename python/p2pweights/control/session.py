@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import EngineError, EnginesFailed, SessionConflict, UpdateRefused
 from ..settings import value as setting
+from . import protocol as p
 from .lease import CLAIMS, LeaseRenewer, new_owner_id
 from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
 from .sglang import SglangEngine
@@ -93,17 +94,70 @@ def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEn
         return verb(engine, *args, **kwargs)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(len(engines), 64), thread_name_prefix=f"p2pw-{label}") as pool:
-        futures = {e.name: pool.submit(one, e) for e in engines}
-        for name, fut in futures.items():
-            try:
-                calls.results[name] = fut.result()
-            except Exception as e:  # noqa: BLE001 - every engine's failure is data here
-                calls.errors[name] = e
+    if len(engines) == 1:  # one engine: in this thread (a thread's start is a tenth of a verb's round trip)
+        try:
+            calls.results[engines[0].name] = one(engines[0])
+        except Exception as e:  # noqa: BLE001 - every engine's failure is data here
+            calls.errors[engines[0].name] = e
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(engines), 64), thread_name_prefix=f"p2pw-{label}") as pool:
+            futures = {e.name: pool.submit(one, e) for e in engines}
+            for name, fut in futures.items():
+                try:
+                    calls.results[name] = fut.result()
+                except Exception as e:  # noqa: BLE001 - every engine's failure is data here
+                    calls.errors[name] = e
     log = _verb_log.get()
     if log is not None:
         log.append((label, time.perf_counter() - t0, len(engines)))
     return calls
+
+
+def _folded(engine: SglangEngine, answer: Any) -> bool:
+    """What an end that was asked to bump and continue too says it did: True when both succeeded;
+    a ``_StepFailed`` naming the first that failed; False when it did neither (the answer has no
+    ``END_THEN``: the separate calls follow)."""
+    then = answer.get(p.END_THEN) if isinstance(answer, dict) else None
+    if not isinstance(then, dict):
+        return False
+    for verb in ("update_weight_version", "continue_generation"):
+        said = then.get(verb)
+        if not (isinstance(said, dict) and said.get("success") is not False):
+            error = p.ErrorAnswer.of(said)
+            raise _StepFailed(verb, error.exception(
+                f"engine {engine.name} ({engine.base_url}): {verb} after end_weight_update failed: "
+                f"{error.message or 'no answer for it'}", engine=engine.name))
+    return True
+
+
+class _StepFailed(Exception):
+    """Which of an engine's end -> version -> continue calls failed (``step``), and why (``error``)."""
+
+    def __init__(self, step: str, error: BaseException):
+        super().__init__(f"{step}: {error}")
+        self.step, self.error = step, error
+
+
+class _InThread:
+    """``fn()`` on a daemon thread; :meth:`result` waits for it and returns or re-raises."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _check_unique_names(engines: Sequence[SglangEngine]) -> None:
@@ -143,14 +197,17 @@ class UpdateSession:
     rewrites every byte and heals it. A session an sglang server says is already open is resumed
     only by its own ``owner=`` (sglang cannot say whose it is); otherwise ``SessionConflict``.
 
-    Just before ending, every engine that keeps a lease renews it once more with a short timeout
+    Before ending (just before, or beside the last writes when the sender calls
+    :meth:`check_in_soon`), every engine that keeps a lease renews it once more with a short timeout
     (its leader pings every rank): an engine that does not answer, lost its session, or has a
     rank that does not answer is named, not ended, and left paused; the others finish.
 
     Success (the block returns): ``end_weight_update`` -> ``update_weight_version`` ->
-    ``continue_generation`` on every engine. An engine whose ``end`` fails is not bumped and is left
-    paused; the others (whose weights are the new version) are bumped and continued; then one
-    EngineError names the failed ones.
+    ``continue_generation`` on every engine, each engine's calls in that order, the engines at once
+    (a receiver does all three in its one end call: ``protocol.END_FOLDS``). An engine whose ``end``
+    fails is not bumped and is left paused; one whose bump fails is not continued; the others
+    (whose weights are the new version) are bumped and continued; then one EngineError names the
+    failed ones.
 
     Failure inside the block (a write failed, a timeout, any exception): no engine is told to end
     the update or bump its version (DESIGN invariant 3). What happens next is ``on_failure``:
@@ -203,7 +260,11 @@ class UpdateSession:
         self.lease = float(setting("P2PW_SESSION_LEASE", lease))
         self._renewer = LeaseRenewer(self.lease, call_engines)
         self._state = "new"              # new -> open -> committed | aborted
+        self._check_in: _InThread | None = None  # check_in_soon's check-in, overlapping the last writes
+        self.folds: set[str] = set()     # engines whose end may bump the version and continue (protocol.END_FOLDS)
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
+        #: called (on open's thread) once pause_generation answered on every engine, before begin
+        self.on_paused: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     def __enter__(self) -> "UpdateSession":
@@ -239,6 +300,8 @@ class UpdateSession:
             e.session_owner = self.owner
         paused = call_engines(self.engines, "pause_generation", self.pause_mode)
         self.paused_at = time.perf_counter()  # the update's measured time starts here
+        if self.on_paused is not None:
+            self.on_paused()
         self.errors.update(paused.errors)
         begun: EngineCalls | None = None
         if paused.ok:
@@ -276,30 +339,78 @@ class UpdateSession:
             raise UpdateRefused(dict(self.errors), what="opening the weight update")
         raise _engines_failed("opening the weight update", self.errors)
 
+    def check_in_soon(self) -> None:
+        """Start the last lease check-in now, on a thread, so that it overlaps the last writes (the
+        sender calls this when its last slot is placed); :meth:`commit` takes its answer instead of
+        checking in again. A leader that stops answering after it is not found by the check-in but
+        by ``end_weight_update`` itself (named and left paused, at the engine's timeout), as is a
+        rank (the leader pings its ranks before it ends). No-op when no engine keeps a lease."""
+        self._require_open("check_in_soon")
+        if self._check_in is None and self._renewer.leased:
+            self._check_in = _InThread(lambda: self._renewer.check_in(self.engines), "p2pw-check-in")
+
     def commit(self) -> None:
-        """Every write succeeded: end -> bump version -> continue on every engine."""
+        """Every write succeeded: end -> bump version -> continue on every engine, each engine's
+        three calls one after the other (its version bumped only once it ended, continued only once
+        its version says what its weights are) and the engines at once."""
         self._require_open("commit")
-        stalled = self._renewer.check_in(self.engines)  # a stalled engine or rank is named now, in seconds
+        # a stalled engine or rank is named now, in seconds (check_in_soon: already asked)
+        stalled = self._check_in.result() if self._check_in is not None else self._renewer.check_in(self.engines)
         self.errors.update(stalled)
-        ended = call_engines([e for e in self.engines if e.name not in stalled], "end_weight_update")
+
+        steps: dict[str, float] = {}  # verb -> the slowest engine's seconds (the verbs' log, as call_engines')
+
+        def step(verb: str, call: Callable[[], Any]) -> None:
+            t0 = time.perf_counter()
+            try:
+                call()
+            except Exception as err:
+                raise _StepFailed(verb, err) from err
+            finally:
+                with self._lock:
+                    steps[verb] = max(steps.get(verb, 0.0), time.perf_counter() - t0)
+
+        def end_version_continue(e: SglangEngine) -> None:
+            if e.name in self.folds:  # one call: the receiver bumps and continues once it ended
+                answer: list = []
+                step("end_weight_update", lambda: answer.append(e.end_weight_update(
+                    then_version=self.version, torch_empty_cache=self.torch_empty_cache)))
+                self._renewer.forget(e)
+                if _folded(e, answer[0]):
+                    timings = answer[0].get(p.TIMINGS_KEY)  # the receiver's own seconds for each
+                    with self._lock:
+                        for verb in ("update_weight_version", "continue_generation"):
+                            said = timings.get(f"{verb}_s") if isinstance(timings, dict) else None
+                            seconds = float(said) if isinstance(said, (int, float)) else 0.0
+                            steps[verb] = max(steps.get(verb, 0.0), seconds)
+                    return
+            else:
+                step("end_weight_update", e.end_weight_update)
+                self._renewer.forget(e)  # ended: nothing left to renew
+            step("update_weight_version", lambda: e.update_weight_version(self.version))
+            step("continue_generation", lambda: e.continue_generation(self.torch_empty_cache))
+
+        finished = call_engines([e for e in self.engines if e.name not in stalled], end_version_continue)
         self._renewer.stop()
-        self.errors.update(ended.errors)
-        done = [e for e in self.engines if e.name in ended.results]
-        bumped = call_engines(done, "update_weight_version", self.version)
-        self.errors.update(bumped.errors)
-        # an engine is continued only once its version says what its weights are
-        continued = call_engines([e for e in done if e.name in bumped.results], "continue_generation",
-                                 self.torch_empty_cache)
-        self.errors.update(continued.errors)
+        log = _verb_log.get()
+        if log is not None:  # per verb, as if each had run on every engine at once
+            log[:] = [x for x in log if x[0] != "end_version_continue"]
+            log += [(verb, seconds, len(self.engines)) for verb, seconds in steps.items()]
+        not_ended = set(stalled)
+        for name, err in finished.errors.items():
+            failed, cause = (err.step, err.error) if isinstance(err, _StepFailed) else ("end_weight_update", err)
+            self.errors[name] = cause
+            if failed == "end_weight_update":
+                not_ended.add(name)
         for e in self.engines:
             if e.name not in self.errors:
                 self.outcome[e.name] = UPDATED
-            elif e.name in ended.errors or e.name in stalled:
+            elif e.name in not_ended:
                 self.outcome[e.name] = LEFT_PAUSED
             else:
                 self.outcome[e.name] = FAILED
         self._state = "committed"
-        self._renewer.release([e for e in self.engines if e.name not in ended.results])  # torn until healed
+        self._renewer.release([e for e in self.engines if e.name in not_ended])  # torn until healed
         self._done()
         if self.errors:
             raise _engines_failed(f"finishing weight update {self.version}", self.errors)
@@ -309,6 +420,7 @@ class UpdateSession:
         Never raises for the engines' sake (the caller is already handling the real error)."""
         self._require_open("abort")
         self._state = "aborted"
+        self._settle_check_in()
         if reason:
             logger.warning("weight update %s failed (%s): engines %s", self.version, reason,
                            "stay paused with their session open" if self.on_failure == "stay_paused"
@@ -332,6 +444,7 @@ class UpdateSession:
         torn weights) stay paused. Never raises for the engines' sake."""
         self._require_open("roll_back")
         self._state = "aborted"
+        self._settle_check_in()
         fresh = [e for e in self.engines if e.name not in self.resumed]
         if reason:
             logger.warning("weight update %s failed before any write (%s): engines end the session without a "
@@ -371,11 +484,23 @@ class UpdateSession:
             return {"success": True, "message": "resumed this owner's open weight-update session"}
         if isinstance(answer, dict) and answer.get("lease") is not None:
             self._renewer.keep(engine, float(answer["lease"]))
+        if isinstance(answer, dict) and answer.get(p.END_FOLDS) is True:
+            with self._lock:
+                self.folds.add(engine.name)
         if isinstance(answer, dict) and answer.get("took_over"):
             logger.warning("engine %s: took over a torn weight-update session; this update heals it", engine.name)
             with self._lock:
                 self.resumed.add(engine.name)
         return answer
+
+    def _settle_check_in(self) -> None:
+        """An early check-in still in flight lands before the session is given up or rolled back
+        (a renewal after a release would be refused, after a roll-back meet no session)."""
+        if self._check_in is not None:
+            try:
+                self._check_in.result()
+            except Exception:  # noqa: BLE001 - the session fails anyway; its verdict is not needed
+                pass
 
     def _done(self) -> None:
         """The session is over for this controller: no more owner id on its calls, no claim."""

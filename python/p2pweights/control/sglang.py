@@ -122,10 +122,18 @@ class SglangEngine:
         return self._json("renew_weight_update", body=p.RenewWeightUpdateReq(release=bool(release)),
                           headers=_lease_header(lease), timeout=timeout)
 
-    def end_weight_update(self) -> dict:
+    def end_weight_update(self, then_version: str | None = None, then_continue: bool = True,
+                          torch_empty_cache: bool = True) -> dict:
         """``POST /end_weight_update {}``: closes the session; the engine runs its post-processing
-        (post_load_weights, process_weights_after_loading: derived buffers such as w_kc/w_vc)."""
-        return self._json("end_weight_update", body=p.EndWeightUpdateReq())
+        (post_load_weights, process_weights_after_loading: derived buffers such as w_kc/w_vc).
+
+        ``then_version`` (only for an engine whose begin answered ``protocol.END_FOLDS``: a
+        receiver): in the same call, once ended, bump the version to it and (``then_continue``)
+        continue generation; the answer's ``protocol.END_THEN`` says what each of them did."""
+        extra = {} if then_version is None else {p.END_THEN: {
+            "new_version": str(then_version), "continue": bool(then_continue),
+            "torch_empty_cache": bool(torch_empty_cache)}}
+        return self._json("end_weight_update", body=p.EndWeightUpdateReq(extra=extra))
 
     def update_weight_version(self, version: str | int) -> dict:
         """``POST /update_weight_version {"new_version": str, "abort_all_requests": false}``.

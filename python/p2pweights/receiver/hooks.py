@@ -6,10 +6,12 @@ unreachable rank fails it, named.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, P2PWeightsError, error_named
+from .phases import record_phase
 from .rank_server import call_rank, ping_timeout
 from .server import ReceiverHooks
 
@@ -27,6 +29,10 @@ class EngineHooks(ReceiverHooks):
         self.world = local.engine.world_size
         self.rank_urls: dict[int, str] = {}
         self._lock = threading.Lock()
+        # the threads that call the other ranks, kept across verbs; room for every rank of each verb
+        # that may run at once (one control verb, a lease renewal, a group join or leave) and more,
+        # so a renewal never queues behind a long post-processing
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 8 * (self.world - 1)), thread_name_prefix="p2pw-ranks")
 
     # -- reading ---------------------------------------------------------------------------------
     def server_info(self) -> dict:
@@ -80,16 +86,24 @@ class EngineHooks(ReceiverHooks):
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         raised: dict[int, BaseException] = {}
-        with ThreadPoolExecutor(max_workers=self.world, thread_name_prefix=f"p2pw-{verb}") as pool:
-            futures = {0: pool.submit(self.local.call, verb, body)}
-            futures.update({r: pool.submit(call_rank, urls[r], r, verb, body, timeout, api_key=self.api_key)
-                            for r in range(1, self.world)})
-            for r, fut in futures.items():
-                try:
-                    results[r] = fut.result()
-                except Exception as e:  # noqa: BLE001 - each rank's failure is named
-                    errors[r] = f"{type(e).__name__}: {e}" if r == 0 else str(e)
-                    raised[r] = e
+        at_rank: dict[int, float] = {}  # rank -> the verb's seconds on the rank's own clock
+        t0 = time.perf_counter()
+
+        futures = {r: self._pool.submit(call_rank, urls[r], r, verb, body, timeout, api_key=self.api_key,
+                                        seconds=at_rank)
+                   for r in range(1, self.world)}
+        try:  # rank 0 here, in this thread, while the others run theirs
+            results[0] = self.local.call(verb, body)
+        except Exception as e:  # noqa: BLE001 - each rank's failure is named
+            errors[0], raised[0] = f"{type(e).__name__}: {e}", e
+        at_rank[0] = time.perf_counter() - t0
+        for r, fut in futures.items():
+            try:
+                results[r] = fut.result()
+            except Exception as e:  # noqa: BLE001 - each rank's failure is named
+                errors[r], raised[r] = str(e), e
+        record_phase(f"{verb}_s", time.perf_counter() - t0)
+        record_phase(f"{verb}_at_rank_s", {str(r): s for r, s in sorted(at_rank.items())})
         if errors:
             lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items()))
             only = next(iter(errors)) if len(errors) == 1 else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ def ping_timeout() -> float:
 class _RankHandler(BaseHTTPRequestHandler):
     rank: "EngineRank"
     api_key: str | None = None
+    protocol_version = "HTTP/1.1"  # keep-alive: a client's next verb reuses the connection (control.http)
+    disable_nagle_algorithm = True  # an answer's headers and body are two writes: no 40 ms delayed-ACK stall
     timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
@@ -61,8 +64,10 @@ class _RankHandler(BaseHTTPRequestHandler):
         if not self.path.startswith(protocol.RANK_ROUTE_PREFIX):
             return send_json(self, protocol.NOT_FOUND, {"ok": False, **protocol.error_payload(
                 f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
+        t0 = time.perf_counter()
         try:
-            status, payload = protocol.OK, {"ok": True, "result": self.rank.call(verb, body)}
+            result = self.rank.call(verb, body)
+            status, payload = protocol.OK, {"ok": True, "result": result, "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported to the leader
             # a plain KeyError is the caller's: EngineRank.call's "unknown rank verb", or a missing argument
             bad_input = isinstance(e, KeyError) and not isinstance(e, P2PWeightsError)
@@ -86,10 +91,11 @@ def serve_rank_control(rank: "EngineRank", host: str, port: int, api_key: str | 
 
 
 def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None = None, *,
-              api_key: str | None = None) -> Any:
+              api_key: str | None = None, seconds: dict | None = None) -> Any:
     """Run ``verb`` on the rank whose control endpoint is ``url``; its result, or EngineError naming
     the rank (unreachable, or the verb failed there). ``api_key``: the engine's key. ``timeout``:
-    default :func:`rank_timeout`."""
+    default :func:`rank_timeout`. ``seconds``: where to put ``rank`` -> the seconds the verb took
+    on the rank (its own clock)."""
     try:
         status, payload = request("POST", url, protocol.RANK_ROUTE_PREFIX + verb, body=body,
                                   timeout=timeout or rank_timeout(),
@@ -99,6 +105,8 @@ def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None 
     if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
         answer = protocol.ErrorAnswer.of(payload)
         raise answer.exception(f"rank {rank}: {answer.message or f'HTTP {status}'}", rank=rank)
+    if seconds is not None and isinstance(payload.get("seconds"), (int, float)):
+        seconds[rank] = payload["seconds"]
     return payload["result"]
 
 

@@ -37,7 +37,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 import threading
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,12 +48,11 @@ from urllib.parse import parse_qs, urlsplit
 from ..control import protocol as p
 from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeights
 from ..settings import value as setting
-from . import http_guard, identity
+from . import http_guard, identity, phases
 from . import session as sessions
 from .registration import register_transfer_engine_info  # noqa: F401 - re-exported: it used to live here
 
 logger = logging.getLogger(__name__)
-
 
 class ReceiverHooks:
     """What the engine does for each control call. Subclass and override what your engine needs;
@@ -181,6 +182,7 @@ class ReceiverServer:
         self._registered: dict[int, list] = {}   # tp rank -> [session_id, weights_info_dict]
         self._registered_extra: dict[int, dict] = {}  # tp rank -> extra published keys (NIXL: transport, ...)
         self._closed = False
+        self._connections: set = set()  # open client connections (kept alive between calls)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -217,6 +219,13 @@ class ReceiverServer:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
+        with self._state_lock:  # a kept-alive connection must not reach this closed server's state
+            connections, self._connections = set(self._connections), set()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
@@ -294,15 +303,37 @@ class ReceiverServer:
                 raise _Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
             self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
-        return p.encode(p.Ack())
+        return {**p.encode(p.Ack()), p.END_FOLDS: True}  # this end may bump the version and continue too
 
     def _end(self, req: p.EndWeightUpdateReq) -> dict:
+        then = p.end_then(req)  # checked before anything runs
         with self._control_lock:
             if not self.updating:
                 raise _Conflict(f"{p.NO_SESSION} is open; call begin_weight_update() first")
             self.hooks.on_end_update()
             self.updating, self.update_selector = False, None
-        return p.encode(p.Ack())
+            if then is None:
+                return p.encode(p.Ack())
+            self.session.end()  # over before what follows it (sessions.gated records it again: no-op)
+            done: dict[str, dict] = {}
+            # then, as the owner's own next calls would: the version, then (only once it is bumped) continue
+            steps = [("update_weight_version", lambda: self._update_weight_version(
+                p.UpdateWeightVersionReq(new_version=then["new_version"], abort_all_requests=False)))]
+            if then["continue"]:
+                steps.append(("continue_generation", lambda: self._continue(
+                    p.ContinueGenerationReq(torch_empty_cache=then["torch_empty_cache"]))))
+            for verb, step in steps:
+                t0 = time.perf_counter()
+                try:
+                    done[verb] = step()
+                    phases.record_phase(f"{verb}_s", time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - ended already: the answer says what failed after it
+                    logger.error("%s after end_weight_update failed:\n%s", verb, traceback.format_exc())
+                    what = e.message if isinstance(e, P2PWeightsError) else str(e)
+                    done[verb] = _error(e, f"{verb} failed in the engine after end_weight_update: "
+                                           f"{type(e).__name__}: {what}")
+                    break
+        return {**p.encode(p.Ack()), p.END_THEN: done}
 
     def _update_weight_version(self, req: p.UpdateWeightVersionReq) -> dict:
         with self._control_lock:
@@ -396,6 +427,8 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> Non
         handler.send_response(status)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(data)))
+        if handler.close_connection:  # a refused request's connection is closed: the client must not keep it
+            handler.send_header("Connection", "close")
         handler.end_headers()
         handler.wfile.write(data)
     except OSError:  # broken pipe, reset, or a write past the socket's timeout
@@ -406,7 +439,21 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> Non
 class _Handler(BaseHTTPRequestHandler):
     receiver: ReceiverServer  # set on the bound subclass
     server_version = "p2pweights-receiver"
+    protocol_version = "HTTP/1.1"  # keep-alive: a client's next verb reuses the connection (control.http)
+    disable_nagle_algorithm = True  # an answer's headers and body are two writes: no 40 ms delayed-ACK stall
     timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
+
+    def setup(self) -> None:
+        super().setup()
+        with self.receiver._state_lock:
+            self.receiver._connections.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            with self.receiver._state_lock:
+                self.receiver._connections.discard(self.connection)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -435,10 +482,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(p.METHOD_NOT_ALLOWED, p.error_payload(
                 f"Method Not Allowed: {parts.path} takes {' or '.join(route.methods)}"))
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        t0, times = time.perf_counter(), {}
+        token = phases.collect(times)
         try:
             req = p.decode(route.body, body) if route.body is not None else None
             status, payload = sessions.gated(self.receiver, route.verb, self.headers,
                                              lambda: getattr(self, "_do_" + route.verb)(req, query))
+            if route.verb in sessions.GATED and isinstance(payload, dict) and p.ok(status):
+                payload = {**payload, phases.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
         except (SessionConflict, TornWeights) as e:
             status, payload = p.CONFLICT, p.error_payload(e)
         except InvalidRequest as e:
@@ -452,6 +503,8 @@ class _Handler(BaseHTTPRequestHandler):
             what = e.message if isinstance(e, P2PWeightsError) else str(e)
             status, payload = p.ENGINE_FAILED, _error(e, f"{parts.path} failed in the engine: "
                                                         f"{type(e).__name__}: {what}")
+        finally:
+            phases.stop(token)
         self._send(status, payload)
 
     def _send(self, status: int, payload: Any) -> None:

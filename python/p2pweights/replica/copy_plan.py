@@ -21,11 +21,10 @@ Compression: per parameter, runs of consecutive ids become contiguous copies; ru
 length with constant strides in source and destination merge into strided blocks (a column
 shard of a row-parallel weight is one 2-D copy); blocks merge again into up to 4-D copies.
 
-A plan is applied by :meth:`GroupPlan.replay`: its ops compiled once into byte copies of the
-widest element (8, 4, 2 bytes) dividing their runs, strides and offsets (:func:`widen_ops`), then
-one ``as_strided`` view per side, large dense copies one ``copy_`` each, the rest batched
-(``torch._foreach_copy_``) where the devices agree (:func:`run_wide_ops`). Plans on disk:
-plan_store.py.
+A plan is applied by :meth:`GroupPlan.replay`: where the native core can, as one call of 2-D byte
+copies (native_copies.py: memcpy threads on a host, CUDA driver copies on a GPU); else as torch
+views — element views in one multi-tensor copy on a GPU (element_ops.py), wide byte copies on a
+host (byte_copies.py). Plans on disk: plan_store.py.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import LayoutMismatch
+from .byte_copies import _WIDTHS, Op, WideOp, byte_ops, run_wide_ops, widen_ops  # noqa: F401 - re-exported
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion
 
 if TYPE_CHECKING:
@@ -46,9 +46,8 @@ MAX_DIMS = 4  # a copy op has at most this many dimensions
 _CHUNK = 1 << 24  # elements encoded or decoded at a time (bounds the int64 temporaries)
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
-# one op: (input index or -1 for a zero fill, region index, dst offset, src offset, sizes,
-# dst strides, src strides); offsets and strides in elements of the region's dtype size
-Op = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# one op (byte_copies.Op): (input index or -1 for a zero fill, region index, dst offset, src offset,
+# sizes, dst strides, src strides); offsets and strides in elements of the region's dtype size
 
 
 class NotACopy(Exception):
@@ -80,6 +79,7 @@ class GroupPlan:
     itemsizes: tuple[int, ...]  # element size of each region
     ops: list[Op] = field(default_factory=list)
     _wide: list["WideOp"] | None = field(default=None, repr=False, compare=False)
+    _program: Any = field(default=None, repr=False, compare=False)  # native_copies.program_of's cache
 
     @property
     def nbytes(self) -> int:
@@ -126,8 +126,14 @@ class GroupPlan:
         """Write the group's bytes into ``slot`` from ``offset`` (as ``materialize_group`` would)."""
         if offset % SLOT_ALIGNMENT or slot.numel() < offset + self.regions[-1].offset + self.regions[-1].nbytes:
             raise LayoutMismatch(f"group {self.group_index} does not fit in a slot of {slot.numel()} bytes at {offset}")
-        inputs = [tensors[n] for n in self.inputs]
-        if slot.device.type == "cuda":
+        # every path reads an input as laid out contiguously from its first element (the torch
+        # views index its storage): a strided input is copied contiguous first
+        inputs = [t if t.is_contiguous() else t.contiguous() for t in (tensors[n] for n in self.inputs)]
+        from .native_copies import replay_natively
+
+        if replay_natively(self, inputs, slot, offset):  # the native core's batched copies (see there)
+            pass
+        elif slot.device.type == "cuda":
             # measured on the H200 in one run (benchmarks/bench_replay.py): one multi-tensor copy of
             # element views per group beat the wide copies 1.7x (Qwen3-4B TP2) and 2.2x (Qwen3-30B
             # EP8): a GPU slot is bound by the per-op launch and dispatch cost, not by element width
@@ -138,145 +144,10 @@ class GroupPlan:
             run_wide_ops(self.wide_ops, inputs, slot, slot.storage_offset() * slot.element_size() + offset)
         return [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in self.regions]
 
-
-# -- replay: byte copies of the widest elements -----------------------------------------------------
-# one wide op: (input index or -1 for a zero fill, element width in bytes, dst byte offset from the
-# group's start, src byte offset from the input's start, sizes, dst strides, src strides); sizes and
-# strides in elements of that width. Copies of uint8 elements are not vectorised (one byte per
-# thread on a GPU, strided ones byte by byte on a host): the widest element that divides every
-# run, stride and offset moves the same bytes with 2-8x fewer, wider loads.
-WideOp = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-_WIDTHS = (8, 4, 2, 1)
-MEMCPY_BYTES = 1 << 20  # a dense copy this large gets a copy of its own (memcpy), not a batch slot
-
-
-def _collapse(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """Drop size-1 dimensions and fold a dimension into the next inner one where every side is
-    contiguous across them (a row-contiguous 2-D copy becomes 1-D)."""
-    keep = [i for i, n in enumerate(sizes) if n != 1] or [len(sizes) - 1]
-    sizes = [sizes[i] for i in keep]
-    strides = [[st[i] for i in keep] for st in strides]
-    i = len(sizes) - 2
-    while i >= 0:
-        if all(st[i] == sizes[i + 1] * st[i + 1] for st in strides):
-            sizes[i + 1] *= sizes[i]
-            del sizes[i]
-            for st in strides:
-                del st[i]
-        i -= 1
-    return sizes, strides
-
-
-def _to_bytes(op: Op, regions: Sequence[SlotRegion], itemsizes: Sequence[int]) -> WideOp:
-    inp, reg, d_off, s_off, sizes, d_str, s_str = op
-    size = itemsizes[reg]
-    strides = [[x * size for x in d_str] + [1]] + ([[x * size for x in s_str] + [1]] if inp >= 0 else [])
-    shape, strides = _collapse(list(sizes) + [size], strides)
-    s_strides = strides[1] if inp >= 0 else [0] * len(shape)
-    return (inp, 1, regions[reg].offset + d_off * size, s_off * size if inp >= 0 else 0,
-            tuple(shape), tuple(strides[0]), tuple(s_strides))
-
-
-def _widest(op: WideOp) -> WideOp:
-    inp, _, d_off, s_off, sizes, d_str, s_str = op
-    values = [sizes[-1], d_off, *d_str[:-1]] + ([s_off, *s_str[:-1]] if inp >= 0 else [])
-    contiguous = d_str[-1] == 1 and (inp < 0 or s_str[-1] == 1)
-    for w in _WIDTHS:
-        if w == 1 or (contiguous and all(v % w == 0 for v in values)):
-            break
-    sizes = sizes[:-1] + (sizes[-1] // w,)
-    d_str = tuple(x // w for x in d_str[:-1]) + (d_str[-1],)
-    s_str = tuple(x // w for x in s_str[:-1]) + (s_str[-1],) if inp >= 0 else s_str
-    return (inp, w, d_off, s_off, sizes, d_str, s_str)
-
-
-def widen_ops(ops: Sequence[Op], regions: Sequence[SlotRegion], itemsizes: Sequence[int]) -> list[WideOp]:
-    """Ops as byte copies: contiguous dimensions folded, ops that continue each other (same input,
-    both sides adjacent) joined, then each of the widest element dividing its runs and offsets."""
-    out: list[WideOp] = []
-    for op in ops:
-        b = _to_bytes(op, regions, itemsizes)
-        if out and len(b[4]) == 1 and len(out[-1][4]) == 1 and b[5] == (1,) and out[-1][5] == (1,):
-            p = out[-1]
-            if p[0] == b[0] and p[2] + p[4][0] == b[2] and (b[0] < 0 or (p[6] == b[6] == (1,) and p[3] + p[4][0] == b[3])):
-                out[-1] = (p[0], 1, p[2], p[3], (p[4][0] + b[4][0],), p[5], p[6])
-                continue
-        out.append(b)
-    return [_widest(op) for op in out]
-
-
-def _narrowed(op: WideOp, w: int) -> WideOp:
-    """The same bytes in elements of width ``w`` (which divides the op's)."""
-    inp, width, d_off, s_off, sizes, d_str, s_str = op
-    f = width // w
-    sizes = sizes + (f,)
-    d_str = tuple(x * f for x in d_str) + (1,)
-    s_str = tuple(x * f for x in s_str) + (1,) if inp >= 0 else s_str + (0,)
-    shape, strides = _collapse(list(sizes), [list(d_str), list(s_str)] if inp >= 0 else [list(d_str)])
-    return (inp, w, d_off, s_off, tuple(shape), tuple(strides[0]),
-            tuple(strides[1]) if inp >= 0 else (0,) * len(shape))
-
-
-def _alignment(byte_offset: int) -> int:
-    return next(w for w in _WIDTHS if byte_offset % w == 0)
-
-
-def _storage_view(t: "torch.Tensor", width: int, cache: dict) -> "torch.Tensor":
-    """``t``'s whole storage as integers of ``width`` bytes (as_strided then checks every op's bounds)."""
-    import torch
-
-    key = (t.untyped_storage().data_ptr(), t.device, width)
-    view = cache.get(key)
-    if view is None:
-        storage = t.untyped_storage()
-        view = cache[key] = torch.empty(0, dtype=_int_dtype(width), device=t.device).set_(
-            storage, 0, (storage.nbytes() // width,), (1,))
-    return view
-
-
-def run_wide_ops(ops: Sequence[WideOp], inputs: Sequence["torch.Tensor"], slot: "torch.Tensor", slot_base: int) -> None:
-    """Apply wide ops: the group starts ``slot_base`` bytes into ``slot``'s storage. A dense copy of
-    at least :data:`MEMCPY_BYTES` is one ``copy_`` (a plain memcpy, the fastest a device copies);
-    smaller dense copies of one width go to one ``torch._foreach_copy_`` (one multi-tensor kernel
-    on a GPU instead of a launch each), strided ones to another, zero fills to one
-    ``torch._foreach_zero_``."""
-    import torch
-
-    bases = [t.storage_offset() * t.element_size() for t in inputs]
-    # an input not aligned to an op's width (a view into a larger buffer): narrower elements
-    limit = [min(_alignment(b), _alignment(t.data_ptr())) for b, t in zip(bases, inputs)]
-    slot_limit = min(_alignment(slot_base), _alignment(slot.data_ptr() - slot.storage_offset() * slot.element_size()))
-    cache: dict = {}
-    same_device = all(t.device == slot.device for t in inputs)
-    batches: dict[tuple[int, bool], tuple[list, list]] = {}
-    zeros = []
-    for op in ops:
-        inp, w = op[0], op[1]
-        cap = min(slot_limit, limit[inp]) if inp >= 0 else slot_limit
-        if w > cap:
-            op = _narrowed(op, cap)
-            w = cap
-        _, _, d_off, s_off, sizes, d_str, s_str = op
-        dst = _storage_view(slot, w, cache).as_strided(sizes, d_str, (slot_base + d_off) // w)
-        if inp < 0:
-            zeros.append(dst)
-            continue
-        src = _storage_view(inputs[inp], w, cache).as_strided(sizes, s_str, (bases[inp] + s_off) // w)
-        dense = len(sizes) == 1 and d_str[0] == 1 and s_str[0] == 1
-        if dense and sizes[0] * w >= MEMCPY_BYTES:
-            dst.copy_(src, non_blocking=True)
-            continue
-        pair = batches.setdefault((w, dense), ([], []))
-        pair[0].append(dst)
-        pair[1].append(src)
-    if zeros:
-        torch._foreach_zero_(zeros)
-    for dsts, srcs in batches.values():
-        if same_device:
-            torch._foreach_copy_(dsts, srcs)
-        else:  # inputs on another device than the slot: one copy each (H2D / D2H)
-            for d, s in zip(dsts, srcs):
-                d.copy_(s, non_blocking=True)
+    @property
+    def group_bytes(self) -> int:
+        """The group's bytes in a slot (its last region's end)."""
+        return self.regions[-1].offset + self.regions[-1].nbytes
 
 
 # -- recording ------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Replay of a recorded copy plan as element views: the path GPU slots take (replica/copy_plan.py).
+"""Replay of a recorded copy plan as element views: the path GPU slots take where the native CUDA
+copies (replica/native_copies.py) are off (replica/copy_plan.py).
 
 Each op becomes a view of its region's element size (no widening, no folding) and the whole group
 goes to one ``torch._foreach_copy_`` (plus one ``torch._foreach_zero_``): on the H200 that beat the
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-def _int_dtype(size: int) -> "torch.dtype":
+def int_dtype(size: int) -> "torch.dtype":
     import torch
 
     return getattr(torch, _INT_OF_SIZE[size])
@@ -27,8 +28,8 @@ def run_element_ops(ops: Sequence[Any], regions: Sequence[Any], itemsizes: Seque
     at the group's first byte."""
     import torch
 
-    dst = [slot[r.offset:r.offset + r.nbytes].view(_int_dtype(s)) for r, s in zip(regions, itemsizes)]
-    src = [t.reshape(-1).view(_int_dtype(t.element_size())) for t in inputs]
+    dst = [slot[r.offset:r.offset + r.nbytes].view(int_dtype(s)) for r, s in zip(regions, itemsizes)]
+    src = [t.reshape(-1).view(int_dtype(t.element_size())) for t in inputs]
     dsts, srcs, zeros = [], [], []
     for inp, reg, d_off, s_off, sizes, d_str, s_str in ops:
         d = dst[reg].as_strided(sizes, d_str, dst[reg].storage_offset() + d_off)

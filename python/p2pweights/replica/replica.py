@@ -395,6 +395,18 @@ class ModelReplicas:
             self._replicas[key] = replica
             return replica
 
+    def cached(self, config: Any, engine: EngineLayout, rank: int, role: str = "target") -> bool:
+        """Whether :meth:`get` would find this replica in the process or in the disk cache (and so
+        build nothing, import no sglang)."""
+        if isinstance(config, (str, os.PathLike)):
+            config = resolve_model(config)
+        key = ReplicaKey(config_hash(config), engine, rank, role)
+        with self._lock:
+            if key in self._replicas:
+                return True
+        path = self._cache_path(key)
+        return bool(path) and os.path.exists(path)
+
     def clear(self) -> None:
         with self._lock:
             self._replicas.clear()

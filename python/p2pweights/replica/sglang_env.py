@@ -9,6 +9,7 @@ run them inside :func:`activate`.
 Public API::
 
     prepare()                                        # idempotent; call before importing sglang
+    import_model_modules(config)                     # prepare() + the config's model module(s)
     build_model(config, engine, rank, device="meta") # -> torch.nn.Module of that engine rank
     activate(model)                                  # context manager: its runtime context
     materialize(model, device="cpu")                 # real storage, parameters keep class+__dict__
@@ -20,8 +21,6 @@ engine's; nothing runs on a GPU. Never set SGLANG_USE_CPU_ENGINE=1 (CPU loaders 
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -29,7 +28,6 @@ import pkgutil
 import sys
 import tempfile
 import threading
-import types
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -37,6 +35,7 @@ from ..errors import UnsupportedLayout
 from ..settings import value as setting
 from . import fp8_engine
 from .layout import EngineLayout
+from .sglang_imports import StubFinder, sglang_imports
 
 if TYPE_CHECKING:
     import torch
@@ -48,48 +47,9 @@ _SERVER_ARGS_ATTR = "_p2pw_server_args"
 
 
 # -- making sglang importable on a CPU host --------------------------------------------------------
-class _AnyAttribute:
-    """What a torchvision stub hands out: callable, subclassable, any attribute."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _AnyAttribute(f"{self._name}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _AnyAttribute(f"{self._name}()")
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-
-class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """sglang imports torchvision at module level (multimodal processors) but the model
-    classes we build never call it; the registry's torchvision drags in a CUDA torch."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []  # a package, so submodule imports come back here
-        module.__version__ = "0.0.0+p2pweights.stub"
-
-        def __getattr__(attr: str, _name: str = spec.name) -> Any:
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _AnyAttribute(f"{_name}.{attr}")
-
-        module.__getattr__ = __getattr__  # type: ignore[attr-defined]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
+# sglang imports torchvision at module level (multimodal processors) but the model classes we build
+# never call it; the registry's torchvision drags in a CUDA torch. Without one, a stub (every thread).
+_TORCHVISION_STUB = ("torchvision",)
 
 
 def _torchvision_importable() -> bool:
@@ -120,7 +80,7 @@ def prepare() -> None:
         import transformers.utils.import_utils  # noqa: F401
 
         if not _torchvision_importable():
-            sys.meta_path.insert(0, _TorchvisionStub())
+            sys.meta_path.insert(0, StubFinder(_TORCHVISION_STUB))
         # P2PW_SGLANG_IMPORT_AS_CPU=1: import sglang as on a host without CUDA (the code path the
         # byte-exact tests cover) even where a GPU exists; its GPU-only kernels are never called
         # by model construction or the loaders. For a sender on a GPU host without sgl_kernel.
@@ -133,18 +93,11 @@ def prepare() -> None:
 
 @contextlib.contextmanager
 def _sglang_imports() -> Iterator[None]:
-    """Where sglang modules get imported. With P2PW_SGLANG_IMPORT_AS_CPU=1 they see no CUDA."""
-    import torch
-
-    if setting("P2PW_SGLANG_IMPORT_AS_CPU") != "1":
+    """Where sglang modules get imported: in this thread, torch.compile is deferred to a function's
+    first call and IPython is a stub (neither is needed to build or load a model); with
+    P2PW_SGLANG_IMPORT_AS_CPU=1 sglang sees no CUDA. See replica/sglang_imports.py."""
+    with sglang_imports(as_cpu=setting("P2PW_SGLANG_IMPORT_AS_CPU") == "1"):
         yield
-        return
-    real_is_available = torch.cuda.is_available
-    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.is_available = real_is_available  # type: ignore[assignment]
 
 
 def _import_sglang() -> None:
@@ -210,6 +163,18 @@ def _register_architecture(architectures: list[str]) -> None:
         missing = [a for a in missing if a not in ModelRegistry.models]
         if not missing:
             return
+
+
+def import_model_modules(config: Any) -> None:
+    """:func:`prepare`, then import the sglang model module(s) of ``config``'s architectures (a
+    built-in name, a folder, a config.json path, a dict or a transformers config): what a first
+    build imports, done ahead of it (sender/warmup.py). Idempotent."""
+    from ..models import load_config
+
+    architectures = load_config(config).get("architectures")
+    prepare()
+    with _lock:
+        _register_architecture(list(architectures or []))
 
 
 def _rope_buffers_on_cpu_without_accelerator() -> None:

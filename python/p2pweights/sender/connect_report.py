@@ -8,7 +8,9 @@ A warm connect shows none but the peer connects (every connect re-attaches its e
 engine restarted behind the same URL must not be written through a stale connection; ~0.2 ms per
 rank on loopback). A cold connect's agent (and GPU slots) are made beside the replicas
 (early_slots.py): their own seconds are ``overlapped_seconds``, and the main thread's wait for them
-is the phase "waiting for early slots". ``benchmarks/profile_connect.py`` prints all of it.
+is the phase "waiting for early slots". A sender made with ``prepare=True`` (warmup.py) started the
+sglang import and the agent at construction: the connect's wait for what is left of that import is
+"waiting for warm-up". ``benchmarks/profile_connect.py`` prints all of it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 PHASES = (
     "http server_info",
     "identity + plan",
+    "waiting for warm-up",
     "replicas",
     "publication fetch",
     "publication checks",

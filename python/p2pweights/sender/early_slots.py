@@ -4,7 +4,8 @@ The first connect of a sender imports sglang, builds and probes its replicas, cr
 transport agent, and allocates and registers the slots. The agent needs no replica, nor do GPU
 slots at the requested size (``P2PW_BUFFER_SIZE``, which the largest parameter group rarely
 exceeds): they run beside the import (NIXL/UCX and CUDA start-up; the native calls release the
-GIL). When a group turns out larger, the connect grows the slots as it always did.
+GIL). When a group turns out larger, the connect grows the slots as it always did. A sender made
+with ``prepare=True`` starts them at construction instead (warmup.py).
 
 Host slots are not made here: pinning them (mlock, cudaHostRegister) holds the process's memory-map
 lock while it faults the pages in, and the import beside it -- every shared library it loads,

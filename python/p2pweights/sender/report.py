@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
@@ -23,6 +24,20 @@ class UpdateTimes:
     loader_groups: int = 0  # groups produced by the replica's loaders
     recorded: int = 0  # copy plans recorded (and their first replay checked) in this update
     record_seconds: float = 0.0  # of ``loading``: recording plans and checking their first replay
+    # CPU clocks when the update began (see cpu_used): the process's, and the thread that runs the update's
+    cpu_process_start: float = field(default_factory=time.process_time)
+    cpu_thread_start: float = field(default_factory=time.thread_time)
+    cpu_thread: int = field(default_factory=threading.get_ident)
+
+    def cpu_used(self) -> tuple[float, float | None]:
+        """CPU seconds since the update began: the whole process's (every thread: the caller's
+        loaders and staging, the native writer threads, the transport's threads, and anything else
+        the process runs meanwhile, such as a background plan recorder or a trainer's own threads),
+        and the calling thread's alone (None when asked from another thread than the one that
+        began the update: its clock is per thread)."""
+        process = time.process_time() - self.cpu_process_start
+        caller = time.thread_time() - self.cpu_thread_start if threading.get_ident() == self.cpu_thread else None
+        return process, caller
 
 
 @dataclass
@@ -60,6 +75,12 @@ class UpdateReport:
     recorded_plans: int = 0  # copy plans recorded and verified in this update
     plan_bytes: int = 0  # memory the recorded copy plans of this sender's replicas hold
     background_plans: int = 0  # copy plans of these replicas recorded in the background (P2PW_COPY_PLANS)
+    # CPU seconds this update took (UpdateTimes.cpu_used): the sender's process, all threads (with
+    # whatever else the process ran meanwhile), and of it the thread that ran update() (loaders,
+    # replay, staging, control plane; the rest is the native writer and transport threads); None
+    # when the update ended on another thread than it began
+    cpu_seconds: float = 0.0
+    caller_cpu_seconds: float | None = None
 
     def engine(self, name: str) -> EngineRankReport:
         """The report of one engine rank by its target name (``engine/rankN``)."""
@@ -83,7 +104,10 @@ class UpdateReport:
             f"update {self.version}: {format_size(self.bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s; "
             f"every write done at {self.data_seconds:.3f} s); "
             f"{self.groups} groups in {self.slots} slots; loading {self.loading_seconds:.3f} s, writing "
-            f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s"
+            f"{self.writing_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s, staging {self.staging_seconds:.3f} s",
+            f"  sender CPU {self.cpu_seconds:.3f} s" + (f" (the update's thread {self.caller_cpu_seconds:.3f} s, "
+                                                       f"other threads {self.cpu_seconds - self.caller_cpu_seconds:.3f} s)"
+                                                       if self.caller_cpu_seconds is not None else ""),
         ]
         if self.replayed_groups or self.recorded_plans or self.plan_bytes or self.background_plans:
             lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "

@@ -5,9 +5,13 @@ update():  the version checks (this sender's last version, the engines' current 
 push:      inputs (tied, DTensor, cast, finite; inputs.py) -> stage (until a parameter group is
            complete; name, shape, dtype checked) -> transform -> at the first push that passed
            every check, sender 0 pauses the engines -> place into a slot (the pipeline loads and
-           hands slots to the writer).
-finish:    drain the pipeline, wait for every write, every sender's writes returned -> sender 0
-           ends the session, bumps the version and continues generation.
+           hands slots to the writer). With P2PW_OPEN_BESIDE_SLOTS=1, a sender alone (no group)
+           opens their session (begin) on a thread while its loaders fill the first slots; the
+           first slot reaches the writer only once every engine's session is open (open_gate.py),
+           and when opening failed no slot ever does.
+finish:    drain the pipeline, wait for every write (meanwhile sender 0's last lease check-in),
+           every sender's writes returned -> sender 0 ends the session, bumps the version and
+           continues generation, each engine on its own as soon as it ended.
 A failure anywhere releases every slot and tells no engine to end; then the failure policy
 (``on_failure``): before any write of any sender the engines end the session without a version
 bump and generate again ("resume_if_unwritten", the default); after a write they stay paused with
@@ -16,6 +20,7 @@ their session open and their old version, and the next complete update heals the
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -23,9 +28,11 @@ from ..control import SglangEngine, UpdateSession
 from ..control.protocol import PAUSE_MODES
 from ..control.session import call_engines, recording_verbs
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
+from ..settings import value as setting
 from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
 from .inputs import TrainerInputs, check_version_order
+from .open_gate import OpenGate
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
 from .replay import SlotProducer, background_recorded, plan_memory
@@ -75,7 +82,8 @@ class Update:
         self._on_success = on_success
         self._controls = control and self._group.controller
         self.times = UpdateTimes()
-        handover = SlotHandOver(writer, self.times)
+        self._gate = OpenGate(writer)  # every slot reaches the writer through it (held while opening)
+        handover = SlotHandOver(self._gate, self.times)
         # groups with a verified copy plan are replayed, the others loaded (and, copy_plans="on", recorded): replay.py
         producer = SlotProducer(self.times, mode=copy_plans)
         self.pipeline = SlotPipeline(handover, FillerChoice(handover, staging_for, producer), self.times)
@@ -89,7 +97,9 @@ class Update:
                          if self._controls else None)
         self.report: UpdateReport | None = None
         self.outcome = ""
-        self._phase = "new"  # new -> open -> done | failed
+        self._phase = "new"  # new -> [opening ->] open -> done | failed
+        self._opener: threading.Thread | None = None  # pause + begin on a thread (a sender alone)
+        self._open_error: BaseException | None = None
         self._pipeline_raised = False
         self._verbs: dict[str, float] = {}
         self._validate_seconds = self._pause_seconds = 0.0
@@ -166,6 +176,55 @@ class Update:
             logger.info("update %s: paused and opened %d engine(s) in %.3f s (%s)", self.version, len(self._engines),
                         self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
 
+    def _open_soon(self) -> None:
+        """A sender alone: pause the engines (waited for), then open their session on a thread while
+        this thread goes on filling slots; the gate holds the first slot until every engine's session
+        is open.
+        (A sender of a group opens at once, in step with the others: its group's collectives must
+        run in the same order on every sender.)"""
+        self._phase = "opening"
+        self._validate_seconds += self.times.staging  # the first pushes' checks, before the pause
+        self._gate.close()
+        t0 = time.perf_counter()
+        paused = threading.Event()  # pause_generation answered (or the opening ended before it)
+        self._session.on_paused = paused.set
+
+        def run() -> None:
+            try:
+                self._control(self._session.open)  # pause + begin
+            except BaseException as e:  # noqa: BLE001 - raised by _opened(), on the trainer's thread
+                self._open_error = e
+                self._gate.failed()
+            else:
+                self._gate.opened()
+            finally:
+                self._pause_seconds = time.perf_counter() - t0
+                paused.set()
+
+        self._opener = threading.Thread(target=run, name=f"p2pw-open-{self.version}", daemon=True)
+        self._opener.start()
+        paused.wait()  # as for a sender of a group: the first good push returns with the engines paused
+
+    def _opened(self, wait: bool = True) -> None:
+        """The opening is over (``wait``: wait for it; else only when it is): the update is open, or
+        its error is raised with nothing written (the slots produced meanwhile are released; the
+        session's own roll-back resumed what it had paused)."""
+        if self._phase != "opening" or (not wait and self._opener.is_alive()):
+            return
+        self._opener.join()
+        if self._open_error is not None:
+            self._phase, self.outcome = "failed", UNTOUCHED
+            try:
+                self.pipeline.abort()
+            finally:
+                self._writer.finish(raise_on_failure=False)
+            self._count_failure(_control_failures(self._open_error))
+            raise self._open_error
+        self._phase = "open"
+        self._t0 = self._session.paused_at  # the time users care about runs from the pause returning
+        logger.info("update %s: paused and opened %d engine(s) in %.3f s beside the first slots (%s)", self.version,
+                    len(self._engines), self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
+
     # -- the trainer's calls ----------------------------------------------------------------------
     def __enter__(self) -> "Update":
         return self
@@ -173,7 +232,7 @@ class Update:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.finish()
-        elif self._phase in ("new", "open"):
+        elif self._phase in ("new", "opening", "open"):
             self._abort(exc)
             if isinstance(exc, BaseException):
                 self._note(exc)
@@ -196,13 +255,17 @@ class Update:
                 loads += apply_transforms(self._transforms, GroupLoad(p, p.replica.groups[group_index], tensors))
         self.times.staging += time.perf_counter() - t0
         if self._phase == "new":
-            self._open()
+            if self._session is not None and self._group.size == 1 and setting("P2PW_OPEN_BESIDE_SLOTS"):
+                self._open_soon()
+            else:
+                self._open()
         try:
             for load in loads:
                 self.pipeline.place(load)
         except BaseException:
             self._pipeline_raised = True  # a slot may have reached the writer
             raise
+        self._opened(wait=False)  # an opening that failed fails the update now
 
     def push_many(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         for name, t in named_tensors:
@@ -225,8 +288,11 @@ class Update:
             except BaseException:
                 self._pipeline_raised = True
                 raise
+            self._opened()
+            if self._session is not None:
+                self._session.check_in_soon()  # beside the last writes
         except BaseException as e:
-            if self._phase in ("new", "open"):
+            if self._phase in ("new", "opening", "open"):
                 self._abort(e)
                 self._note(e)
             raise
@@ -288,7 +354,7 @@ class Update:
 
     def abort(self, reason: str = "abandoned by the caller") -> str:
         """Give the update up (as leaving its block on an error does); returns ``outcome``."""
-        if self._phase in ("new", "open"):
+        if self._phase in ("new", "opening", "open"):
             self._abort(P2PWeightsError(reason))
         return self.outcome
 
@@ -301,6 +367,11 @@ class Update:
         """This sender failed (``error``): release its slots, then take the step the others are at."""
         me = self._group.index
         why = {f"sender {me}": f"{type(error).__name__}: {error}"}
+        if self._phase == "opening":
+            try:
+                self._opened()  # raises when the opening failed: then nothing was written, as said
+            except BaseException:  # noqa: BLE001 - the caller raises its own error
+                return
         if self._phase == "new":  # the others wait for our first push, at the ready step
             self._phase, self.outcome = "failed", UNTOUCHED
             self._gather(SenderStatus(me, why))
@@ -385,13 +456,15 @@ class Update:
                 e = by_id[t.writer_id]
                 engines.append(EngineRankReport(t.engine.name, t.rank, e.bytes, e.seconds, e.gbps, e.state, e.error))
         tm = self.times
+        cpu, caller_cpu = tm.cpu_used()
         return UpdateReport(self.version, seconds, rep.bytes, tm.groups, tm.slots, tm.staging, tm.loading,
                             max((e.seconds for e in rep.engines), default=0.0), tm.waiting, tm.control, engines,
                             data_seconds, self._validate_seconds, self._pause_seconds, senders,
                             list(self._inputs.skipped) if self._inputs is not None else [],
                             {n.strip("_"): s for n, s in self._verbs.items()}, tm.replayed, tm.loader_groups,
                             tm.recorded, plan_memory([p.replica for p in self._ranks]),
-                            background_recorded([p.replica for p in self._ranks]))
+                            background_recorded([p.replica for p in self._ranks]),
+                            cpu_seconds=cpu, caller_cpu_seconds=caller_cpu)
 
 
 def _control_failures(error: Exception | None) -> dict[str, str]:

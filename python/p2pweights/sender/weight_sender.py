@@ -45,6 +45,7 @@ from .stager import GroupStager
 from .transforms import GroupTransform
 from .update import Update
 from .verify import check_engines_digest
+from .warmup import Warmup
 from .writer import PipelinedWriter
 
 
@@ -65,7 +66,9 @@ class WeightSender:
     adds quantize-on-send last, sender/quantize.py).
     metrics: a prometheus_client registry (True: the default one) for update seconds, bytes and
     failures per engine (sender/metrics.py); without prometheus_client, nothing.
-    Other keywords override P2PW_ settings (see p2pweights.settings), transport options included.
+    Other keywords override P2PW_ settings (see p2pweights.settings), transport options included;
+    ``prepare=True`` (P2PW_PREPARE=1) starts the first connect's imports and transport agent on a
+    thread at construction (sender/warmup.py): construct the sender early, connect later.
     """
 
     def __init__(self, model: Any, *, sender_index: int | None = None, num_senders: int | None = None,
@@ -108,6 +111,10 @@ class WeightSender:
         self.recorder: PlanRecorder | None = None  # copy plans recorded off the update path (plan_recorder.py)
         self.last_version: str | None = None  # of this sender's last complete update
         self.owner = new_owner_id()  # the controller id of every session this sender opens
+        # prepare=True: sglang and the model's module imported, the agent made, from now on (warmup.py)
+        self._warmup = Warmup(self.config) if self.settings.prepare else None
+        if self._warmup is not None:
+            self._early = self._early_slots()
 
     # -- connect ---------------------------------------------------------------------------------
     @property
@@ -141,8 +148,7 @@ class WeightSender:
 
         phases = self.connect_phases = ConnectPhases(self.replicas)
         if self._transport is None and self._early is None:  # cold: agent (GPU slots) beside the replicas
-            self._early = EarlySlots(self._make_transport, slot_size(self.settings.buffer_size), self.settings.num_slots,
-                                     pin=self.settings.pin, device=self.settings.buffer_device)
+            self._early = self._early_slots()
         clients = [self._client(e) for e in engines]
         infos = [c.server_info() for c in clients]
         phases.lap("http server_info")
@@ -153,6 +159,7 @@ class WeightSender:
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
         mine = [p for p in plan if p.sender == self.sender_index]
         phases.lap("identity + plan")
+        self._wait_for_warmup(layouts, mine)
         progress = Progress("connect: engine ranks prepared (replica + loader probe)", len(mine))
         ranks = []
         for i, entry in enumerate(mine):
@@ -173,7 +180,7 @@ class WeightSender:
         info_of = {c.name: info for c, info in zip(clients, infos)}  # each rank's session is its own, none shared
         check_sessions([session_claim(client, pub, info_of[client.name]) for _, client, pub in publications])
         phases.lap("publication checks")
-        self._disconnect_all()
+        self._disconnect_all(wait=False)
         phases.lap("detach")
         attached: list[EngineTarget] = []
         try:
@@ -247,6 +254,27 @@ class WeightSender:
         phases.lap("registration")
         self._writer = PipelinedWriter(self._transport, self._buffers, transfer_timeout=self.settings.transfer_timeout)
 
+    def _wait_for_warmup(self, layouts: list[Any], mine: list[Any]) -> None:
+        """prepare=True (warmup.py): a connect that builds a replica waits for the warm-up's import
+        and raises its failure; one whose replicas are all cached (process or disk) needs no sglang
+        and waits only for a warm-up already done (its failure raised), else leaves it running."""
+        warmup = self._warmup
+        if warmup is None:
+            return
+        from ..replica.roles import roles_of
+
+        cached = getattr(self.replicas, "cached", None)
+        builds = cached is None or not all(cached(self.model, layouts[e.engines[0]], e.engine_rank, role)
+                                           for e in mine for role in roles_of(self.model, layouts[e.engines[0]]))
+        if builds or warmup.done():
+            self._warmup = None
+            warmup.wait()
+            self.connect_phases.lap("waiting for warm-up")
+
+    def _early_slots(self) -> EarlySlots:
+        return EarlySlots(self._make_transport, slot_size(self.settings.buffer_size), self.settings.num_slots,
+                          pin=self.settings.pin, device=self.settings.buffer_device)
+
     def _make_transport(self) -> Any:
         return transports.make_sender_transport(self.settings.transport, **self.settings.transport_options())
 
@@ -265,11 +293,13 @@ class WeightSender:
                 pass  # already gone
 
     def _updating(self) -> bool:
-        return self._update is not None and self._update._phase in ("new", "open")
+        return self._update is not None and self._update._phase in ("new", "opening", "open")
 
-    def _disconnect_all(self) -> None:
+    def _disconnect_all(self, wait: bool = True) -> None:
         if self.recorder is not None:
-            self.recorder.stop()
+            # a reconnect does not wait for the group being recorded (seconds for a large one on
+            # a CPU): the old recorder ends after it; its plan is the replica's, still valid
+            self.recorder.stop(timeout=60.0 if wait else 0)
             self.recorder = None
         self._detach([t for p in self._ranks for t in p.targets])
         self._ranks, self._engines = [], []
@@ -307,7 +337,7 @@ class WeightSender:
                 f"sender would end the update and bump the version while another still writes",
                 hint="pass the trainer's process group: WeightSender(..., group=torch.distributed.group.WORLD) "
                      "(or a coordinator's UpdateSession and update(..., control=False))")
-        if self._update is not None and self._update._phase in ("new", "open"):
+        if self._update is not None and self._update._phase in ("new", "opening", "open"):
             raise P2PWeightsError(f"update {self._update.version} of this sender is still in flight; finish it "
                                   f"(or leave its with-block) before update({version!r})")
         if check_finite is None:

@@ -1,0 +1,405 @@
+#include "buffers/copy_program.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <system_error>
+#include <thread>
+
+namespace p2pw {
+
+namespace {
+
+// one descriptor, read from the program's columns
+struct Copy {
+  int64_t input, dst, src, row_bytes, rows, dst_pitch, src_pitch;
+  uint64_t bytes() const { return static_cast<uint64_t>(row_bytes) * static_cast<uint64_t>(rows); }
+};
+
+Copy at(const int64_t* program, size_t i) {
+  const int64_t* c = program + i * kCopyColumns;
+  return Copy{c[0], c[1], c[2], c[3], c[4], c[5], c[6]};
+}
+
+// Offsets, sizes and pitches of a valid descriptor stay far below 2^62, so extents computed in
+// 128 bits cannot overflow and a forged value cannot wrap around into the slot.
+constexpr int64_t kLimit = int64_t(1) << 48;
+
+std::string where(size_t i) { return "copy descriptor " + std::to_string(i); }
+
+}  // namespace
+
+Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, const std::vector<CopyInput>& inputs) {
+  if (count > 0 && program == nullptr) return Status(Code::kInvalidArgument, "copy program has no descriptors");
+  for (const CopyInput& in : inputs) {
+    if (in.address == 0 && in.nbytes > 0) return Status(Code::kInvalidArgument, "a copy input has no address");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    if (c.input < -1 || c.input >= static_cast<int64_t>(inputs.size()))
+      return Status(Code::kInvalidArgument, where(i) + " names input " + std::to_string(c.input) + " of " +
+                                                std::to_string(inputs.size()));
+    if (c.row_bytes < 1 || c.rows < 1 || c.row_bytes >= kLimit || c.rows >= kLimit)
+      return Status(Code::kInvalidArgument, where(i) + " has " + std::to_string(c.rows) + " rows of " +
+                                                std::to_string(c.row_bytes) + " bytes");
+    if (c.dst < 0 || c.dst >= kLimit || c.dst_pitch >= kLimit || (c.rows > 1 && c.dst_pitch < c.row_bytes))
+      return Status(Code::kInvalidArgument, where(i) + " has destination offset " + std::to_string(c.dst) +
+                                                " and pitch " + std::to_string(c.dst_pitch) +
+                                                " (rows must not overlap)");
+    const __int128 dst_end = static_cast<__int128>(c.dst) + static_cast<__int128>(c.rows - 1) * c.dst_pitch + c.row_bytes;
+    if (dst_end > static_cast<__int128>(slot_bytes))
+      return Status(Code::kOutOfRegion, where(i) + " writes up to byte " + std::to_string(static_cast<int64_t>(dst_end)) +
+                                            " of a group of " + std::to_string(slot_bytes) + " bytes");
+    if (c.input < 0) continue;
+    if (c.src < 0 || c.src >= kLimit || c.src_pitch >= kLimit || c.src_pitch <= -kLimit)
+      return Status(Code::kInvalidArgument, where(i) + " has source offset " + std::to_string(c.src) + " and pitch " +
+                                                std::to_string(c.src_pitch));
+    const __int128 span = static_cast<__int128>(c.rows - 1) * c.src_pitch;
+    const __int128 lo = c.src + std::min<__int128>(0, span);
+    const __int128 hi = c.src + std::max<__int128>(0, span) + c.row_bytes;
+    const uint64_t n = inputs[c.input].nbytes;
+    if (lo < 0 || hi > static_cast<__int128>(n))
+      return Status(Code::kOutOfRegion, where(i) + " reads bytes [" + std::to_string(static_cast<int64_t>(lo)) + ", " +
+                                            std::to_string(static_cast<int64_t>(hi)) + ") of input " +
+                                            std::to_string(c.input) + " of " + std::to_string(n) + " bytes");
+  }
+  return Status::Ok();
+}
+
+// -- host ----------------------------------------------------------------------------------------
+namespace {
+
+// a part of one descriptor: rows [row0, row1), and within a single-row copy bytes [byte0, byte1)
+struct Piece {
+  size_t copy;
+  int64_t row0, row1, byte0, byte1;
+  uint64_t bytes;
+};
+
+void run_piece(const int64_t* program, const Piece& p, uint8_t* slot, const std::vector<CopyInput>& inputs) {
+  const Copy c = at(program, p.copy);
+  for (int64_t r = p.row0; r < p.row1; ++r) {
+    uint8_t* d = slot + c.dst + r * c.dst_pitch + p.byte0;
+    const size_t n = static_cast<size_t>(p.byte1 - p.byte0);
+    if (c.input < 0) {
+      std::memset(d, 0, n);
+    } else {
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(inputs[c.input].address) + c.src + r * c.src_pitch + p.byte0;
+      std::memcpy(d, s, n);
+    }
+  }
+}
+
+}  // namespace
+
+Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
+                        const std::vector<CopyInput>& inputs, int threads) {
+  if (slot == 0 && count > 0) return Status(Code::kInvalidArgument, "copy program has no slot");
+  Status s = check_program(program, count, slot_bytes, inputs);
+  if (!s.ok()) return s;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(slot);
+  uint64_t total = 0;
+  for (size_t i = 0; i < count; ++i) total += at(program, i).bytes();
+  threads = std::max(1, std::min(threads, 64));
+  if (threads == 1 || total < kInlineCopyBytes) {
+    for (size_t i = 0; i < count; ++i) {
+      const Copy c = at(program, i);
+      run_piece(program, Piece{i, 0, c.rows, 0, c.row_bytes, c.bytes()}, dst, inputs);
+    }
+    return Status::Ok();
+  }
+  // Cut the copies into pieces of at most `piece` bytes (a long 1-D copy by bytes, a 2-D one by
+  // rows), then hand each thread a run of pieces holding about total / threads bytes.
+  const uint64_t piece = std::max<uint64_t>(256 << 10, total / (static_cast<uint64_t>(threads) * 4));
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    if (c.rows == 1) {
+      for (int64_t b = 0; b < c.row_bytes; b += static_cast<int64_t>(piece)) {
+        const int64_t e = std::min<int64_t>(c.row_bytes, b + static_cast<int64_t>(piece));
+        pieces.push_back(Piece{i, 0, 1, b, e, static_cast<uint64_t>(e - b)});
+      }
+    } else {
+      const int64_t step = std::max<int64_t>(1, static_cast<int64_t>(piece) / c.row_bytes);
+      for (int64_t r = 0; r < c.rows; r += step) {
+        const int64_t e = std::min<int64_t>(c.rows, r + step);
+        pieces.push_back(Piece{i, r, e, 0, c.row_bytes, static_cast<uint64_t>(e - r) * c.row_bytes});
+      }
+    }
+  }
+  std::vector<size_t> first(threads + 1, pieces.size());
+  first[0] = 0;
+  uint64_t seen = 0;
+  int t = 1;
+  for (size_t k = 0; k < pieces.size() && t < threads; ++k) {
+    while (t < threads && seen >= total * t / threads) first[t++] = k;
+    seen += pieces[k].bytes;
+  }
+  auto work = [&](int w) {
+    for (size_t k = first[w]; k < first[w + 1]; ++k) run_piece(program, pieces[k], dst, inputs);
+  };
+  std::vector<std::thread> helpers;
+  for (int w = 1; w < threads; ++w) {
+    try {
+      helpers.emplace_back(work, w);
+    } catch (const std::system_error&) {
+      work(w);  // a thread that could not be started: its share runs here
+    }
+  }
+  work(0);
+  for (std::thread& h : helpers) h.join();
+  return Status::Ok();
+}
+
+// -- CUDA driver ----------------------------------------------------------------------------------
+namespace {
+
+// The few driver API types used, as cuda.h declares them (ABI of CUDA 12.x and later).
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = void*;
+using CUstream = void*;
+constexpr CUresult kCudaSuccess = 0;
+constexpr CUresult kCudaNotInitialized = 3;
+constexpr int kPointerAttributeContext = 1;  // CU_POINTER_ATTRIBUTE_CONTEXT
+constexpr int kMemoryTypeUnified = 4;        // CU_MEMORYTYPE_UNIFIED: the *Device field is a UVA address
+constexpr int kSrcAccessOrderStream = 1;     // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+const CUstream kPerThreadStream = reinterpret_cast<CUstream>(0x2);  // CU_STREAM_PER_THREAD
+constexpr int64_t kMaxPitch = 2147483647;    // cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
+
+struct Memcpy2D {  // CUDA_MEMCPY2D (v2)
+  size_t srcXInBytes, srcY;
+  int srcMemoryType;
+  const void* srcHost;
+  CUdeviceptr srcDevice;
+  void* srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes, dstY;
+  int dstMemoryType;
+  void* dstHost;
+  CUdeviceptr dstDevice;
+  void* dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes, Height;
+};
+
+struct MemLocation {  // CUmemLocation
+  int type;
+  int id;
+};
+struct MemcpyAttributes {  // CUmemcpyAttributes (v1, CUDA 12.8)
+  int srcAccessOrder;
+  MemLocation srcLocHint, dstLocHint;
+  unsigned int flags;
+};
+
+struct Driver {
+  void* handle = nullptr;
+  CudaDriverInfo info;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*pointer_get_attribute)(void*, int, CUdeviceptr) = nullptr;
+  CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_2d_async)(const Memcpy2D*, CUstream) = nullptr;
+  CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
+  CUresult (*memset_d2d8_async)(CUdeviceptr, size_t, unsigned char, size_t, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_batch_async)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t,
+                                 size_t*, CUstream) = nullptr;
+  std::once_flag initialized;
+
+  template <typename F>
+  bool find(F* fn, const char* name) {
+    *fn = reinterpret_cast<F>(dlsym(handle, name));
+    return *fn != nullptr;
+  }
+
+  void load() {
+    // a driver already in the process (torch's CUDA build maps it) first, then a fresh load
+    const char* names[] = {"libcuda.so.1", "libcuda.so"};
+    for (int pass = 0; pass < 2 && handle == nullptr; ++pass) {
+      for (const char* name : names) {
+        handle = dlopen(name, pass == 0 ? (RTLD_NOW | RTLD_NOLOAD) : (RTLD_NOW | RTLD_LOCAL));
+        if (handle != nullptr) {
+          info.library = name;
+          break;
+        }
+      }
+    }
+    if (handle == nullptr) {
+      info.error = "no CUDA driver (libcuda.so.1 not found)";
+      return;
+    }
+    // the versioned names are what cuda.h maps the plain calls to in CUDA 12
+    bool ok = find(&init, "cuInit") && find(&get_error_string, "cuGetErrorString") &&
+              find(&ctx_get_current, "cuCtxGetCurrent") && find(&ctx_set_current, "cuCtxSetCurrent") &&
+              find(&pointer_get_attribute, "cuPointerGetAttribute") && find(&memcpy_async, "cuMemcpyAsync") &&
+              find(&memcpy_2d_async, "cuMemcpy2DAsync_v2") && find(&memset_d8_async, "cuMemsetD8Async") &&
+              find(&memset_d2d8_async, "cuMemsetD2D8Async");
+    if (!ok) {
+      info.error = "the CUDA driver " + info.library + " lacks a function the copy programs use";
+      handle = nullptr;
+      return;
+    }
+    // the 12.8 ABI (with failIdx) under the plain name; a CUDA 13 driver keeps it there too
+    info.batch = find(&memcpy_batch_async, "cuMemcpyBatchAsync");
+    info.loaded = true;
+  }
+
+  std::string error(CUresult r, const char* call) const {
+    const char* text = nullptr;
+    if (get_error_string == nullptr || get_error_string(r, &text) != kCudaSuccess || text == nullptr) text = "unknown";
+    return std::string(call) + " failed: " + text + " (CUresult " + std::to_string(r) + ")";
+  }
+};
+
+Driver& driver() {
+  static Driver d;
+  std::call_once(d.initialized, [] { d.load(); });
+  return d;
+}
+
+// Makes the context of the slot's allocation current on this thread for the call (a thread that
+// never touched CUDA has none; torch's device guard may have left another device's), then puts
+// back what was current.
+class ContextScope {
+ public:
+  ContextScope(Driver& d, uint64_t slot) : d_(d) {
+    CUresult r = d_.ctx_get_current(&previous_);
+    if (r == kCudaNotInitialized) {
+      d_.init(0);
+      r = d_.ctx_get_current(&previous_);
+    }
+    if (r != kCudaSuccess) {
+      status_ = Status(Code::kTransportError, d_.error(r, "cuCtxGetCurrent"));
+      return;
+    }
+    CUcontext owner = nullptr;
+    // memory of the virtual memory API may name no context: then the current one stays
+    if (d_.pointer_get_attribute(&owner, kPointerAttributeContext, slot) == kCudaSuccess && owner != nullptr &&
+        owner != previous_) {
+      r = d_.ctx_set_current(owner);
+      if (r != kCudaSuccess) {
+        status_ = Status(Code::kTransportError, d_.error(r, "cuCtxSetCurrent"));
+        return;
+      }
+      switched_ = true;
+    } else if (previous_ == nullptr) {
+      status_ = Status(Code::kTransportError, "no CUDA context is current and the slot's memory names none");
+    }
+  }
+  ~ContextScope() {
+    if (switched_) d_.ctx_set_current(previous_);
+  }
+  const Status& status() const { return status_; }
+
+ private:
+  Driver& d_;
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+  Status status_;
+};
+
+}  // namespace
+
+CudaDriverInfo cuda_driver_info() { return driver().info; }
+
+Status run_device_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
+                          const std::vector<CopyInput>& inputs, uint64_t stream_handle, CopyMode mode,
+                          int64_t* calls) {
+  if (calls) *calls = 0;
+  Driver& d = driver();
+  if (!d.info.loaded) return Status(Code::kNotFound, d.info.error);
+  if (slot == 0 && count > 0) return Status(Code::kInvalidArgument, "copy program has no slot");
+  Status s = check_program(program, count, slot_bytes, inputs);
+  if (!s.ok() || count == 0) return s;
+  ContextScope context(d, slot);
+  if (!context.status().ok()) return context.status();
+  CUstream stream = reinterpret_cast<CUstream>(stream_handle);
+  int64_t made = 0;
+  std::vector<CUdeviceptr> batch_dst, batch_src;
+  std::vector<size_t> batch_size;
+  const bool batch = mode == CopyMode::kBatch && d.info.batch;
+  auto one_d = [&](CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
+    if (batch) {
+      batch_dst.push_back(to);
+      batch_src.push_back(from);
+      batch_size.push_back(n);
+      return kCudaSuccess;
+    }
+    ++made;
+    return d.memcpy_async(to, from, n, stream);
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    const CUdeviceptr to = slot + static_cast<uint64_t>(c.dst);
+    CUresult r = kCudaSuccess;
+    const char* call = "";
+    if (c.input < 0) {
+      ++made;
+      if (c.rows == 1) {
+        call = "cuMemsetD8Async";
+        r = d.memset_d8_async(to, 0, static_cast<size_t>(c.row_bytes), stream);
+      } else if (c.dst_pitch <= kMaxPitch) {
+        call = "cuMemsetD2D8Async";
+        r = d.memset_d2d8_async(to, static_cast<size_t>(c.dst_pitch), 0, static_cast<size_t>(c.row_bytes),
+                                static_cast<size_t>(c.rows), stream);
+      } else {
+        call = "cuMemsetD8Async";
+        for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row, ++made)
+          r = d.memset_d8_async(to + static_cast<uint64_t>(row * c.dst_pitch), 0, static_cast<size_t>(c.row_bytes), stream);
+      }
+    } else {
+      const CUdeviceptr from = inputs[c.input].address + static_cast<uint64_t>(c.src);
+      call = "cuMemcpyAsync";
+      if (c.rows == 1) {
+        r = one_d(to, from, static_cast<size_t>(c.row_bytes));
+      } else if (c.src_pitch >= c.row_bytes && c.src_pitch <= kMaxPitch && c.dst_pitch <= kMaxPitch) {
+        Memcpy2D m{};
+        m.srcMemoryType = kMemoryTypeUnified;
+        m.srcDevice = from;
+        m.srcPitch = static_cast<size_t>(c.src_pitch);
+        m.dstMemoryType = kMemoryTypeUnified;
+        m.dstDevice = to;
+        m.dstPitch = static_cast<size_t>(c.dst_pitch);
+        m.WidthInBytes = static_cast<size_t>(c.row_bytes);
+        m.Height = static_cast<size_t>(c.rows);
+        call = "cuMemcpy2DAsync";
+        ++made;
+        r = d.memcpy_2d_async(&m, stream);
+      } else {  // a source read backwards or repeated, or pitches past the 2-D limit: row by row
+        for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row)
+          r = one_d(to + static_cast<uint64_t>(row * c.dst_pitch),
+                    static_cast<CUdeviceptr>(static_cast<int64_t>(from) + row * c.src_pitch),
+                    static_cast<size_t>(c.row_bytes));
+      }
+    }
+    if (r != kCudaSuccess) {
+      if (calls) *calls = made;
+      return Status(Code::kTransportError, where(i) + ": " + d.error(r, call));
+    }
+  }
+  if (batch && !batch_dst.empty()) {
+    // the batch call refuses the legacy default stream: the per-thread default stream is a
+    // blocking stream, so it orders with the legacy stream's work before and after like it
+    MemcpyAttributes attr{};
+    attr.srcAccessOrder = kSrcAccessOrderStream;
+    size_t attr_index = 0;
+    size_t fail = SIZE_MAX;
+    ++made;
+    CUresult r = d.memcpy_batch_async(batch_dst.data(), batch_src.data(), batch_size.data(), batch_dst.size(), &attr,
+                                      &attr_index, 1, &fail, stream == nullptr ? kPerThreadStream : stream);
+    if (r != kCudaSuccess) {
+      if (calls) *calls = made;
+      return Status(Code::kTransportError, d.error(r, "cuMemcpyBatchAsync") +
+                                               (fail != SIZE_MAX ? " at copy " + std::to_string(fail) : std::string()));
+    }
+  }
+  if (calls) *calls = made;
+  return Status::Ok();
+}
+
+}  // namespace p2pw

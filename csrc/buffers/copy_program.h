@@ -1,0 +1,60 @@
+// Copy programs: a parameter group's recorded copy plan, compiled in Python into 2-D byte copies,
+// executed here without Python in the loop (replica/native_copies.py builds the descriptors).
+//
+// A program is an array of descriptors of kColumns int64 each:
+//   input      index into the inputs, or -1 for a zero fill
+//   dst        byte offset from the group's first byte in the slot
+//   src        byte offset from the input's first byte (ignored for a zero fill)
+//   row_bytes  bytes per row (>= 1)
+//   rows       rows (>= 1)
+//   dst_pitch  bytes from one row's start to the next in the slot (>= row_bytes when rows > 1)
+//   src_pitch  the same in the input (any sign: a source may be read backwards or repeated)
+// A program may come from a file on disk: every descriptor is checked against the slot bytes and
+// each input's bytes on every call, before any byte is written (check_program).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "status.h"
+
+namespace p2pw {
+
+constexpr int kCopyColumns = 7;
+
+struct CopyInput {
+  uint64_t address = 0;
+  uint64_t nbytes = 0;
+};
+
+// Ok, or kOutOfRegion / kInvalidArgument naming the first bad descriptor.
+Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, const std::vector<CopyInput>& inputs);
+
+// Host memory on both sides: memcpy/memset, split by bytes across up to `threads` threads (the
+// caller's included); a program of under kInlineCopyBytes runs on the calling thread.
+constexpr uint64_t kInlineCopyBytes = 4ull << 20;
+Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
+                        const std::vector<CopyInput>& inputs, int threads);
+
+// The CUDA driver (libcuda.so.1), dlopen'ed: found once per process.
+struct CudaDriverInfo {
+  bool loaded = false;
+  bool batch = false;  // cuMemcpyBatchAsync (12.8 ABI) found
+  std::string library;
+  std::string error;  // why not loaded
+};
+CudaDriverInfo cuda_driver_info();
+
+enum class CopyMode { kEach, kBatch };
+
+// Device memory (or memory the device addresses through UVA): every copy enqueued on `stream`
+// (a CUstream handle; 0 is the legacy default stream), nothing waited for. 1-D copies one
+// cuMemcpyAsync each (kEach) or one cuMemcpyBatchAsync (kBatch, where the driver has it); 2-D
+// copies cuMemcpy2DAsync; zero fills cuMemsetD8Async / cuMemsetD2D8Async. `calls` counts the
+// driver calls made. kNotFound when there is no driver.
+Status run_device_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
+                          const std::vector<CopyInput>& inputs, uint64_t stream, CopyMode mode, int64_t* calls);
+
+}  // namespace p2pw

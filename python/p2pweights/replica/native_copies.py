@@ -1,0 +1,169 @@
+"""Recorded copy plans replayed by the native core: one call per group, no per-op Python or torch.
+
+A plan's byte copies (:func:`~p2pweights.replica.byte_copies.byte_ops`: contiguous dimensions
+folded, continuing ops joined) are compiled once into a program of 2-D byte copies (an ``(n, 7)``
+int64 array cached on the plan: input or -1 for a zero fill, dst offset from the group's start,
+src offset from the input's start, row bytes, rows, dst pitch, src pitch; csrc/buffers/
+copy_program.h). Ops of 3-4 dimensions enumerate their outer dimensions; an op whose innermost
+dimension is strided (1-byte elements) becomes rows of one element. The native core checks every
+descriptor against the group's bytes and each input's bytes on every call (a plan from disk is
+untrusted) and writes nothing when one reaches outside: :class:`LayoutMismatch` naming the group.
+
+Which path runs where (:func:`replay_natively`; ``False`` leaves the group to the torch views):
+
+- host slot, host inputs: memcpy/memset split by bytes across ``P2PW_COPY_THREADS`` threads,
+  the GIL released;
+- GPU slot, inputs on its device: CUDA driver copies enqueued on torch's current stream of that
+  device (the fillers' event after the producers still orders them), one cuMemcpyAsync per 1-D
+  copy (``cuda_mode = "each"``) or one cuMemcpyBatchAsync for all of them (``"batch"``), 2-D
+  copies cuMemcpy2DAsync. No driver, or a driver call that failed: native CUDA copies are off for
+  the process (:data:`state`) and GPU slots keep the element views;
+- anything else (inputs on another device than the slot, an input that is not contiguous, a plan
+  of more than :data:`MAX_DESCRIPTORS` copies, no native module): the torch views.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .. import settings
+from ..errors import LayoutMismatch
+from .byte_copies import WideOp, byte_ops
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+logger = logging.getLogger("p2pweights.replica")
+
+COLUMNS = 7
+MAX_DESCRIPTORS = 1 << 16  # per group; a plan this fragmented keeps the torch views
+CUDA_MODES = ("each", "batch")
+_OK, _NOT_FOUND, _DRIVER_FAILED = 0, -6, -4  # csrc/status.h codes the edge tells apart
+
+
+@dataclass
+class NativeCopyState:
+    """The process's native replay: the CUDA mode, why CUDA copies are off, and what ran."""
+
+    cuda_mode: str = "each"  # "each" | "batch" (benchmarks/bench_replay.py measures both)
+    cuda_off: str | None = None  # set once the driver is missing or a call failed
+    batch_off: str | None = None  # set once a batch call failed: "batch" runs as "each" from then on
+    host_groups: int = 0
+    cuda_groups: int = 0
+    driver_calls: int = 0
+
+
+state = NativeCopyState()
+
+
+def compile_program(ops: Sequence[WideOp], limit: int | None = None) -> "np.ndarray | None":
+    """Byte ops (width 1) as 2-D copy descriptors, or None past ``limit`` (:data:`MAX_DESCRIPTORS`)."""
+    import numpy as np
+
+    limit = MAX_DESCRIPTORS if limit is None else limit
+    rows: list[tuple[int, ...]] = []
+    for inp, width, d_off, s_off, sizes, d_str, s_str in ops:
+        if width != 1:
+            raise ValueError("copy programs are compiled from byte ops (width 1)")
+        if d_str[-1] == 1 and (inp < 0 or s_str[-1] == 1):
+            row, outer, d_out, s_out = sizes[-1], sizes[:-1], d_str[:-1], s_str[:-1]
+        else:  # the innermost dimension is strided (1-byte elements): rows of one element
+            row, outer, d_out, s_out = 1, sizes, d_str, s_str
+        if outer:
+            count, d_pitch, s_pitch = outer[-1], d_out[-1], s_out[-1]
+            outer, d_out, s_out = outer[:-1], d_out[:-1], s_out[:-1]
+        else:
+            count, d_pitch, s_pitch = 1, row, row
+        if inp < 0:
+            s_off, s_pitch, s_out = 0, 0, (0,) * len(outer)
+        if len(rows) + math.prod(outer) > limit:
+            return None
+        for index in itertools.product(*(range(n) for n in outer)):
+            rows.append((inp, d_off + sum(i * st for i, st in zip(index, d_out)),
+                         s_off + sum(i * st for i, st in zip(index, s_out)), row, count, d_pitch, s_pitch))
+    program = np.array(rows, dtype=np.int64).reshape(-1, COLUMNS)
+    program.flags.writeable = False  # read by native threads with the GIL released
+    return program
+
+
+def program_of(plan: Any) -> "np.ndarray | None":
+    """The plan's program (compiled on first use, cached on the plan like its wide ops)."""
+    if plan._program is None:
+        program = compile_program(byte_ops(plan.ops, plan.regions, plan.itemsizes))
+        plan._program = False if program is None else program
+    return None if plan._program is False else plan._program
+
+
+def _native() -> Any:
+    try:
+        from .. import _native
+    except ImportError:
+        return None
+    return _native if hasattr(_native, "run_copy_program_host") else None
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether GPU slots can take the native copies here, and if not why."""
+    native = _native()
+    if native is None:
+        return False, "the native module has no copy programs (rebuild it)"
+    if state.cuda_off:
+        return False, state.cuda_off
+    info = native.cuda_driver_info()
+    return bool(info["loaded"]), str(info["error"])
+
+
+def replay_natively(plan: Any, inputs: Sequence["torch.Tensor"], slot: "torch.Tensor", offset: int,
+                    threads: int | None = None, mode: str | None = None) -> bool:
+    """Write the group's bytes into ``slot`` from ``offset`` with the native core; False (nothing
+    written) where it cannot, and the caller takes the torch views. ``threads``/``mode`` override
+    ``P2PW_COPY_THREADS``/``state.cuda_mode`` (tests, the benchmark)."""
+    import torch
+
+    device = slot.device
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and state.cuda_off):
+        return False
+    if slot.dtype != torch.uint8 or not slot.is_contiguous():
+        return False
+    if any(t.device != device or not t.is_contiguous() for t in inputs):
+        return False
+    native = _native()
+    if native is None:
+        return False
+    program = program_of(plan)
+    if program is None:
+        return False
+    args = (program, slot.data_ptr() + offset, plan.group_bytes, [t.data_ptr() for t in inputs],
+            [t.numel() * t.element_size() for t in inputs])
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device).cuda_stream
+        wanted = mode or state.cuda_mode
+        if wanted not in CUDA_MODES:
+            raise ValueError(f"native CUDA copy mode {wanted!r}: use one of {', '.join(CUDA_MODES)}")
+        use = "each" if wanted == "batch" and state.batch_off else wanted
+        code, message, calls = native.run_copy_program_cuda(*args, stream, use)
+        if code == _DRIVER_FAILED and use == "batch":  # the newest driver call: keep the proven ones
+            state.batch_off = message
+            logger.warning("cuMemcpyBatchAsync failed (%s): native CUDA copies use one call per copy", message)
+            code, message, calls = native.run_copy_program_cuda(*args, stream, "each")
+        if code in (_NOT_FOUND, _DRIVER_FAILED):
+            state.cuda_off = message
+            log = logger.info if code == _NOT_FOUND else logger.warning
+            log("native CUDA copies are off in this process (%s): GPU slots replay element views", message)
+            return False  # the fallback rewrites every byte of the group
+        state.cuda_groups += code == _OK
+        state.driver_calls += calls
+    else:
+        count = threads if threads is not None else settings.value("P2PW_COPY_THREADS")
+        code, message = native.run_copy_program_host(*args, count)
+        state.host_groups += code == _OK
+    if code != _OK:
+        raise LayoutMismatch(
+            f"the copy plan of group {plan.group_index} does not fit its slot or inputs: {message}",
+            parameter=plan.regions[0].param_name,
+            hint="the plan (from P2PW_REPLICA_CACHE_DIR?) is damaged: delete it and it is recorded again")
+    return True
