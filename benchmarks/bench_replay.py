@@ -126,11 +126,30 @@ def _paths(plans_of, replica, device: str, threads: int) -> dict[str, tuple]:
                 run_element_ops(p.ops, p.regions, p.itemsizes, ins, slot[off:])
         return each_group(apply), stats
 
+    def joined(**kw):
+        stats = {"native": 0, "fell back": 0, "calls": 0}
+
+        def produce(rank, placed, tensors, slot):
+            calls = native_copies.state.driver_calls
+            pairs = [(stored[g.index], off) for g, off in placed]
+            if native_copies.replay_slot(pairs, tensors, slot, **kw):
+                stats["native"] += len(pairs)
+                stats["calls"] += native_copies.state.driver_calls - calls
+            else:
+                stats["fell back"] += len(pairs)
+                for plan, off in pairs:
+                    run_element_ops(plan.ops, plan.regions, plan.itemsizes, [tensors[n] for n in plan.inputs],
+                                    slot[off:])
+        return produce, stats
+
     if device.startswith("cuda"):
         paths["native each"] = native(mode="each")
         paths["native batch"] = native(mode="batch")
+        paths["native slot each"] = joined(mode="each")
+        paths["native slot batch"] = joined(mode="batch")
     else:
         paths[f"native {threads} threads"] = native(threads=threads)
+        paths[f"native slot {threads} threads"] = joined(threads=threads)
         if threads != 1:
             paths["native 1 thread"] = native(threads=1)
     return paths
@@ -215,6 +234,19 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
                      "plan": memory, "equal": str(equal[name])})
     rows.append({**base, "key": "replay", "path": f"replay ({times.replayed // (steps + 1)} groups)", "copies": copies,
                  "seconds": best["replay"], "plan": memory, "equal": str(equal["replay"])})
+    # the ceiling on this device: the same bytes per slot as ONE contiguous copy (no plan; not checked)
+    flat = torch.empty(max(sum(g.nbytes for g, _ in placed) for placed in batches), dtype=torch.uint8, device=device)
+    ceiling = float("inf")
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for i, placed in enumerate(batches):
+            n = sum(g.nbytes for g, _ in placed)
+            slots[i % 2][:n].copy_(flat[:n])
+        _sync(device)
+        ceiling = min(ceiling, time.perf_counter() - t0)
+    rows.append({**base, "key": "ceiling", "path": "ceiling: one contiguous copy per slot (torch copy_)",
+                 "copies": f"{len(batches)}", "seconds": ceiling, "plan": "-", "equal": "-"})
     for r in rows:
         r["gbps"] = total / r["seconds"] / 1e9
     return rows

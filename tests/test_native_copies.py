@@ -201,3 +201,36 @@ def test_a_strided_input_is_read_as_its_elements_and_a_too_fragmented_plan_keeps
     slot.fill_(STALE)
     plan.replay(dict(zip(plan.inputs, [inputs[0], inputs[1], strided, inputs[3]])), slot, 0)
     assert torch.equal(slot, expected) and native_copies.state.host_groups == before + 1
+
+
+def test_a_slot_of_replayed_groups_is_one_native_call_with_the_loaders_bytes(tmp_path, monkeypatch):
+    """The producer joins the programs of a slot's replayed groups: one native call fills the slot
+    (per-group calls cost Python per group, the bound of a GPU slot), byte-equal to the loaders."""
+    from test_copy_plan import _assert_equal
+
+    cfg = _shrunk("qwen3-30b-a3b", str(tmp_path))
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2,ep=2"), 1)
+    _produce(SlotProducer(UpdateTimes()), replica, _inputs(replica, 1))  # records the plans
+    tensors = _inputs(replica, 3)
+    calls = []
+    real = native_copies._run
+    monkeypatch.setattr(native_copies, "_run", lambda native, args, *rest: calls.append(len(args[0])) or real(native, args, *rest))
+    times = UpdateTimes()
+    _assert_equal(_produce(SlotProducer(times), replica, tensors), _loader_bytes(replica, tensors), "joined slot")
+    assert times.replayed == len(replica.groups) > 1
+    assert len(calls) == 1 and calls[0] == sum(len(native_copies.program_of(p)) for p in plans_of(replica).plans.values())
+    _produce(SlotProducer(UpdateTimes()), replica, tensors)  # the joined program is cached per placement
+    assert len(calls) == 2 and len(native_copies._slot_programs) >= 1
+
+
+def test_a_joined_plan_writing_past_its_own_group_is_refused_before_any_byte(tmp_path):
+    """A plan (from disk: untrusted) whose descriptor stays inside the slot but reaches into the
+    next group's bytes: refused when the slot's program is joined, naming the group; nothing written."""
+    plan, inputs = _synthetic()
+    other, _ = _synthetic()
+    plan.ops.append((-1, 3, 64 * 64, 0, (1,), (1,), (0,)))  # one element past the group's end
+    tensors = {n: t for n, t in zip(plan.inputs, inputs)}
+    slot = torch.full((2 * plan.group_bytes + 4096,), STALE, dtype=torch.uint8)
+    with pytest.raises(LayoutMismatch, match="group 7 writes outside"):
+        native_copies.replay_slot([(plan, 0), (other, plan.group_bytes + 256 & ~255)], tensors, slot)
+    assert bool((slot == STALE).all())

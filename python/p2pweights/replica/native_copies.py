@@ -117,21 +117,26 @@ def cuda_available() -> tuple[bool, str]:
     return bool(info["loaded"]), str(info["error"])
 
 
+def _usable(slot: "torch.Tensor", inputs: Sequence["torch.Tensor"]) -> Any:
+    """The native module if these tensors can take the native copies, else None."""
+    import torch
+
+    device = slot.device
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and state.cuda_off):
+        return None
+    if slot.dtype != torch.uint8 or not slot.is_contiguous():
+        return None
+    if any(t.device != device or not t.is_contiguous() for t in inputs):
+        return None
+    return _native()
+
+
 def replay_natively(plan: Any, inputs: Sequence["torch.Tensor"], slot: "torch.Tensor", offset: int,
                     threads: int | None = None, mode: str | None = None) -> bool:
     """Write the group's bytes into ``slot`` from ``offset`` with the native core; False (nothing
     written) where it cannot, and the caller takes the torch views. ``threads``/``mode`` override
     ``P2PW_COPY_THREADS``/``state.cuda_mode`` (tests, the benchmark)."""
-    import torch
-
-    device = slot.device
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and state.cuda_off):
-        return False
-    if slot.dtype != torch.uint8 or not slot.is_contiguous():
-        return False
-    if any(t.device != device or not t.is_contiguous() for t in inputs):
-        return False
-    native = _native()
+    native = _usable(slot, inputs)
     if native is None:
         return False
     program = program_of(plan)
@@ -139,6 +144,81 @@ def replay_natively(plan: Any, inputs: Sequence["torch.Tensor"], slot: "torch.Te
         return False
     args = (program, slot.data_ptr() + offset, plan.group_bytes, [t.data_ptr() for t in inputs],
             [t.numel() * t.element_size() for t in inputs])
+    return _run(native, args, slot.device, 1, plan.group_index, plan.regions[0].param_name, threads, mode)
+
+
+@dataclass
+class SlotProgram:
+    """The programs of the groups one slot holds, joined: one native call fills the slot."""
+
+    plans: tuple[Any, ...]  # kept: the cache key holds their ids
+    program: "np.ndarray"
+    inputs: tuple[str, ...]  # HF names, in the order the joined program indexes them
+
+
+SLOT_PROGRAMS = 256  # joined programs kept (a steady-state update reuses one per slot placement)
+_slot_programs: "dict[tuple, SlotProgram]" = {}
+
+
+def slot_program(placed: Sequence[tuple[Any, int]]) -> SlotProgram | None:
+    """The joined program of ``(plan, offset)`` pairs (cached per placement), or None when a plan
+    has no program. Each group's descriptors are checked to stay inside its own bytes here, once
+    (the native core then checks the joined program against the whole slot on every call)."""
+    import numpy as np
+
+    key = tuple((id(p), off) for p, off in placed)
+    cached = _slot_programs.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached.plans, (p for p, _ in placed))):
+        return cached
+    parts, names = [], []
+    for plan, offset in placed:
+        program = program_of(plan)
+        if program is None:
+            return None
+        rows = program.copy()
+        if len(rows):
+            end = rows[:, 1] + (rows[:, 4] - 1) * rows[:, 5] + rows[:, 3]
+            if (rows[:, 1] < 0).any() or (end > plan.group_bytes).any():
+                raise LayoutMismatch(
+                    f"the copy plan of group {plan.group_index} writes outside its {plan.group_bytes} bytes",
+                    parameter=plan.regions[0].param_name,
+                    hint="the plan (from P2PW_REPLICA_CACHE_DIR?) is damaged: delete it and it is recorded again")
+            rows[:, 0] = np.where(rows[:, 0] >= 0, rows[:, 0] + len(names), -1)
+            rows[:, 1] += offset
+        parts.append(rows)
+        names.extend(plan.inputs)
+    joined = np.concatenate(parts) if parts else np.zeros((0, COLUMNS), dtype=np.int64)
+    joined.flags.writeable = False
+    if len(_slot_programs) >= SLOT_PROGRAMS:
+        _slot_programs.pop(next(iter(_slot_programs)))
+    made = _slot_programs[key] = SlotProgram(tuple(p for p, _ in placed), joined, tuple(names))
+    return made
+
+
+def replay_slot(placed: Sequence[tuple[Any, int]], tensors: Any, slot: "torch.Tensor",
+                threads: int | None = None, mode: str | None = None) -> bool:
+    """Every ``(plan, offset)`` group into ``slot`` in one native call; False (nothing written)
+    where the native copies cannot take them all, and the caller replays group by group."""
+    if not placed:
+        return True
+    joined = slot_program(placed)
+    if joined is None:
+        return False
+    inputs = [tensors[n] for n in joined.inputs]
+    native = _usable(slot, inputs)
+    if native is None:
+        return False
+    args = (joined.program, slot.data_ptr(), slot.numel(), [t.data_ptr() for t in inputs],
+            [t.numel() * t.element_size() for t in inputs])
+    first = placed[0][0]
+    return _run(native, args, slot.device, len(placed), first.group_index, first.regions[0].param_name,
+                threads, mode)
+
+
+def _run(native: Any, args: tuple, device: "torch.device", groups: int, group_index: int, parameter: str,
+         threads: int | None, mode: str | None) -> bool:
+    import torch
+
     if device.type == "cuda":
         stream = torch.cuda.current_stream(device).cuda_stream
         wanted = mode or state.cuda_mode
@@ -155,15 +235,16 @@ def replay_natively(plan: Any, inputs: Sequence["torch.Tensor"], slot: "torch.Te
             log = logger.info if code == _NOT_FOUND else logger.warning
             log("native CUDA copies are off in this process (%s): GPU slots replay element views", message)
             return False  # the fallback rewrites every byte of the group
-        state.cuda_groups += code == _OK
+        state.cuda_groups += groups if code == _OK else 0
         state.driver_calls += calls
     else:
         count = threads if threads is not None else settings.value("P2PW_COPY_THREADS")
         code, message = native.run_copy_program_host(*args, count)
-        state.host_groups += code == _OK
+        state.host_groups += groups if code == _OK else 0
     if code != _OK:
+        what = f"group {group_index}" if groups == 1 else f"the {groups} groups from group {group_index}"
         raise LayoutMismatch(
-            f"the copy plan of group {plan.group_index} does not fit its slot or inputs: {message}",
-            parameter=plan.regions[0].param_name,
+            f"the copy plan of {what} does not fit its slot or inputs: {message}",
+            parameter=parameter,
             hint="the plan (from P2PW_REPLICA_CACHE_DIR?) is damaged: delete it and it is recorded again")
     return True
