@@ -214,7 +214,8 @@ def test_a_slot_of_replayed_groups_is_one_native_call_with_the_loaders_bytes(tmp
     tensors = _inputs(replica, 3)
     calls = []
     real = native_copies._run
-    monkeypatch.setattr(native_copies, "_run", lambda native, args, *rest: calls.append(len(args[0])) or real(native, args, *rest))
+    monkeypatch.setattr(native_copies, "_run",
+                        lambda native, args, *rest: calls.append(len(args[0])) or real(native, args, *rest))
     times = UpdateTimes()
     _assert_equal(_produce(SlotProducer(times), replica, tensors), _loader_bytes(replica, tensors), "joined slot")
     assert times.replayed == len(replica.groups) > 1
