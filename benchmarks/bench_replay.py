@@ -145,7 +145,10 @@ def _paths(plans_of, replica, device: str, threads: int) -> dict[str, tuple]:
     if device.startswith("cuda"):
         paths["native each"] = native(mode="each")
         paths["native batch"] = native(mode="batch")
-        paths["native slot each"] = joined(mode="each")
+        from p2pweights import settings
+
+        for lanes in sorted({1, 4, settings.value("P2PW_COPY_LANES"), 16}):  # streams the copies are spread over
+            paths[f"native slot each, {lanes} lane(s)"] = joined(mode="each", lanes=lanes)
         paths["native slot batch"] = joined(mode="batch")
     else:
         paths[f"native {threads} threads"] = native(threads=threads)

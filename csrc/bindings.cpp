@@ -101,10 +101,11 @@ PYBIND11_MODULE(_native, m) {
     py::dict d;
     d["loaded"] = i.loaded;
     d["batch"] = i.batch;
+    d["lanes"] = i.lanes;
     d["library"] = i.library;
     d["error"] = i.error;
     return d;
-  }, "Whether the CUDA driver (libcuda) was found, and whether it has cuMemcpyBatchAsync.");
+  }, "Whether the CUDA driver (libcuda) was found, and whether it has cuMemcpyBatchAsync and streams/events for lanes.");
   auto program_of = [](const py::array_t<int64_t, py::array::c_style>& program, Status* s) -> size_t {
     if (program.ndim() != 2 || program.shape(1) != kCopyColumns) {
       *s = Status(Code::kInvalidArgument, "a copy program is an (n, 7) int64 array");
@@ -136,7 +137,7 @@ PYBIND11_MODULE(_native, m) {
                                                          uint64_t slot, uint64_t slot_bytes,
                                                          const std::vector<uint64_t>& input_addrs,
                                                          const std::vector<uint64_t>& input_nbytes, uint64_t stream,
-                                                         const std::string& mode) {
+                                                         const std::string& mode, int lanes) {
     Status s;
     int64_t calls = 0;
     const size_t n = program_of(program, &s);
@@ -145,11 +146,11 @@ PYBIND11_MODULE(_native, m) {
     if (s.ok()) {
       py::gil_scoped_release nogil;
       s = run_device_program(program.data(), n, slot, slot_bytes, in, stream,
-                             mode == "batch" ? CopyMode::kBatch : CopyMode::kEach, &calls);
+                             mode == "batch" ? CopyMode::kBatch : CopyMode::kEach, &calls, lanes);
     }
     return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
   }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
-     py::arg("stream"), py::arg("mode") = "each");
+     py::arg("stream"), py::arg("mode") = "each", py::arg("lanes") = 1);
 
   py::class_<SlotView>(m, "SlotView", py::buffer_protocol(),
                        "The exporter of a slot view; holds the transfer buffer open while alive.")

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -161,12 +162,15 @@ using CUresult = int;
 using CUdeviceptr = unsigned long long;
 using CUcontext = void*;
 using CUstream = void*;
+using CUevent = void*;
 constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotInitialized = 3;
 constexpr int kPointerAttributeContext = 1;  // CU_POINTER_ATTRIBUTE_CONTEXT
 constexpr int kMemoryTypeUnified = 4;        // CU_MEMORYTYPE_UNIFIED: the *Device field is a UVA address
 constexpr int kSrcAccessOrderStream = 1;     // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 const CUstream kPerThreadStream = reinterpret_cast<CUstream>(0x2);  // CU_STREAM_PER_THREAD
+constexpr unsigned kStreamNonBlocking = 0x1;   // CU_STREAM_NON_BLOCKING: no implicit sync with the legacy stream
+constexpr unsigned kEventDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
 constexpr int64_t kMaxPitch = 2147483647;    // cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
 
 struct Memcpy2D {  // CUDA_MEMCPY2D (v2)
@@ -209,6 +213,11 @@ struct Driver {
   CUresult (*memset_d2d8_async)(CUdeviceptr, size_t, unsigned char, size_t, size_t, CUstream) = nullptr;
   CUresult (*memcpy_batch_async)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t,
                                  size_t*, CUstream) = nullptr;
+  // the lanes: side streams the copies are spread over, joined to the caller's stream by events
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
   std::once_flag initialized;
 
   template <typename F>
@@ -246,6 +255,8 @@ struct Driver {
     }
     // the 12.8 ABI (with failIdx) under the plain name; a CUDA 13 driver keeps it there too
     info.batch = find(&memcpy_batch_async, "cuMemcpyBatchAsync");
+    info.lanes = find(&stream_create, "cuStreamCreate") && find(&event_create, "cuEventCreate") &&
+                 find(&event_record, "cuEventRecord") && find(&stream_wait_event, "cuStreamWaitEvent");
     info.loaded = true;
   }
 
@@ -307,9 +318,53 @@ class ContextScope {
 
 CudaDriverInfo cuda_driver_info() { return driver().info; }
 
+namespace {
+
+// The side streams of one context (made on first use, kept for the process) and their events.
+struct LaneSet {
+  CUcontext context = nullptr;
+  std::mutex mu;  // held while a program is enqueued: the events are reused
+  CUevent start = nullptr;
+  std::vector<CUstream> streams;
+  std::vector<CUevent> done;
+};
+
+// The current context's lanes, grown to `want` streams where the driver allows (the caller holds
+// set->mu); nullptr when no context is current.
+LaneSet* lane_set(Driver& d) {
+  static std::mutex sets_mu;
+  static std::vector<std::unique_ptr<LaneSet>> sets;
+  CUcontext context = nullptr;
+  if (d.ctx_get_current(&context) != kCudaSuccess || context == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(sets_mu);
+  for (auto& set : sets)
+    if (set->context == context) return set.get();
+  sets.push_back(std::make_unique<LaneSet>());
+  sets.back()->context = context;
+  return sets.back().get();
+}
+
+int grow_lanes(Driver& d, LaneSet& set, int want) {
+  if (set.start == nullptr && d.event_create(&set.start, kEventDisableTiming) != kCudaSuccess) {
+    set.start = nullptr;
+    return 1;
+  }
+  while (static_cast<int>(set.streams.size()) < want) {
+    CUstream st = nullptr;
+    CUevent ev = nullptr;
+    if (d.stream_create(&st, kStreamNonBlocking) != kCudaSuccess) break;
+    if (d.event_create(&ev, kEventDisableTiming) != kCudaSuccess) break;  // the stream stays unused
+    set.streams.push_back(st);
+    set.done.push_back(ev);
+  }
+  return std::min<int>(want, static_cast<int>(set.streams.size()));
+}
+
+}  // namespace
+
 Status run_device_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
                           const std::vector<CopyInput>& inputs, uint64_t stream_handle, CopyMode mode,
-                          int64_t* calls) {
+                          int64_t* calls, int lanes) {
   if (calls) *calls = 0;
   Driver& d = driver();
   if (!d.info.loaded) return Status(Code::kNotFound, d.info.error);
@@ -320,21 +375,71 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
   if (!context.status().ok()) return context.status();
   CUstream stream = reinterpret_cast<CUstream>(stream_handle);
   int64_t made = 0;
-  std::vector<CUdeviceptr> batch_dst, batch_src;
-  std::vector<size_t> batch_size;
+
+  // the streams the copies go to: the caller's, or lanes forked from it (joined back below)
+  std::vector<CUstream> targets{stream};
+  LaneSet* set = nullptr;
+  std::unique_lock<std::mutex> hold;
+  const int want = std::min<int>(std::max(1, std::min(lanes, kMaxCopyLanes)), static_cast<int>(count));
+  if (want > 1 && d.info.lanes && (set = lane_set(d)) != nullptr) {
+    hold = std::unique_lock<std::mutex>(set->mu);
+    const int have = grow_lanes(d, *set, want);
+    if (have > 1) {
+      ++made;
+      CUresult r = d.event_record(set->start, stream);
+      for (int k = 0; k < have && r == kCudaSuccess; ++k, ++made) r = d.stream_wait_event(set->streams[k], set->start, 0);
+      if (r != kCudaSuccess) {
+        if (calls) *calls = made;
+        return Status(Code::kTransportError, d.error(r, "forking the copy lanes"));  // nothing enqueued yet
+      }
+      targets.assign(set->streams.begin(), set->streams.begin() + have);
+    }
+  }
+  const size_t n_lanes = targets.size();
+  // the caller's stream waits for every lane: on success and on failure (nothing of the call may
+  // still run on a lane when the caller's next work starts, e.g. the fallback rewriting the group)
+  auto join = [&]() -> CUresult {
+    CUresult first = kCudaSuccess;
+    if (n_lanes < 2) return first;
+    for (size_t k = 0; k < n_lanes; ++k) {
+      made += 2;
+      CUresult r = d.event_record(set->done[k], targets[k]);
+      if (r == kCudaSuccess) r = d.stream_wait_event(stream, set->done[k], 0);
+      if (r != kCudaSuccess && first == kCudaSuccess) first = r;
+    }
+    return first;
+  };
+  auto fail = [&](const std::string& what) -> Status {
+    join();
+    if (calls) *calls = made;
+    return Status(Code::kTransportError, what);
+  };
+
+  std::vector<uint64_t> load(n_lanes, 0);
+  auto pick = [&](uint64_t bytes) -> size_t {  // the least loaded lane, by bytes
+    size_t best = 0;
+    for (size_t k = 1; k < n_lanes; ++k)
+      if (load[k] < load[best]) best = k;
+    load[best] += bytes;
+    return best;
+  };
+  std::vector<std::vector<CUdeviceptr>> batch_dst(n_lanes), batch_src(n_lanes);
+  std::vector<std::vector<size_t>> batch_size(n_lanes);
   const bool batch = mode == CopyMode::kBatch && d.info.batch;
-  auto one_d = [&](CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
+  auto one_d = [&](size_t lane, CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
     if (batch) {
-      batch_dst.push_back(to);
-      batch_src.push_back(from);
-      batch_size.push_back(n);
+      batch_dst[lane].push_back(to);
+      batch_src[lane].push_back(from);
+      batch_size[lane].push_back(n);
       return kCudaSuccess;
     }
     ++made;
-    return d.memcpy_async(to, from, n, stream);
+    return d.memcpy_async(to, from, n, targets[lane]);
   };
   for (size_t i = 0; i < count; ++i) {
     const Copy c = at(program, i);
+    const size_t lane = pick(c.bytes());
+    CUstream st = targets[lane];
     const CUdeviceptr to = slot + static_cast<uint64_t>(c.dst);
     CUresult r = kCudaSuccess;
     const char* call = "";
@@ -342,21 +447,21 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
       ++made;
       if (c.rows == 1) {
         call = "cuMemsetD8Async";
-        r = d.memset_d8_async(to, 0, static_cast<size_t>(c.row_bytes), stream);
+        r = d.memset_d8_async(to, 0, static_cast<size_t>(c.row_bytes), st);
       } else if (c.dst_pitch <= kMaxPitch) {
         call = "cuMemsetD2D8Async";
         r = d.memset_d2d8_async(to, static_cast<size_t>(c.dst_pitch), 0, static_cast<size_t>(c.row_bytes),
-                                static_cast<size_t>(c.rows), stream);
+                                static_cast<size_t>(c.rows), st);
       } else {
         call = "cuMemsetD8Async";
         for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row, ++made)
-          r = d.memset_d8_async(to + static_cast<uint64_t>(row * c.dst_pitch), 0, static_cast<size_t>(c.row_bytes), stream);
+          r = d.memset_d8_async(to + static_cast<uint64_t>(row * c.dst_pitch), 0, static_cast<size_t>(c.row_bytes), st);
       }
     } else {
       const CUdeviceptr from = inputs[c.input].address + static_cast<uint64_t>(c.src);
       call = "cuMemcpyAsync";
       if (c.rows == 1) {
-        r = one_d(to, from, static_cast<size_t>(c.row_bytes));
+        r = one_d(lane, to, from, static_cast<size_t>(c.row_bytes));
       } else if (c.src_pitch >= c.row_bytes && c.src_pitch <= kMaxPitch && c.dst_pitch <= kMaxPitch) {
         Memcpy2D m{};
         m.srcMemoryType = kMemoryTypeUnified;
@@ -369,36 +474,35 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
         m.Height = static_cast<size_t>(c.rows);
         call = "cuMemcpy2DAsync";
         ++made;
-        r = d.memcpy_2d_async(&m, stream);
+        r = d.memcpy_2d_async(&m, st);
       } else {  // a source read backwards or repeated, or pitches past the 2-D limit: row by row
         for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row)
-          r = one_d(to + static_cast<uint64_t>(row * c.dst_pitch),
+          r = one_d(lane, to + static_cast<uint64_t>(row * c.dst_pitch),
                     static_cast<CUdeviceptr>(static_cast<int64_t>(from) + row * c.src_pitch),
                     static_cast<size_t>(c.row_bytes));
       }
     }
-    if (r != kCudaSuccess) {
-      if (calls) *calls = made;
-      return Status(Code::kTransportError, where(i) + ": " + d.error(r, call));
-    }
+    if (r != kCudaSuccess) return fail(where(i) + ": " + d.error(r, call));
   }
-  if (batch && !batch_dst.empty()) {
+  for (size_t k = 0; batch && k < n_lanes; ++k) {
+    if (batch_dst[k].empty()) continue;
     // the batch call refuses the legacy default stream: the per-thread default stream is a
     // blocking stream, so it orders with the legacy stream's work before and after like it
     MemcpyAttributes attr{};
     attr.srcAccessOrder = kSrcAccessOrderStream;
     size_t attr_index = 0;
-    size_t fail = SIZE_MAX;
+    size_t failed = SIZE_MAX;
     ++made;
-    CUresult r = d.memcpy_batch_async(batch_dst.data(), batch_src.data(), batch_size.data(), batch_dst.size(), &attr,
-                                      &attr_index, 1, &fail, stream == nullptr ? kPerThreadStream : stream);
-    if (r != kCudaSuccess) {
-      if (calls) *calls = made;
-      return Status(Code::kTransportError, d.error(r, "cuMemcpyBatchAsync") +
-                                               (fail != SIZE_MAX ? " at copy " + std::to_string(fail) : std::string()));
-    }
+    CUstream st = targets[k] == nullptr ? kPerThreadStream : targets[k];
+    CUresult r = d.memcpy_batch_async(batch_dst[k].data(), batch_src[k].data(), batch_size[k].data(),
+                                      batch_dst[k].size(), &attr, &attr_index, 1, &failed, st);
+    if (r != kCudaSuccess)
+      return fail(d.error(r, "cuMemcpyBatchAsync") +
+                  (failed != SIZE_MAX ? " at copy " + std::to_string(failed) : std::string()));
   }
+  CUresult r = join();
   if (calls) *calls = made;
+  if (r != kCudaSuccess) return Status(Code::kTransportError, d.error(r, "joining the copy lanes"));
   return Status::Ok();
 }
 

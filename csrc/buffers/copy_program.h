@@ -42,6 +42,7 @@ Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uin
 struct CudaDriverInfo {
   bool loaded = false;
   bool batch = false;  // cuMemcpyBatchAsync (12.8 ABI) found
+  bool lanes = false;  // streams and events found: copies can be spread over side streams
   std::string library;
   std::string error;  // why not loaded
 };
@@ -54,7 +55,15 @@ enum class CopyMode { kEach, kBatch };
 // cuMemcpyAsync each (kEach) or one cuMemcpyBatchAsync (kBatch, where the driver has it); 2-D
 // copies cuMemcpy2DAsync; zero fills cuMemsetD8Async / cuMemsetD2D8Async. `calls` counts the
 // driver calls made. kNotFound when there is no driver.
+//
+// lanes > 1: the copies are spread over that many side streams of the slot's context (made once,
+// non-blocking), balanced by bytes: they wait for `stream`'s work so far, and `stream` waits for
+// them before anything enqueued after the call (an event each way). A GPU runs consecutive small
+// copies of one stream one after another with a few microseconds between them; side by side they
+// overlap. The enqueue holds a per-context lock (the lanes' events are reused).
+constexpr int kMaxCopyLanes = 16;
 Status run_device_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
-                          const std::vector<CopyInput>& inputs, uint64_t stream, CopyMode mode, int64_t* calls);
+                          const std::vector<CopyInput>& inputs, uint64_t stream, CopyMode mode, int64_t* calls,
+                          int lanes = 1);
 
 }  // namespace p2pw

@@ -34,6 +34,7 @@ def cuda_runtime_info() -> CudaRuntimeInfo: ...
 class CudaDriverInfo(TypedDict):
     loaded: bool
     batch: bool  # cuMemcpyBatchAsync found
+    lanes: bool  # cuStreamCreate / cuEventCreate / cuEventRecord / cuStreamWaitEvent found
     library: str
     error: str
 
@@ -45,7 +46,8 @@ def cuda_driver_info() -> CudaDriverInfo: ...
 def run_copy_program_host(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
                           input_nbytes: list[int], threads: int = 1) -> tuple[int, str]: ...
 def run_copy_program_cuda(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
-                          input_nbytes: list[int], stream: int, mode: str = "each") -> tuple[int, str, int]: ...
+                          input_nbytes: list[int], stream: int, mode: str = "each",
+                          lanes: int = 1) -> tuple[int, str, int]: ...
 
 class SlotView:
     """The buffer-protocol exporter behind a slot view; holds the transfer buffer open while alive."""

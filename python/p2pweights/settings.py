@@ -154,6 +154,8 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "what is not done", default_text="0"),
     Setting("P2PW_COPY_THREADS", int, min(4, os.cpu_count() or 1), "threads of a replayed copy plan's native "
             "host copies (a group under 4 MiB runs on one)", _at_least_one, default_text="min(4, cores)"),
+    Setting("P2PW_COPY_LANES", int, 8, "CUDA streams a GPU slot's replayed copies are spread over (a GPU runs "
+            "one stream's small copies one after another); 1: the caller's stream only", _at_least_one),
     Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
             default_text="(search)"),
     # transports

@@ -9,6 +9,10 @@ dimension is strided (1-byte elements) becomes rows of one element. The native c
 descriptor against the group's bytes and each input's bytes on every call (a plan from disk is
 untrusted) and writes nothing when one reaches outside: :class:`LayoutMismatch` naming the group.
 
+The producer joins the programs of every replayed group of a slot (:func:`replay_slot`, cached
+per placement): one native call per slot, since a call per group costs ~15 us of Python, which
+bounded a GPU slot at ~500 GB/s on the H200.
+
 Which path runs where (:func:`replay_natively`; ``False`` leaves the group to the torch views):
 
 - host slot, host inputs: memcpy/memset split by bytes across ``P2PW_COPY_THREADS`` threads,
@@ -16,7 +20,10 @@ Which path runs where (:func:`replay_natively`; ``False`` leaves the group to th
 - GPU slot, inputs on its device: CUDA driver copies enqueued on torch's current stream of that
   device (the fillers' event after the producers still orders them), one cuMemcpyAsync per 1-D
   copy (``cuda_mode = "each"``) or one cuMemcpyBatchAsync for all of them (``"batch"``), 2-D
-  copies cuMemcpy2DAsync. No driver, or a driver call that failed: native CUDA copies are off for
+  copies cuMemcpy2DAsync; spread over ``P2PW_COPY_LANES`` side streams forked from and joined
+  back to that stream by events (a GPU runs one stream's copies one after another, a few us apart:
+  a Qwen3-30B EP8 slot's ~2,700 expert copies were bound by that, not by memory bandwidth). No
+  driver, or a driver call that failed: native CUDA copies are off for
   the process (:data:`state`) and GPU slots keep the element views;
 - anything else (inputs on another device than the slot, an input that is not contiguous, a plan
   of more than :data:`MAX_DESCRIPTORS` copies, no native module): the torch views.
@@ -52,6 +59,7 @@ class NativeCopyState:
     cuda_mode: str = "each"  # "each" | "batch" (benchmarks/bench_replay.py measures both)
     cuda_off: str | None = None  # set once the driver is missing or a call failed
     batch_off: str | None = None  # set once a batch call failed: "batch" runs as "each" from then on
+    lanes_off: str | None = None  # set once copies on several streams failed: one stream from then on
     host_groups: int = 0
     cuda_groups: int = 0
     driver_calls: int = 0
@@ -196,7 +204,7 @@ def slot_program(placed: Sequence[tuple[Any, int]]) -> SlotProgram | None:
 
 
 def replay_slot(placed: Sequence[tuple[Any, int]], tensors: Any, slot: "torch.Tensor",
-                threads: int | None = None, mode: str | None = None) -> bool:
+                threads: int | None = None, mode: str | None = None, lanes: int | None = None) -> bool:
     """Every ``(plan, offset)`` group into ``slot`` in one native call; False (nothing written)
     where the native copies cannot take them all, and the caller replays group by group."""
     if not placed:
@@ -212,11 +220,11 @@ def replay_slot(placed: Sequence[tuple[Any, int]], tensors: Any, slot: "torch.Te
             [t.numel() * t.element_size() for t in inputs])
     first = placed[0][0]
     return _run(native, args, slot.device, len(placed), first.group_index, first.regions[0].param_name,
-                threads, mode)
+                threads, mode, lanes)
 
 
 def _run(native: Any, args: tuple, device: "torch.device", groups: int, group_index: int, parameter: str,
-         threads: int | None, mode: str | None) -> bool:
+         threads: int | None, mode: str | None, lanes: int | None = None) -> bool:
     import torch
 
     if device.type == "cuda":
@@ -225,11 +233,16 @@ def _run(native: Any, args: tuple, device: "torch.device", groups: int, group_in
         if wanted not in CUDA_MODES:
             raise ValueError(f"native CUDA copy mode {wanted!r}: use one of {', '.join(CUDA_MODES)}")
         use = "each" if wanted == "batch" and state.batch_off else wanted
-        code, message, calls = native.run_copy_program_cuda(*args, stream, use)
+        lanes = lanes if lanes is not None else (1 if state.lanes_off else settings.value("P2PW_COPY_LANES"))
+        code, message, calls = native.run_copy_program_cuda(*args, stream, use, lanes)
         if code == _DRIVER_FAILED and use == "batch":  # the newest driver call: keep the proven ones
             state.batch_off = message
             logger.warning("cuMemcpyBatchAsync failed (%s): native CUDA copies use one call per copy", message)
-            code, message, calls = native.run_copy_program_cuda(*args, stream, "each")
+            code, message, calls = native.run_copy_program_cuda(*args, stream, "each", lanes)
+        if code == _DRIVER_FAILED and lanes > 1:  # then the lanes (streams and events)
+            state.lanes_off = message
+            logger.warning("native CUDA copies on %d streams failed (%s): the caller's stream only", lanes, message)
+            code, message, calls = native.run_copy_program_cuda(*args, stream, "each", 1)
         if code in (_NOT_FOUND, _DRIVER_FAILED):
             state.cuda_off = message
             log = logger.info if code == _NOT_FOUND else logger.warning
