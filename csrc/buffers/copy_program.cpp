@@ -415,140 +415,91 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
     return Status(Code::kTransportError, what);
   };
 
-  // each copy to the least loaded lane (by bytes), in program order within a lane
-  struct LaneWork {
-    std::vector<size_t> copies;
-    std::vector<CUdeviceptr> batch_dst, batch_src;
-    std::vector<size_t> batch_size;
-    int64_t made = 0;
-    std::string error;
+  std::vector<uint64_t> load(n_lanes, 0);
+  auto pick = [&](uint64_t bytes) -> size_t {  // the least loaded lane, by bytes
+    size_t best = 0;
+    for (size_t k = 1; k < n_lanes; ++k)
+      if (load[k] < load[best]) best = k;
+    load[best] += bytes;
+    return best;
   };
-  std::vector<LaneWork> work(n_lanes);
-  {
-    std::vector<uint64_t> load(n_lanes, 0);
-    for (size_t i = 0; i < count; ++i) {
-      size_t best = 0;
-      for (size_t k = 1; k < n_lanes; ++k)
-        if (load[k] < load[best]) best = k;
-      load[best] += at(program, i).bytes();
-      work[best].copies.push_back(i);
-    }
-  }
+  std::vector<std::vector<CUdeviceptr>> batch_dst(n_lanes), batch_src(n_lanes);
+  std::vector<std::vector<size_t>> batch_size(n_lanes);
   const bool batch = mode == CopyMode::kBatch && d.info.batch;
-  // Enqueues one lane's copies on its stream; false with lw.error set on the first failed call.
-  auto run_lane = [&](size_t lane) -> bool {
-    LaneWork& lw = work[lane];
-    CUstream st = targets[lane];
-    auto one_d = [&](CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
-      if (batch) {
-        lw.batch_dst.push_back(to);
-        lw.batch_src.push_back(from);
-        lw.batch_size.push_back(n);
-        return kCudaSuccess;
-      }
-      ++lw.made;
-      return d.memcpy_async(to, from, n, st);
-    };
-    for (size_t i : lw.copies) {
-      const Copy c = at(program, i);
-      const CUdeviceptr to = slot + static_cast<uint64_t>(c.dst);
-      CUresult r = kCudaSuccess;
-      const char* call = "";
-      if (c.input < 0) {
-        ++lw.made;
-        if (c.rows == 1) {
-          call = "cuMemsetD8Async";
-          r = d.memset_d8_async(to, 0, static_cast<size_t>(c.row_bytes), st);
-        } else if (c.dst_pitch <= kMaxPitch) {
-          call = "cuMemsetD2D8Async";
-          r = d.memset_d2d8_async(to, static_cast<size_t>(c.dst_pitch), 0, static_cast<size_t>(c.row_bytes),
-                                  static_cast<size_t>(c.rows), st);
-        } else {
-          call = "cuMemsetD8Async";
-          for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row, ++lw.made)
-            r = d.memset_d8_async(to + static_cast<uint64_t>(row * c.dst_pitch), 0, static_cast<size_t>(c.row_bytes),
-                                  st);
-        }
-      } else {
-        const CUdeviceptr from = inputs[c.input].address + static_cast<uint64_t>(c.src);
-        call = "cuMemcpyAsync";
-        if (c.rows == 1) {
-          r = one_d(to, from, static_cast<size_t>(c.row_bytes));
-        } else if (c.src_pitch >= c.row_bytes && c.src_pitch <= kMaxPitch && c.dst_pitch <= kMaxPitch) {
-          Memcpy2D m{};
-          m.srcMemoryType = kMemoryTypeUnified;
-          m.srcDevice = from;
-          m.srcPitch = static_cast<size_t>(c.src_pitch);
-          m.dstMemoryType = kMemoryTypeUnified;
-          m.dstDevice = to;
-          m.dstPitch = static_cast<size_t>(c.dst_pitch);
-          m.WidthInBytes = static_cast<size_t>(c.row_bytes);
-          m.Height = static_cast<size_t>(c.rows);
-          call = "cuMemcpy2DAsync";
-          ++lw.made;
-          r = d.memcpy_2d_async(&m, st);
-        } else {  // a source read backwards or repeated, or pitches past the 2-D limit: row by row
-          for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row)
-            r = one_d(to + static_cast<uint64_t>(row * c.dst_pitch),
-                      static_cast<CUdeviceptr>(static_cast<int64_t>(from) + row * c.src_pitch),
-                      static_cast<size_t>(c.row_bytes));
-        }
-      }
-      if (r != kCudaSuccess) {
-        lw.error = where(i) + ": " + d.error(r, call);
-        return false;
-      }
+  auto one_d = [&](size_t lane, CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
+    if (batch) {
+      batch_dst[lane].push_back(to);
+      batch_src[lane].push_back(from);
+      batch_size[lane].push_back(n);
+      return kCudaSuccess;
     }
-    if (batch && !lw.batch_dst.empty()) {
-      // the batch call refuses the legacy default stream: the per-thread default stream is a
-      // blocking stream, so it orders with the legacy stream's work before and after like it
-      MemcpyAttributes attr{};
-      attr.srcAccessOrder = kSrcAccessOrderStream;
-      size_t attr_index = 0;
-      size_t failed = SIZE_MAX;
-      ++lw.made;
-      CUresult r = d.memcpy_batch_async(lw.batch_dst.data(), lw.batch_src.data(), lw.batch_size.data(),
-                                        lw.batch_dst.size(), &attr, &attr_index, 1, &failed,
-                                        st == nullptr ? kPerThreadStream : st);
-      if (r != kCudaSuccess) {
-        lw.error = d.error(r, "cuMemcpyBatchAsync") +
-                   (failed != SIZE_MAX ? " at copy " + std::to_string(failed) : std::string());
-        return false;
-      }
-    }
-    return true;
+    ++made;
+    return d.memcpy_async(to, from, n, targets[lane]);
   };
-  // A long program is enqueued by several threads, each its own lanes: one thread's driver calls
-  // (a few us each) bound a slot of thousands of small copies (a Qwen3-30B EP8 rank's experts).
-  const size_t n_threads = count >= kThreadedEnqueueCopies ? std::min<size_t>(n_lanes, kEnqueueThreads) : 1;
-  if (n_threads > 1) {
-    CUcontext ctx = nullptr;
-    d.ctx_get_current(&ctx);
-    auto enqueue = [&](size_t t) {
-      if (t > 0 && d.ctx_set_current(ctx) != kCudaSuccess) {
-        work[t].error = "cuCtxSetCurrent failed on an enqueue thread";
-        return;
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    const size_t lane = pick(c.bytes());
+    CUstream st = targets[lane];
+    const CUdeviceptr to = slot + static_cast<uint64_t>(c.dst);
+    CUresult r = kCudaSuccess;
+    const char* call = "";
+    if (c.input < 0) {
+      ++made;
+      if (c.rows == 1) {
+        call = "cuMemsetD8Async";
+        r = d.memset_d8_async(to, 0, static_cast<size_t>(c.row_bytes), st);
+      } else if (c.dst_pitch <= kMaxPitch) {
+        call = "cuMemsetD2D8Async";
+        r = d.memset_d2d8_async(to, static_cast<size_t>(c.dst_pitch), 0, static_cast<size_t>(c.row_bytes),
+                                static_cast<size_t>(c.rows), st);
+      } else {
+        call = "cuMemsetD8Async";
+        for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row, ++made)
+          r = d.memset_d8_async(to + static_cast<uint64_t>(row * c.dst_pitch), 0, static_cast<size_t>(c.row_bytes), st);
       }
-      for (size_t k = t; k < n_lanes; k += n_threads)
-        if (!run_lane(k)) return;
-    };
-    std::vector<std::thread> helpers;
-    for (size_t t = 1; t < n_threads; ++t) {
-      try {
-        helpers.emplace_back(enqueue, t);
-      } catch (const std::system_error&) {
-        enqueue(t);  // no thread: its lanes are enqueued here
+    } else {
+      const CUdeviceptr from = inputs[c.input].address + static_cast<uint64_t>(c.src);
+      call = "cuMemcpyAsync";
+      if (c.rows == 1) {
+        r = one_d(lane, to, from, static_cast<size_t>(c.row_bytes));
+      } else if (c.src_pitch >= c.row_bytes && c.src_pitch <= kMaxPitch && c.dst_pitch <= kMaxPitch) {
+        Memcpy2D m{};
+        m.srcMemoryType = kMemoryTypeUnified;
+        m.srcDevice = from;
+        m.srcPitch = static_cast<size_t>(c.src_pitch);
+        m.dstMemoryType = kMemoryTypeUnified;
+        m.dstDevice = to;
+        m.dstPitch = static_cast<size_t>(c.dst_pitch);
+        m.WidthInBytes = static_cast<size_t>(c.row_bytes);
+        m.Height = static_cast<size_t>(c.rows);
+        call = "cuMemcpy2DAsync";
+        ++made;
+        r = d.memcpy_2d_async(&m, st);
+      } else {  // a source read backwards or repeated, or pitches past the 2-D limit: row by row
+        for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row)
+          r = one_d(lane, to + static_cast<uint64_t>(row * c.dst_pitch),
+                    static_cast<CUdeviceptr>(static_cast<int64_t>(from) + row * c.src_pitch),
+                    static_cast<size_t>(c.row_bytes));
       }
     }
-    enqueue(0);
-    for (std::thread& h : helpers) h.join();
-  } else {
-    for (size_t k = 0; k < n_lanes; ++k)
-      if (!run_lane(k)) break;
+    if (r != kCudaSuccess) return fail(where(i) + ": " + d.error(r, call));
   }
-  for (const LaneWork& lw : work) made += lw.made;
-  for (const LaneWork& lw : work)
-    if (!lw.error.empty()) return fail(lw.error);
+  for (size_t k = 0; batch && k < n_lanes; ++k) {
+    if (batch_dst[k].empty()) continue;
+    // the batch call refuses the legacy default stream: the per-thread default stream is a
+    // blocking stream, so it orders with the legacy stream's work before and after like it
+    MemcpyAttributes attr{};
+    attr.srcAccessOrder = kSrcAccessOrderStream;
+    size_t attr_index = 0;
+    size_t failed = SIZE_MAX;
+    ++made;
+    CUstream st = targets[k] == nullptr ? kPerThreadStream : targets[k];
+    CUresult r = d.memcpy_batch_async(batch_dst[k].data(), batch_src[k].data(), batch_size[k].data(),
+                                      batch_dst[k].size(), &attr, &attr_index, 1, &failed, st);
+    if (r != kCudaSuccess)
+      return fail(d.error(r, "cuMemcpyBatchAsync") +
+                  (failed != SIZE_MAX ? " at copy " + std::to_string(failed) : std::string()));
+  }
   CUresult r = join();
   if (calls) *calls = made;
   if (r != kCudaSuccess) return Status(Code::kTransportError, d.error(r, "joining the copy lanes"));

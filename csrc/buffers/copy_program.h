@@ -61,11 +61,7 @@ enum class CopyMode { kEach, kBatch };
 // them before anything enqueued after the call (an event each way). A GPU runs consecutive small
 // copies of one stream one after another with a few microseconds between them; side by side they
 // overlap. The enqueue holds a per-context lock (the lanes' events are reused).
-// A program of at least kThreadedEnqueueCopies copies on several lanes is enqueued by up to
-// kEnqueueThreads threads (lanes split among them, the slot's context made current on each).
 constexpr int kMaxCopyLanes = 16;
-constexpr size_t kThreadedEnqueueCopies = 512;
-constexpr size_t kEnqueueThreads = 4;
 Status run_device_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
                           const std::vector<CopyInput>& inputs, uint64_t stream, CopyMode mode, int64_t* calls,
                           int lanes = 1);
