@@ -145,11 +145,13 @@ def _paths(plans_of, replica, device: str, threads: int) -> dict[str, tuple]:
     if device.startswith("cuda"):
         paths["native each"] = native(mode="each")
         paths["native batch"] = native(mode="batch")
+        paths["native kernel"] = native(mode="kernel")
         from p2pweights import settings
 
         for lanes in sorted({1, 4, settings.value("P2PW_COPY_LANES"), 16}):  # streams the copies are spread over
             paths[f"native slot each, {lanes} lane(s)"] = joined(mode="each", lanes=lanes)
         paths["native slot batch"] = joined(mode="batch")
+        paths["native slot kernel"] = joined(mode="kernel")
     else:
         paths[f"native {threads} threads"] = native(threads=threads)
         paths[f"native slot {threads} threads"] = joined(threads=threads)
@@ -231,6 +233,8 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
             note = f" FELL BACK {stats['fell back']}x: {native_copies.state.cuda_off or 'see replica/native_copies.py'}"
         elif name == "native batch" and (native_copies.state.batch_off or not _native.cuda_driver_info()["batch"]):
             note = f" RAN AS EACH: {native_copies.state.batch_off or 'the driver has no cuMemcpyBatchAsync'}"
+        elif "kernel" in name and (native_copies.state.kernel_off or not _native.cuda_driver_info()["kernel"]):
+            note = f" RAN AS EACH: {native_copies.state.kernel_off or 'the module was built without nvcc'}"
         elif name.startswith("native") and device.startswith("cuda"):
             note = f" ({stats['calls'] // (steps + 1)} driver calls per fill)"  # steps + the check's fill
         rows.append({**base, "key": name, "path": f"replay: {name}{note}", "copies": copies, "seconds": best[name],

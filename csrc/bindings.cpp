@@ -102,6 +102,7 @@ PYBIND11_MODULE(_native, m) {
     d["loaded"] = i.loaded;
     d["batch"] = i.batch;
     d["lanes"] = i.lanes;
+    d["kernel"] = i.kernel;
     d["library"] = i.library;
     d["error"] = i.error;
     return d;
@@ -142,11 +143,15 @@ PYBIND11_MODULE(_native, m) {
     int64_t calls = 0;
     const size_t n = program_of(program, &s);
     std::vector<CopyInput> in = inputs_of(input_addrs, input_nbytes, &s);
-    if (mode != "each" && mode != "batch") s = Status(Code::kInvalidArgument, "copy mode must be each or batch");
+    if (mode != "each" && mode != "batch" && mode != "kernel")
+      s = Status(Code::kInvalidArgument, "copy mode must be each, batch or kernel");
     if (s.ok()) {
       py::gil_scoped_release nogil;
       s = run_device_program(program.data(), n, slot, slot_bytes, in, stream,
-                             mode == "batch" ? CopyMode::kBatch : CopyMode::kEach, &calls, lanes);
+                             mode == "batch"    ? CopyMode::kBatch
+                             : mode == "kernel" ? CopyMode::kKernel
+                                                : CopyMode::kEach,
+                             &calls, lanes);
     }
     return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
   }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),

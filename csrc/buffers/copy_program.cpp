@@ -1,5 +1,9 @@
 #include "buffers/copy_program.h"
 
+#ifdef P2PW_HAVE_COPY_KERNEL
+#include "copy_batch_fatbin.h"
+#endif
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -163,6 +167,8 @@ using CUdeviceptr = unsigned long long;
 using CUcontext = void*;
 using CUstream = void*;
 using CUevent = void*;
+using CUmodule = void*;
+using CUfunction = void*;
 constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotInitialized = 3;
 constexpr int kPointerAttributeContext = 1;  // CU_POINTER_ATTRIBUTE_CONTEXT
@@ -218,6 +224,11 @@ struct Driver {
   CUresult (*event_create)(CUevent*, unsigned) = nullptr;
   CUresult (*event_record)(CUevent, CUstream) = nullptr;
   CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
+  // the batched copy kernel (csrc/kernels/copy_batch.cu, embedded where nvcc built it)
+  CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
+  CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            CUstream, void**, void**) = nullptr;
   std::once_flag initialized;
 
   template <typename F>
@@ -255,6 +266,10 @@ struct Driver {
     }
     // the 12.8 ABI (with failIdx) under the plain name; a CUDA 13 driver keeps it there too
     info.batch = find(&memcpy_batch_async, "cuMemcpyBatchAsync");
+#ifdef P2PW_HAVE_COPY_KERNEL
+    info.kernel = find(&module_load_data, "cuModuleLoadData") && find(&module_get_function, "cuModuleGetFunction") &&
+                  find(&launch_kernel, "cuLaunchKernel");
+#endif
     info.lanes = find(&stream_create, "cuStreamCreate") && find(&event_create, "cuEventCreate") &&
                  find(&event_record, "cuEventRecord") && find(&stream_wait_event, "cuStreamWaitEvent");
     info.loaded = true;
@@ -327,7 +342,89 @@ struct LaneSet {
   CUevent start = nullptr;
   std::vector<CUstream> streams;
   std::vector<CUevent> done;
+  CUfunction copy_kernel = nullptr;  // loaded into this context on first use
+  std::string kernel_error;          // why it could not be (then not tried again)
 };
+
+#ifdef P2PW_HAVE_COPY_KERNEL
+// The host's view of copy_batch.cu's Batch (the kernel's parameter): keep the two in step.
+constexpr int kKernelEntries = 64;
+constexpr uint64_t kKernelChunkBytes = 64 << 10;
+constexpr unsigned kKernelThreads = 256;
+struct KernelEntry {
+  uint64_t dst, src;
+  int64_t dst_pitch, src_pitch;
+  uint64_t units_per_row, units;
+  uint32_t first_chunk, width;
+};
+struct KernelBatch {
+  uint32_t count = 0, pad = 0;
+  KernelEntry entries[kKernelEntries];
+};
+static_assert(sizeof(KernelEntry) == 56 && sizeof(KernelBatch) == 8 + 56 * kKernelEntries, "copy_batch.cu layout");
+
+CUfunction copy_kernel(Driver& d, LaneSet& set) {
+  if (set.copy_kernel != nullptr || !set.kernel_error.empty()) return set.copy_kernel;
+  CUmodule module = nullptr;
+  CUresult r = d.module_load_data(&module, p2pw_copy_batch_fatbin);
+  if (r == kCudaSuccess) r = d.module_get_function(&set.copy_kernel, module, "p2pw_copy_batch");
+  if (r != kCudaSuccess) {
+    set.copy_kernel = nullptr;
+    set.kernel_error = d.error(r, "loading the batched copy kernel");
+  }
+  return set.copy_kernel;
+}
+
+uint32_t unit_width(uint64_t dst, uint64_t src, const Copy& c) {
+  uint64_t bits = dst | src | static_cast<uint64_t>(c.row_bytes);
+  if (c.rows > 1) bits |= static_cast<uint64_t>(c.dst_pitch) | static_cast<uint64_t>(c.src_pitch < 0 ? -c.src_pitch : c.src_pitch);
+  for (uint32_t w : {16u, 8u, 4u, 2u})
+    if (bits % w == 0) return w;
+  return 1;
+}
+
+// The whole program as launches of the batched kernel on `stream`, kKernelEntries copies each.
+Status run_kernel_program(Driver& d, CUfunction fn, const int64_t* program, size_t count, uint64_t slot,
+                          const std::vector<CopyInput>& inputs, CUstream stream, int64_t* made) {
+  KernelBatch batch;
+  uint64_t chunks = 0;
+  auto launch = [&]() -> CUresult {
+    if (batch.count == 0) return kCudaSuccess;
+    void* args[] = {&batch};
+    ++*made;
+    CUresult r = d.launch_kernel(fn, static_cast<unsigned>(chunks), 1, 1, kKernelThreads, 1, 1, 0, stream, args, nullptr);
+    batch.count = 0;
+    chunks = 0;
+    return r;
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    const uint64_t dst = slot + static_cast<uint64_t>(c.dst);
+    const uint64_t src = c.input < 0 ? 0 : inputs[c.input].address + static_cast<uint64_t>(c.src);
+    const uint32_t w = unit_width(dst, src, c);
+    const uint64_t per_chunk = kKernelChunkBytes / w;
+    const uint64_t units = static_cast<uint64_t>(c.row_bytes / w) * static_cast<uint64_t>(c.rows);
+    const uint64_t n_chunks = (units + per_chunk - 1) / per_chunk;
+    if (batch.count == kKernelEntries || chunks + n_chunks > (uint64_t(1) << 30)) {
+      CUresult r = launch();
+      if (r != kCudaSuccess) return Status(Code::kTransportError, where(i) + ": " + d.error(r, "cuLaunchKernel"));
+    }
+    KernelEntry& e = batch.entries[batch.count++];
+    e.dst = dst;
+    e.src = src;
+    e.dst_pitch = c.dst_pitch;
+    e.src_pitch = c.input < 0 ? 0 : c.src_pitch;
+    e.units_per_row = static_cast<uint64_t>(c.row_bytes / w);
+    e.units = units;
+    e.first_chunk = static_cast<uint32_t>(chunks);
+    e.width = w;
+    chunks += n_chunks;
+  }
+  CUresult r = launch();
+  if (r != kCudaSuccess) return Status(Code::kTransportError, d.error(r, "cuLaunchKernel"));
+  return Status::Ok();
+}
+#endif
 
 // The current context's lanes, grown to `want` streams where the driver allows (the caller holds
 // set->mu); nullptr when no context is current.
@@ -375,6 +472,20 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
   if (!context.status().ok()) return context.status();
   CUstream stream = reinterpret_cast<CUstream>(stream_handle);
   int64_t made = 0;
+
+#ifdef P2PW_HAVE_COPY_KERNEL
+  if (mode == CopyMode::kKernel && d.info.kernel) {
+    LaneSet* kset = lane_set(d);
+    if (kset == nullptr) return Status(Code::kTransportError, "no CUDA context for the batched copy kernel");
+    std::lock_guard<std::mutex> lock(kset->mu);
+    CUfunction fn = copy_kernel(d, *kset);
+    if (fn == nullptr) return Status(Code::kTransportError, kset->kernel_error);
+    s = run_kernel_program(d, fn, program, count, slot, inputs, stream, &made);
+    if (calls) *calls = made;
+    return s;
+  }
+#endif
+  if (mode == CopyMode::kKernel) mode = CopyMode::kEach;  // built without the kernel
 
   // the streams the copies go to: the caller's, or lanes forked from it (joined back below)
   std::vector<CUstream> targets{stream};

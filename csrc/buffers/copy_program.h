@@ -42,13 +42,16 @@ Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uin
 struct CudaDriverInfo {
   bool loaded = false;
   bool batch = false;  // cuMemcpyBatchAsync (12.8 ABI) found
-  bool lanes = false;  // streams and events found: copies can be spread over side streams
+  bool lanes = false;
+  bool kernel = false;  // the batched copy kernel is embedded and the module/launch calls were found  // streams and events found: copies can be spread over side streams
   std::string library;
   std::string error;  // why not loaded
 };
 CudaDriverInfo cuda_driver_info();
 
-enum class CopyMode { kEach, kBatch };
+// kKernel: the batched copy kernel (csrc/kernels/copy_batch.cu), one launch per 64 copies, where the
+// module was built with it (CudaDriverInfo::kernel); else as kEach.
+enum class CopyMode { kEach, kBatch, kKernel };
 
 // Device memory (or memory the device addresses through UVA): every copy enqueued on `stream`
 // (a CUstream handle; 0 is the legacy default stream), nothing waited for. 1-D copies one

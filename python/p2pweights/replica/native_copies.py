@@ -17,12 +17,17 @@ Which path runs where (:func:`replay_natively`; ``False`` leaves the group to th
 
 - host slot, host inputs: memcpy/memset split by bytes across ``P2PW_COPY_THREADS`` threads,
   the GIL released;
-- GPU slot, inputs on its device: CUDA driver copies enqueued on torch's current stream of that
+- GPU slot, inputs on its device, the module built with nvcc (``cuda_driver_info()["kernel"]``):
+  the batched copy kernel (csrc/kernels/copy_batch.cu), one launch per 64 copies on torch's
+  current stream, each copy cut into 64 KiB chunks copied in the widest unit its addresses allow —
+  a GPU runs thousands of small driver copies a few us apart, a kernel's blocks side by side
+  (``cuda_mode = "kernel"``, the default; a failure switches the process to the driver copies);
+- else: CUDA driver copies enqueued on torch's current stream of that
   device (the fillers' event after the producers still orders them), one cuMemcpyAsync per 1-D
   copy (``cuda_mode = "each"``) or one cuMemcpyBatchAsync for all of them (``"batch"``), 2-D
   copies cuMemcpy2DAsync; spread over ``P2PW_COPY_LANES`` side streams forked from and joined
-  back to that stream by events (a GPU runs one stream's copies one after another, a few us apart:
-  a Qwen3-30B EP8 slot's ~2,700 expert copies were bound by that, not by memory bandwidth). No
+  back to that stream by events (a GPU runs one stream's copies one after another, a few us
+  apart: 8 lanes gave 1.3x on a Qwen3-4B TP2 slot, nothing on Qwen3-30B EP8's ~2,700 copies). No
   driver, or a driver call that failed: native CUDA copies are off for
   the process (:data:`state`) and GPU slots keep the element views;
 - anything else (inputs on another device than the slot, an input that is not contiguous, a plan
@@ -48,7 +53,7 @@ logger = logging.getLogger("p2pweights.replica")
 
 COLUMNS = 7
 MAX_DESCRIPTORS = 1 << 16  # per group; a plan this fragmented keeps the torch views
-CUDA_MODES = ("each", "batch")
+CUDA_MODES = ("kernel", "each", "batch")
 _OK, _NOT_FOUND, _DRIVER_FAILED = 0, -6, -4  # csrc/status.h codes the edge tells apart
 
 
@@ -56,7 +61,8 @@ _OK, _NOT_FOUND, _DRIVER_FAILED = 0, -6, -4  # csrc/status.h codes the edge tell
 class NativeCopyState:
     """The process's native replay: the CUDA mode, why CUDA copies are off, and what ran."""
 
-    cuda_mode: str = "each"  # "each" | "batch" (benchmarks/bench_replay.py measures both)
+    cuda_mode: str = "kernel"  # "kernel" | "each" | "batch" (benchmarks/bench_replay.py measures each)
+    kernel_off: str | None = None  # set once the batched copy kernel failed: "each" from then on
     cuda_off: str | None = None  # set once the driver is missing or a call failed
     batch_off: str | None = None  # set once a batch call failed: "batch" runs as "each" from then on
     lanes_off: str | None = None  # set once copies on several streams failed: one stream from then on
@@ -232,9 +238,14 @@ def _run(native: Any, args: tuple, device: "torch.device", groups: int, group_in
         wanted = mode or state.cuda_mode
         if wanted not in CUDA_MODES:
             raise ValueError(f"native CUDA copy mode {wanted!r}: use one of {', '.join(CUDA_MODES)}")
-        use = "each" if wanted == "batch" and state.batch_off else wanted
+        use = "each" if (wanted == "batch" and state.batch_off) or (wanted == "kernel" and state.kernel_off) else wanted
         lanes = lanes if lanes is not None else (1 if state.lanes_off else settings.value("P2PW_COPY_LANES"))
         code, message, calls = native.run_copy_program_cuda(*args, stream, use, lanes)
+        if code == _DRIVER_FAILED and use == "kernel":  # loading or launching the kernel: driver copies
+            state.kernel_off = message
+            logger.warning("the batched copy kernel failed (%s): native CUDA copies use driver copies", message)
+            use = "each"
+            code, message, calls = native.run_copy_program_cuda(*args, stream, use, lanes)
         if code == _DRIVER_FAILED and use == "batch":  # the newest driver call: keep the proven ones
             state.batch_off = message
             logger.warning("cuMemcpyBatchAsync failed (%s): native CUDA copies use one call per copy", message)
