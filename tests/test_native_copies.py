@@ -235,3 +235,19 @@ def test_a_joined_plan_writing_past_its_own_group_is_refused_before_any_byte(tmp
     with pytest.raises(LayoutMismatch, match="group 7 writes outside"):
         native_copies.replay_slot([(plan, 0), (other, plan.group_bytes + 256 & ~255)], tensors, slot)
     assert bool((slot == STALE).all())
+
+
+def test_a_joined_slot_with_an_input_it_cannot_read_is_left_to_the_per_group_path():
+    """One strided input, or one on another device, among the slot's inputs: replay_slot writes
+    nothing and says so (the producer then replays group by group, making inputs contiguous)."""
+    plan, inputs = _synthetic()
+    tensors = {n: t for n, t in zip(plan.inputs, inputs)}
+    slot = torch.full((plan.group_bytes,), STALE, dtype=torch.uint8)
+    strided = dict(tensors, w2=torch.stack([inputs[2], inputs[2]], 1)[:, 0])
+    assert not strided["w2"].is_contiguous()
+    assert not native_copies.replay_slot([(plan, 0)], strided, slot)
+    assert not native_copies.replay_slot([(plan, 0)], dict(tensors, w1=inputs[1].to("meta")), slot)
+    assert bool((slot == STALE).all())
+    assert native_copies.replay_slot([(plan, 0)], tensors, slot)
+    expected = _reference_copy(plan.ops, plan.regions, plan.itemsizes, inputs, plan.group_bytes)
+    assert torch.equal(slot, expected)

@@ -218,12 +218,20 @@ def replay_slot(placed: Sequence[tuple[Any, int]], tensors: Any, slot: "torch.Te
     joined = slot_program(placed)
     if joined is None:
         return False
-    inputs = [tensors[n] for n in joined.inputs]
-    native = _usable(slot, inputs)
+    native = _usable(slot, ())
     if native is None:
         return False
-    args = (joined.program, slot.data_ptr(), slot.numel(), [t.data_ptr() for t in inputs],
-            [t.numel() * t.element_size() for t in inputs])
+    # one pass over the slot's inputs (thousands for an MoE rank: ~1 us of Python each is what
+    # the producer adds to the copies): same device as the slot, contiguous, address and size
+    on_host, device = slot.device.type == "cpu", slot.get_device()
+    addrs, sizes = [], []
+    for name in joined.inputs:
+        t = tensors[name]
+        if not (t.is_cpu if on_host else t.get_device() == device) or not t.is_contiguous():
+            return False
+        addrs.append(t.data_ptr())
+        sizes.append(t.nbytes)
+    args = (joined.program, slot.data_ptr(), slot.numel(), addrs, sizes)
     first = placed[0][0]
     return _run(native, args, slot.device, len(placed), first.group_index, first.regions[0].param_name,
                 threads, mode, lanes)
