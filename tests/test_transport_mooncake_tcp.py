@@ -11,32 +11,20 @@ import time
 import pytest
 
 from p2pweights.transport import mooncake
+from test_transport_mooncake import _Engine
 
 
-class _CountingEngine:
-    """A stand-in engine with Mooncake's status semantics (a finished write is freed when read; read
-    again is an error), counting the status reads."""
+class _CountingEngine(_Engine):
+    """test_transport_mooncake's stand-in engine (Mooncake's status semantics: a finished write is
+    freed when read, read again is an error), counting the status reads."""
 
     def __init__(self):
-        self.state: dict[int, int] = {}
-        self.freed: set[int] = set()
+        super().__init__()
         self.reads: list[int] = []
 
-    def transfer_submit_write(self, session, local, remote, length):
-        bid = 101 + len(self.state)
-        self.state[bid] = 0
-        return bid
-
     def transfer_check_status(self, bid):
-        assert bid not in self.freed, f"batch {bid} read after Mooncake freed it"
         self.reads.append(bid)
-        rc = self.state[bid]
-        if rc in (1, -1):
-            self.freed.add(bid)
-        return rc
-
-    def get_first_buffer_address(self, session):
-        return 1
+        return super().transfer_check_status(bid)
 
 
 @pytest.fixture

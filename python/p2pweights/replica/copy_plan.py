@@ -142,6 +142,10 @@ class GroupPlan:
             run_element_ops(self.ops, self.regions, self.itemsizes, inputs, slot[offset:])
         else:
             run_wide_ops(self.wide_ops, inputs, slot, slot.storage_offset() * slot.element_size() + offset)
+        return self.regions_at(offset)
+
+    def regions_at(self, offset: int) -> list[SlotRegion]:
+        """The group's parameters as regions of a slot it was written into from ``offset``."""
         return [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in self.regions]
 
     @property

@@ -148,7 +148,7 @@ class SlotProducer:
         # each, the bound of a GPU slot); group by group where the native copies cannot
         if replay and replay_slot([(plan, offset) for _, offset, plan in replay], tensors, target):
             for group, offset, plan in replay:
-                by_group[group.index] = [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in plan.regions]
+                by_group[group.index] = plan.regions_at(offset)
         else:
             for group, offset, plan in replay:
                 by_group[group.index] = plan.replay(tensors, target, offset)
