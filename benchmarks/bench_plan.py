@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
 from p2pweights.bench.table import emit  # noqa: E402
 from p2pweights.models import load_config  # noqa: E402
+from p2pweights.models.engine_layout import EngineLayout  # noqa: E402
 from p2pweights.models.shapes import model_shape  # noqa: E402
 from p2pweights.planner.assign import Engine, TrainerLayout, make_plan  # noqa: E402
 from p2pweights.planner.cost import Links, predict  # noqa: E402
-from p2pweights.replica.layout import EngineLayout  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {

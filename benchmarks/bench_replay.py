@@ -12,18 +12,19 @@ host memory; ``--device cuda``: HF tensors and slots on the GPU (GPU slots). Row
 - first: the first update with plans on (loaders + recording + the first replay's check), once;
 - first (from disk): the same in a fresh replica of the same key whose plans were saved in its
   ``P2PW_REPLICA_CACHE_DIR`` (loaders + the check of each stored plan, no recording), once;
-- replay: every group from its recorded plan as the producer replays it (the native programs where
-  they run: see replica/native_copies.py), best of ``--steps`` fills (alternating with the other
-  rows' fills, so all see the same memory state and neighbours); column ``copies``: the plan's
-  ops, then (after "->") the wide byte copies, then the native program's 2-D copy descriptors;
-- replay: <path>: each replay path forced, as an A/B in the same run — element views in one
-  multi-tensor copy (replica/element_ops.py), wide byte copies (replica/byte_copies.py), and the
-  native programs: on a host memcpy across ``P2PW_COPY_THREADS`` threads and across 1; on a GPU
-  one CUDA driver call per 1-D copy ("native each") or one cuMemcpyBatchAsync ("native batch").
-  A native row that fell back to the torch views says so (FELL BACK, with the reason).
+- replay: every group from its recorded plan as the producer replays it (the default
+  ``copyplans.ReplayOrder``: one native call per slot where it runs), best of ``--steps`` fills
+  (alternating with the other rows' fills, so all see the same memory state and neighbours); column
+  ``copies``: the plan's ops, then (after "->") the native program's 2-D copy descriptors;
+- replay: <path>: each path of the replay order forced, as an A/B in the same run (an order of that
+  path alone, then the element views): the element views in one multi-tensor copy per group
+  (copyplans/element_views.py), and the native programs: on a host memcpy across
+  ``P2PW_COPY_THREADS`` threads and across 1; on a GPU the batched copy kernel and the driver copies
+  on 1, 4, ``P2PW_COPY_LANES`` and 16 streams. A native row that fell back to the element views says
+  so (FELL BACK, with the reason).
 
 Every replay path's slot is compared byte for byte with the loaders' bytes of the same inputs
-(column ``equal``); the footer gives native/wide and native/element ratios. ``--json`` / ``--out``:
+(column ``equal``); the footer gives native/element ratios. ``--json`` / ``--out``:
 the same rows as JSON.
 """
 from __future__ import annotations
@@ -89,74 +90,28 @@ def _fill(producer, rank, batches, inputs, slots, device) -> float:
 
 
 def _paths(plans_of, replica, device: str, threads: int) -> dict[str, tuple]:
-    """Every replay path of this device as a producer, for the A/B rows (name -> (producer, stats)):
-    element views in one multi-tensor copy (replica/element_ops.py), wide byte copies
-    (replica/byte_copies.py), and the native programs (replica/native_copies.py): memcpy threads on
-    a host; on a GPU one driver call per 1-D copy ("each") or one batch call ("batch")."""
-    from p2pweights.replica import native_copies
-    from p2pweights.replica.copy_plan import run_wide_ops
-    from p2pweights.replica.element_ops import run_element_ops
+    """Every replay path of this device as a producer, for the A/B rows (name -> (producer, order)):
+    an order of that path alone (then the element views, where a path that cannot run falls back)."""
+    from p2pweights import settings
+    from p2pweights.copyplans import ReplayOrder, ReplayPath
 
     stored = plans_of(replica).plans
+    views = ReplayPath.ELEMENT_VIEWS
 
-    def each_group(apply):
+    def produce_with(order):
         def produce(rank, placed, tensors, slot):
-            for group, offset in placed:
-                plan = stored[group.index]
-                apply(plan, [tensors[n] for n in plan.inputs], slot, offset)
-        return produce
+            order.replay_slot([(stored[g.index], off) for g, off in placed], tensors, slot)
+        return produce, order
 
-    paths = {
-        "element views": (each_group(lambda p, ins, slot, off: run_element_ops(
-            p.ops, p.regions, p.itemsizes, ins, slot[off:])), {}),
-        "wide copies": (each_group(lambda p, ins, slot, off: run_wide_ops(
-            p.wide_ops, ins, slot, slot.storage_offset() * slot.element_size() + off)), {}),
-    }
-
-    def native(**kw):
-        stats = {"native": 0, "fell back": 0, "calls": 0}
-
-        def apply(p, ins, slot, off):
-            calls = native_copies.state.driver_calls
-            if native_copies.replay_natively(p, ins, slot, off, **kw):
-                stats["native"] += 1
-                stats["calls"] += native_copies.state.driver_calls - calls
-            else:  # counted and shown: a row that fell back measures the torch views, not the native copies
-                stats["fell back"] += 1
-                run_element_ops(p.ops, p.regions, p.itemsizes, ins, slot[off:])
-        return each_group(apply), stats
-
-    def joined(**kw):
-        stats = {"native": 0, "fell back": 0, "calls": 0}
-
-        def produce(rank, placed, tensors, slot):
-            calls = native_copies.state.driver_calls
-            pairs = [(stored[g.index], off) for g, off in placed]
-            if native_copies.replay_slot(pairs, tensors, slot, **kw):
-                stats["native"] += len(pairs)
-                stats["calls"] += native_copies.state.driver_calls - calls
-            else:
-                stats["fell back"] += len(pairs)
-                for plan, off in pairs:
-                    run_element_ops(plan.ops, plan.regions, plan.itemsizes, [tensors[n] for n in plan.inputs],
-                                    slot[off:])
-        return produce, stats
-
+    paths = {"element views": produce_with(ReplayOrder(host=(views,), gpu=(views,)))}
     if device.startswith("cuda"):
-        paths["native each"] = native(mode="each")
-        paths["native batch"] = native(mode="batch")
-        paths["native kernel"] = native(mode="kernel")
-        from p2pweights import settings
-
+        paths["native kernel"] = produce_with(ReplayOrder(gpu=(ReplayPath.KERNEL, views)))
         for lanes in sorted({1, 4, settings.value("P2PW_COPY_LANES"), 16}):  # streams the copies are spread over
-            paths[f"native slot each, {lanes} lane(s)"] = joined(mode="each", lanes=lanes)
-        paths["native slot batch"] = joined(mode="batch")
-        paths["native slot kernel"] = joined(mode="kernel")
+            paths[f"native driver copies, {lanes} lane(s)"] = produce_with(
+                ReplayOrder(gpu=(ReplayPath.DRIVER_COPIES, views), lanes=lanes))
     else:
-        paths[f"native {threads} threads"] = native(threads=threads)
-        paths[f"native slot {threads} threads"] = joined(threads=threads)
-        if threads != 1:
-            paths["native 1 thread"] = native(threads=1)
+        for n in sorted({threads, 1}, reverse=True):
+            paths[f"native {n} thread(s)"] = produce_with(ReplayOrder(host=(ReplayPath.NATIVE_HOST, views), threads=n))
     return paths
 
 
@@ -164,11 +119,13 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     import torch
 
     from p2pweights import _native, settings
+    from p2pweights.copyplans import ReplayOrder, ReplayPath, plan_memory, plans_of, program_of
     from p2pweights.models.checkpoint import random_tensor
-    from p2pweights.replica import EngineLayout, ModelReplicas, native_copies
+    from p2pweights.models.engine_layout import EngineLayout
+    from p2pweights.replica import ModelReplicas
     from p2pweights.sender.buffers import slot_size
-    from p2pweights.sender.replay import SlotProducer, plan_memory, plans_of
     from p2pweights.sender.report import UpdateTimes
+    from p2pweights.sender.slot_producer import SlotProducer
     from p2pweights.settings import format_size
 
     cache = os.path.join(directory, "replica-cache")
@@ -186,20 +143,19 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     rows = []
 
     times = UpdateTimes()
-    plans = SlotProducer(times)
+    plans = SlotProducer(times, ReplayOrder())
     first = _fill(plans, rank, batches, inputs, slots, device)  # loaders + recording + the first check
     stored = plans_of(replica).plans.values()
-    programs = [native_copies.program_of(p) for p in stored]
-    descriptors = sum(len(p) for p in programs if p is not None)
-    copies = f"{sum(len(p.ops) for p in stored)}->{sum(len(p.wide_ops) for p in stored)}->{descriptors}"
+    descriptors = sum(len(program_of(p)) for p in stored)
+    copies = f"{sum(len(p.ops) for p in stored)}->{descriptors}"
     memory = format_size(plan_memory([replica]))
     # a fresh process's view: another replica of the same key, its plans read from the cache folder
     again = ModelReplicas(cache_dir=cache).get(config, EngineLayout.parse(spec), 0)
     _ = again.model  # the meta model is built on the first load; not part of the plans' cost
     disk_times = UpdateTimes()
-    from_disk = _fill(SlotProducer(disk_times), _Rank(again), batches, inputs, slots, device)
+    from_disk = _fill(SlotProducer(disk_times, ReplayOrder()), _Rank(again), batches, inputs, slots, device)
     disk_plans = plans_of(again)
-    loader = SlotProducer(UpdateTimes(), enabled=False)
+    loader = SlotProducer(UpdateTimes(), ReplayOrder(), enabled=False)
     paths = _paths(plans_of, replica, device, settings.value("P2PW_COPY_THREADS"))
     # alternate the paths (same memory state, same neighbours on a shared host): best of each
     best = {name: float("inf") for name in ["loader", "replay", *paths]}
@@ -227,16 +183,16 @@ def run_case(model: str, spec: str, device: str, layers: int, steps: int, direct
     disk = f"first from disk ({len(disk_plans.plans)} checked, {disk_times.recorded} recorded)"
     rows.append({**base, "key": "first from disk", "path": disk,
                  "copies": copies, "seconds": from_disk, "plan": memory, "equal": "-"})
-    for name, (_, stats) in paths.items():
+    for name, (_, order) in paths.items():
         note = ""
-        if stats.get("fell back"):
-            note = f" FELL BACK {stats['fell back']}x: {native_copies.state.cuda_off or 'see replica/native_copies.py'}"
-        elif name == "native batch" and (native_copies.state.batch_off or not _native.cuda_driver_info()["batch"]):
-            note = f" RAN AS EACH: {native_copies.state.batch_off or 'the driver has no cuMemcpyBatchAsync'}"
-        elif "kernel" in name and (native_copies.state.kernel_off or not _native.cuda_driver_info()["kernel"]):
-            note = f" RAN AS EACH: {native_copies.state.kernel_off or 'the module was built without nvcc'}"
+        fell_back = order.groups.get(ReplayPath.ELEMENT_VIEWS, 0) if name.startswith("native") else 0
+        if fell_back:
+            why = "; ".join(order.off.values()) or "inputs the native copies cannot take"
+            note = f" FELL BACK {fell_back} groups: {why}"
+        elif "kernel" in name and not _native.cuda_driver_info()["kernel"]:
+            note = " FELL BACK: the module was built without nvcc"
         elif name.startswith("native") and device.startswith("cuda"):
-            note = f" ({stats['calls'] // (steps + 1)} driver calls per fill)"  # steps + the check's fill
+            note = f" ({order.driver_calls // (steps + 1)} driver calls per fill)"  # steps + the check's fill
         rows.append({**base, "key": name, "path": f"replay: {name}{note}", "copies": copies, "seconds": best[name],
                      "plan": memory, "equal": str(equal[name])})
     rows.append({**base, "key": "replay", "path": f"replay ({times.replayed // (steps + 1)} groups)", "copies": copies,
@@ -289,7 +245,6 @@ def main() -> int:
         if "loader" in paths and "replay" in paths:
             ratio = {"replay/loader": paths["replay"]["gbps"] / paths["loader"]["gbps"]}
             for name in (k for k in paths if k.startswith("native")):
-                ratio[f"{name}/wide"] = paths[name]["gbps"] / paths["wide copies"]["gbps"]
                 ratio[f"{name}/element"] = paths[name]["gbps"] / paths["element views"]["gbps"]
             ratio["first from disk/first"] = paths["first from disk"]["seconds"] / paths["first"]["seconds"]
             speedups[f"{model} {spec}"] = ratio

@@ -42,7 +42,7 @@ t = time.perf_counter()
 import p2pweights
 from p2pweights.models import resolve_model
 from p2pweights.replica import ModelReplicas, sglang_env
-from p2pweights.replica.layout import EngineLayout
+from p2pweights.models.engine_layout import EngineLayout
 t_p2pw = time.perf_counter() - t
 model, engine, cuda, trace = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
 t = time.perf_counter()

@@ -41,9 +41,8 @@ static Row run_one(size_t slot_bytes, size_t total, double link_gbps) {
   std::mt19937_64 rng(slot_bytes);
   for (size_t i = 0; i < total; i += 8) { uint64_t v = rng(); std::memcpy(&src[i], &v, std::min<size_t>(8, total - i)); }
 
-  TransferBuffer* raw = nullptr;
-  die(TransferBuffer::allocate_host(slot_bytes, 2, "auto", &raw), "allocate");
-  std::unique_ptr<TransferBuffer> buf(raw);
+  std::unique_ptr<TransferBuffer> buf;
+  die(TransferBuffer::allocate_host(slot_bytes, 2, "auto", &buf), "allocate");
   LoopbackTransport t;
   die(t.register_memory(buf->address(), buf->total_bytes(), "cpu"), "register");
   die(t.connect(0, "loopback"), "connect");

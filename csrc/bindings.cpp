@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
+
 #include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
 #include "buffers/transfer_buffer.h"
@@ -83,7 +85,12 @@ PYBIND11_MODULE(_native, m) {
       .value("CLOSED", Code::kClosed)
       .value("NOT_FOUND", Code::kNotFound)
       .value("BUSY", Code::kBusy)
-      .value("OUT_OF_REGION", Code::kOutOfRegion);
+      .value("OUT_OF_REGION", Code::kOutOfRegion)
+      .value("DEVICE_ERROR", Code::kDeviceError);
+
+  py::tuple nixl_versions(std::size(nixl_capi::kCheckedVersions));
+  for (size_t i = 0; i < std::size(nixl_capi::kCheckedVersions); ++i) nixl_versions[i] = nixl_capi::kCheckedVersions[i];
+  m.attr("NIXL_CAPI_CHECKED_VERSIONS") = nixl_versions;
 
   m.def("cuda_runtime_info", [] {
     CudaRuntime& c = CudaRuntime::get();
@@ -95,18 +102,18 @@ PYBIND11_MODULE(_native, m) {
   }, "Whether a CUDA runtime was found at run time, which library, and how many devices it sees.");
 
   // Copy programs (csrc/buffers/copy_program.h): return (code, message[, driver calls]) so that the
-  // Python edge names the group (replica/native_copies.py); the GIL is released for the copies.
+  // Python edge names the group (copyplans/replay.py); the GIL is released for the copies.
   m.def("cuda_driver_info", [] {
     CudaDriverInfo i = cuda_driver_info();
     py::dict d;
     d["loaded"] = i.loaded;
-    d["batch"] = i.batch;
     d["lanes"] = i.lanes;
     d["kernel"] = i.kernel;
     d["library"] = i.library;
     d["error"] = i.error;
     return d;
-  }, "Whether the CUDA driver (libcuda) was found, and whether it has cuMemcpyBatchAsync and streams/events for lanes.");
+  }, "Whether the CUDA driver (libcuda) was found, whether it has streams/events for lanes, and whether the\n"
+     "batched copy kernel is embedded (and the driver can load and launch it).");
   auto program_of = [](const py::array_t<int64_t, py::array::c_style>& program, Status* s) -> size_t {
     if (program.ndim() != 2 || program.shape(1) != kCopyColumns) {
       *s = Status(Code::kInvalidArgument, "a copy program is an (n, 7) int64 array");
@@ -120,6 +127,18 @@ PYBIND11_MODULE(_native, m) {
     for (size_t i = 0; i < in.size() && i < nbytes.size(); ++i) in[i] = CopyInput{addrs[i], nbytes[i]};
     return in;
   };
+  m.def("check_copy_program", [program_of](const py::array_t<int64_t, py::array::c_style>& program, uint64_t dst_bytes,
+                                             const std::vector<uint64_t>& input_nbytes) {
+    Status s;
+    const size_t n = program_of(program, &s);
+    if (s.ok()) {
+      py::gil_scoped_release nogil;
+      s = check_copy_program(program.data(), n, dst_bytes, input_nbytes);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("program"), py::arg("dst_bytes"), py::arg("input_nbytes"),
+     "The bounds the run functions check (inside dst_bytes and each input), and that no two descriptors\n"
+     "write the same destination byte: (code, message), code 0 when the program may run.");
   m.def("run_copy_program_host", [program_of, inputs_of](const py::array_t<int64_t, py::array::c_style>& program,
                                                          uint64_t slot, uint64_t slot_bytes,
                                                          const std::vector<uint64_t>& input_addrs,
@@ -143,15 +162,11 @@ PYBIND11_MODULE(_native, m) {
     int64_t calls = 0;
     const size_t n = program_of(program, &s);
     std::vector<CopyInput> in = inputs_of(input_addrs, input_nbytes, &s);
-    if (mode != "each" && mode != "batch" && mode != "kernel")
-      s = Status(Code::kInvalidArgument, "copy mode must be each, batch or kernel");
+    if (mode != "each" && mode != "kernel") s = Status(Code::kInvalidArgument, "copy mode must be kernel or each");
     if (s.ok()) {
       py::gil_scoped_release nogil;
       s = run_device_program(program.data(), n, slot, slot_bytes, in, stream,
-                             mode == "batch"    ? CopyMode::kBatch
-                             : mode == "kernel" ? CopyMode::kKernel
-                                                : CopyMode::kEach,
-                             &calls, lanes);
+                             mode == "kernel" ? CopyMode::kKernel : CopyMode::kEach, &calls, lanes);
     }
     return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
   }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
@@ -166,19 +181,19 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<TransferBuffer, std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>>(m, "TransferBuffer")
       .def_static("allocate", [](size_t slot_bytes, int num_slots, const std::string& pin) {
-        TransferBuffer* b = nullptr;
+        std::unique_ptr<TransferBuffer> b;
         Status s;
         {
           py::gil_scoped_release nogil;  // pinning a GiB takes ~0.4 s
           s = TransferBuffer::allocate_host(slot_bytes, num_slots, pin, &b);
         }
         check(s);
-        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b);
+        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b.release());
       }, py::arg("slot_bytes"), py::arg("num_slots") = 2, py::arg("pin") = "auto")
       .def_static("wrap", [](uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location) {
-        TransferBuffer* b = nullptr;
+        std::unique_ptr<TransferBuffer> b;
         check(TransferBuffer::wrap(addr, slot_bytes, num_slots, location, &b));
-        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b);
+        return std::unique_ptr<TransferBuffer, GilFreeDelete<TransferBuffer>>(b.release());
       }, py::arg("addr"), py::arg("slot_bytes"), py::arg("num_slots"), py::arg("location") = "cpu")
       .def_property_readonly_static("alignment", [](py::object) { return TransferBuffer::kAlignment; })
       .def_property_readonly("address", &TransferBuffer::address)
@@ -265,14 +280,14 @@ PYBIND11_MODULE(_native, m) {
              o.agent_name = agent_name;
              o.plugin = plugin;
              o.progress_delay_us = progress_delay_us;
-             NixlTransport* t = nullptr;
+             std::unique_ptr<NixlTransport> t;
              Status s;
              {
                py::gil_scoped_release nogil;  // agent and plugin start-up takes a while
                s = NixlTransport::create(o, &t);
              }
              check(s);
-             return std::unique_ptr<NixlTransport, GilFreeDelete<NixlTransport>>(t);
+             return std::unique_ptr<NixlTransport, GilFreeDelete<NixlTransport>>(t.release());
            }),
            py::arg("library"), py::arg("agent_name"), py::arg("plugin") = "UCX", py::arg("progress_delay_us") = 1000)
       .def("connect_peer", [](NixlTransport& t, int engine, py::bytes agent_metadata, const std::string& location) {
@@ -303,7 +318,8 @@ PYBIND11_MODULE(_native, m) {
              WriterOptions o;
              o.transfer_timeout_s = timeout_s;
              o.max_inflight_batches = max_inflight;
-             return std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>(new PipelinedWriter(t, b, o));
+             return std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>(
+                 std::make_unique<PipelinedWriter>(t, b, o).release());
            }),
            py::arg("transport"), py::arg("buffer"), py::arg("transfer_timeout") = 30.0,
            py::arg("max_inflight_batches") = 2,

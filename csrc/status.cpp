@@ -14,6 +14,7 @@ const char* code_name(Code c) {
     case Code::kNotFound: return "NOT_FOUND";
     case Code::kBusy: return "BUSY";
     case Code::kOutOfRegion: return "OUT_OF_REGION";
+    case Code::kDeviceError: return "DEVICE_ERROR";
   }
   return "UNKNOWN";
 }

@@ -1,5 +1,6 @@
 // Status values: errors inside the native core are data, never exceptions (STYLE.md habit 1).
-// "In progress" is not an error. The Python edge maps each code to its own exception class.
+// "In progress" is not an error. The Python edge maps each code to its own exception class
+// (p2pweights/errors.py builds that map from _native.Code, which bindings.cpp makes of this enum).
 #pragma once
 
 #include <string>
@@ -17,8 +18,12 @@ enum class Code : int {
   kClosed = -5,            // the object was closed
   kNotFound = -6,          // unknown engine, slot or handle
   kBusy = -7,              // refused because something is still in flight
-  kOutOfRegion = -8,       // a write outside every region the peer published
+  kOutOfRegion = -8,       // a write outside every region the peer published (or a copy outside its slot)
+  kDeviceError = -9,       // a CUDA driver or runtime call failed (copy programs, the copy kernel, pinning)
 };
+// Every error code lies in [kLowestCode, -1]: keep the lowest code here when adding one.
+constexpr Code kLowestCode = Code::kDeviceError;
+inline bool is_error_code(long c) { return c < 0 && c >= static_cast<long>(kLowestCode); }
 
 const char* code_name(Code c);
 

@@ -33,7 +33,7 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 man
 # -- the sglang bundle's packages ----------------------------------------------------------------
 # What `import sglang.srt.models.{qwen3,qwen3_moe,deepseek_v2}` after p2pweights'
 # sglang_env.prepare() imports (measured on the CPU machine, also with CUDA faked present), minus
-# what the device image has (KINDS.md, "Python packages already there"), minus IPython (stubbed).
+# what the device image has (docs/gpu.md, "What the sglang bundle holds"), minus IPython (stubbed).
 # Versions are the CPU machine's (scripts/setup.sh), for cp312. orjson 3.8.3 has no cp312 wheel.
 SGLANG_PKGS=(
   sglang==0.5.23 transformers==5.19.0 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0
@@ -192,7 +192,7 @@ With CUDA present sglang imports sgl_kernel's ops at module level (activation, l
 quantization schemes ...). Building a model on the meta device and running bf16 weight loaders
 never calls them. Every attribute is a placeholder that raises NotImplementedError when called,
 so a kernel that is really used fails loudly; submodules (sgl_kernel.scalar_type, ...) are stubs.
-Set P2PW_NO_SGL_KERNEL_STUB=1 to make `import sgl_kernel` fail instead.
+Set P2PW_NO_SGL_KERNEL_STUB=1 (or true/yes/on) to make `import sgl_kernel` fail instead.
 """
 import importlib.abc
 import importlib.machinery
@@ -200,7 +200,9 @@ import os
 import sys
 import types
 
-if os.environ.get("P2PW_NO_SGL_KERNEL_STUB") == "1":
+# the true spellings of p2pweights.settings.parse_bool (tests/test_settings.py keeps them equal); the
+# stub is imported by sglang, so it does not import p2pweights back
+if os.environ.get("P2PW_NO_SGL_KERNEL_STUB", "").strip().lower() in ("1", "true", "yes", "on"):
     raise ImportError("sgl_kernel: p2pweights stub disabled by P2PW_NO_SGL_KERNEL_STUB=1")
 
 __version__ = "0.0.0+p2pweights.stub"

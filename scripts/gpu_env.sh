@@ -9,9 +9,10 @@
 # /tmp/p2pw-gpu/NAME; skipped when the same bundle is already unpacked there) and sets:
 #   sglang   : PYTHONPATH (ahead of the image's site-packages, so transformers 5.19 wins over 5.17)
 #   nixl     : PYTHONPATH, UCX_MODULES=^efa (else every NIXL process segfaults at exit where
-#              rdma-core is present; PLATFORM.md)
+#              rdma-core is present, as on the lent GPU machines; docs/gpu.md)
 #   mooncake : PYTHONPATH, LD_LIBRARY_PATH (bundle's lib/ with libibverbs/libmlx5/libnl/libnuma, and
 #              the CUDA runtime of the image's torch for engine.so's libcudart.so.13)
+# P2PW_GPU_SITE is a declared (script-only) setting: `p2pweights doctor` knows it.
 # Nothing here exits the calling shell; a missing bundle is skipped.
 
 _p2pw_gpu_unpack() {  # NAME -> prints the unpacked folder, or nothing
@@ -61,7 +62,7 @@ EOF
     export LD_LIBRARY_PATH="$d/lib${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     found="$found mooncake"
   fi
-  # NVLink multicast stays off on these machines (PLATFORM.md, KINDS.md); the image sets these,
+  # NVLink multicast stays off on the lent GPU machines (docs/gpu.md); the image sets these,
   # this only makes sure a fresh shell has them too.
   export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
   export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"

@@ -68,6 +68,38 @@ def test_pinning_falls_back_with_one_warning_not_a_crash():
         TransferBuffers(ALIGN, 1, pin="bogus")
 
 
+def test_cuda_pinning_asked_for_by_name_that_the_runtime_fails_is_a_device_error(tmp_path):
+    """A runtime with a device whose cudaHostRegister fails (tests/fake_cuda/fake_runtime.cpp): pin="cuda"
+    raises DeviceError (the device failed, not a transport); pin="auto" still falls back to mlock."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the stand-in runtime")
+    lib = tmp_path / "libfake_cudart.so"
+    subprocess.run([cxx, "-shared", "-fPIC", os.path.join(os.path.dirname(__file__), "fake_cuda", "fake_runtime.cpp"),
+                    "-o", str(lib)], check=True)
+    code = textwrap.dedent("""
+        import json, warnings
+        from p2pweights import _native
+        from p2pweights.errors import DeviceError
+        out = {"runtime": _native.cuda_runtime_info()}
+        try:
+            _native.TransferBuffer.allocate(1 << 20, 1, "cuda")
+        except DeviceError as e:
+            out["cuda"] = str(e)
+        b = _native.TransferBuffer.allocate(1 << 20, 1, "auto")
+        out["auto"] = [b.pin_mode, b.pin_warning]
+        b.close()
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "P2PW_CUDA_RUNTIME": str(lib)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["runtime"]["device_count"] == 1 and out["runtime"]["library"] == str(lib), out
+    assert "cudaHostRegister of 2097152 bytes failed: out of memory" in out["cuda"], out
+    assert out["auto"] == ["mlock", ""], out
+
+
 def test_closing_under_a_live_slot_tensor_defers_the_free_until_the_view_dies():
     b = TransferBuffers(ALIGN, 2, pin="none")
     t = b.slot_tensor(1)

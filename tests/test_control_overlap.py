@@ -14,7 +14,7 @@ from engine_proxy import PosingAs
 from p2pweights.control import SglangEngine, UpdateSession
 from p2pweights.control import http as control_http
 from p2pweights.control import protocol as p
-from p2pweights.control.session import FAILED, LEFT_PAUSED, UPDATED
+from p2pweights.control.update_session import FAILED, LEFT_PAUSED, UPDATED
 from p2pweights.errors import EngineError
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engines

@@ -1,6 +1,6 @@
-"""The control-plane protocol is written once (control.protocol), served by the receiver, called by
-the client over the one HTTP client (control.http), and its error payloads come back as typed
-errors with their fields (engine, rank, parameter, hint)."""
+"""The control-plane protocol is written once (control.routes, bodies, protocol, error_answers),
+served by the receiver, called by the client over the one HTTP client (control.http), and its error
+payloads come back as typed errors with their fields (engine, rank, parameter, hint)."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +13,7 @@ import pytest
 
 import p2pweights
 from p2pweights import errors
-from p2pweights.control import SglangEngine, UpdateSession, http
+from p2pweights.control import SglangEngine, UpdateSession, bodies, error_answers, http, routes
 from p2pweights.control import protocol as p
 from p2pweights.errors import (
     EngineError,
@@ -40,7 +40,7 @@ def server():
 
 def test_the_receiver_serves_every_route_of_the_table_and_only_with_its_methods(server):
     server.register_transfer_engine_info(0, "127.0.0.1:1", {})  # else the bootstrap route answers 404 for rank 0
-    for r in p.ROUTES:
+    for r in routes.ROUTES:
         status, _ = http.request(r.method, server.url, r.path, body={} if r.method != "GET" else None,
                                  params={"rank": 0} if r.query else None, timeout=5)
         assert status not in (p.NOT_FOUND, p.METHOD_NOT_ALLOWED), f"{r.method} {r.path} answered {status}"
@@ -57,10 +57,10 @@ def test_every_verb_the_client_calls_is_a_route_the_receiver_serves():
     client_verbs = {name for name in vars(SglangEngine) if not name.startswith("_")} - {
         "weight_version", "transfer_engine_info"}
     client_verbs |= {"remote_instance_transfer_engine_info", "get_transfer_engine_info"}
-    assert client_verbs <= set(p.BY_VERB), client_verbs - set(p.BY_VERB)
-    assert all(p.BY_PATH[p.route(v).path].called for v in client_verbs)
-    assert p.HEALTH_PATHS == {"/health", "/health_generate", "/ready"}
-    assert p.BOOTSTRAP_PATHS == {"/get_transfer_engine_info", "/register_transfer_engine_info"}
+    assert client_verbs <= set(routes.BY_VERB), client_verbs - set(routes.BY_VERB)
+    assert all(routes.BY_PATH[routes.route(v).path].called for v in client_verbs)
+    assert routes.HEALTH_PATHS == {"/health", "/health_generate", "/ready"}
+    assert routes.BOOTSTRAP_PATHS == {"/get_transfer_engine_info", "/register_transfer_engine_info"}
 
 
 def _string_literals(tree: ast.AST):
@@ -73,22 +73,22 @@ def _string_literals(tree: ast.AST):
                     yield node.lineno, part.value
 
 
-def test_no_route_path_or_mode_list_is_spelled_outside_the_protocol_module():
-    paths = {r.path for r in p.ROUTES} | {p.RANK_ROUTE_PREFIX.rstrip("/")}
+def test_no_route_path_or_mode_list_is_spelled_outside_the_route_table_and_the_protocol():
+    paths = {r.path for r in routes.ROUTES} | {routes.RANK_ROUTE_PREFIX.rstrip("/")}
     found = []
     for f in sorted(PACKAGE.rglob("*.py")):
-        if f == PACKAGE / "control" / "protocol.py":
+        if f in (PACKAGE / "control" / "protocol.py", PACKAGE / "control" / "routes.py"):
             continue
         tree = ast.parse(f.read_text(), str(f))
         for line, text in _string_literals(tree):
-            if text.split("?")[0].rstrip("/") in paths or text.startswith(p.RANK_ROUTE_PREFIX):
+            if text.split("?")[0].rstrip("/") in paths or text.startswith(routes.RANK_ROUTE_PREFIX):
                 found.append(f"{f.relative_to(PACKAGE)}:{line}: {text!r}")
         for node in ast.walk(tree):
             if isinstance(node, (ast.Tuple, ast.List)) and node.elts and all(
                     isinstance(e, ast.Constant) for e in node.elts):
                 if tuple(e.value for e in node.elts) in (p.PAUSE_MODES, p.SELECTORS):
                     found.append(f"{f.relative_to(PACKAGE)}:{node.lineno}: a copy of PAUSE_MODES/SELECTORS")
-    assert not found, "spelled outside control/protocol.py:\n" + "\n".join(found)
+    assert not found, "spelled outside control/routes.py and control/protocol.py:\n" + "\n".join(found)
 
 
 def test_bodies_are_checked_the_same_way_on_both_sides(server):
@@ -101,10 +101,10 @@ def test_bodies_are_checked_the_same_way_on_both_sides(server):
     assert "'mode' must be one of abort, retract, in_place" in answer["message"]
     status, answer = http.request("POST", server.url, "/get_weights_by_name", body={"truncate_size": 3}, timeout=5)
     assert status == p.BAD_REQUEST and answer["error"]["message"] == "field 'name' is required"
-    assert p.decode(p.CheckWeightsReq, {"action": "p2pw_compare", "hf_seed": 7}).extra == {"hf_seed": 7}
-    assert p.encode(p.CheckWeightsReq(action="p2pw_compare", extra={"hf_seed": 7}))["hf_seed"] == 7
+    assert bodies.decode(bodies.CheckWeightsReq, {"action": "p2pw_compare", "hf_seed": 7}).extra == {"hf_seed": 7}
+    assert bodies.encode(bodies.CheckWeightsReq(action="p2pw_compare", extra={"hf_seed": 7}))["hf_seed"] == 7
     with pytest.raises(InvalidRequest, match="'truncate_size' must be int, got bool"):
-        p.decode(p.GetWeightsByNameReq, {"name": "x", "truncate_size": True})
+        bodies.decode(bodies.GetWeightsByNameReq, {"name": "x", "truncate_size": True})
 
 
 # ---- typed errors over the wire -------------------------------------------------------------------
@@ -151,11 +151,11 @@ def test_sglangs_own_error_answers_become_engine_errors():
     for answer in ({"success": False, "message": "boom"}, {"error": {"message": "boom"}}, {"detail": "boom"},
                    "boom", {"error": {"type": "NoSuchClass", "message": "boom"}},
                    {"error": {"type": "UpdateFailed", "message": "boom"}}):
-        said = p.ErrorAnswer.of(answer)
+        said = error_answers.ErrorAnswer.of(answer)
         assert said.message == "boom"
         e = said.exception("POST /x failed: boom", engine="e0")
         assert type(e) is EngineError and e.engine == "e0", answer
-    assert type(p.ErrorAnswer.of({"error": {"type": "NotFound", "message": "m"}}).exception("m")) is errors.NotFound
+    assert type(error_answers.ErrorAnswer.of({"error": {"type": "NotFound", "message": "m"}}).exception("m")) is errors.NotFound
 
 
 # ---- the one HTTP client: connect and read timeouts ---------------------------------------------

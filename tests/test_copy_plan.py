@@ -1,12 +1,13 @@
-"""Recorded copy plans (replica/copy_plan.py, sender/replay.py): a group's second load replays its
+"""Recorded copy plans (p2pweights.copyplans, sender/slot_producer.py): a group's second load replays its
 plan without the loaders and the bytes equal the loaders' byte for byte; a loader that computes
 keeps its group on the loader path; a new layout starts without plans; and a real engine updated
 three times gets replayed bytes from the second update on. With background recording
-(sender/plan_recorder.py) nothing records on the update path, the recorder never runs a replica's
+(copyplans/background_recorder.py) nothing records on the update path, the recorder never runs a replica's
 loaders beside an update, stops on close(), and a broken recorder leaves groups on the loaders.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,19 +17,19 @@ import time
 import pytest
 import torch
 
+from conftest import shared_model
 from p2pweights.control import SglangEngine
+from p2pweights.copyplans import NotACopy, PlanRecorder, plan_memory, plans_of, record_group_plan
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.receiver import check_weights_equal, start_engine
-from p2pweights.replica import EngineLayout, ModelReplicas
-from p2pweights.replica.copy_plan import NotACopy, record_group_plan
+from p2pweights.replica import ModelReplicas
 from p2pweights.sender import WeightSender
-from p2pweights.sender.plan_recorder import PlanRecorder
-from p2pweights.sender.replay import SlotProducer, plan_memory, plans_of
 from p2pweights.sender.report import UpdateTimes
+from p2pweights.sender.slot_producer import SlotProducer
 from replica_configs import write_config
 
 ALIGN = 256
-SHARED = "/work/shared/models"
 # every model of shared/models at tiny sizes: the architecture and its flags stay, the sizes shrink
 _SHRINK = {
     "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
@@ -40,7 +41,7 @@ _SHRINK = {
 
 
 def _shrunk(model: str, directory: str) -> str:
-    with open(os.path.join(SHARED, model, "config.json")) as f:
+    with open(os.path.join(shared_model(model), "config.json")) as f:
         cfg = json.load(f)
     cfg.update({k: v for k, v in _SHRINK.items() if k in cfg})
     cfg["num_key_value_heads"] = 4 if "kv_lora_rank" in cfg else 2
@@ -346,9 +347,9 @@ def test_each_slot_filler_delivers_replayed_bytes_after_its_device_work(tmp_path
         buffers.close()
 
 
-# -- wide replay (replica/copy_plan.py widen_ops / run_wide_ops) ----------------------------------
+# -- byte copies and the replay paths (copyplans/program.py, replay.py) -----------------------------
 def _reference_copy(ops, regions, itemsizes, inputs, nbytes):
-    """Each op applied element by element with plain indexing: what the wide copies must equal."""
+    """Each op applied element by element with plain indexing: what every replay path must equal."""
     out = torch.full((nbytes,), 0xA5, dtype=torch.uint8)
     for inp, reg, d_off, s_off, sizes, d_str, s_str in ops:
         size = itemsizes[reg]
@@ -363,13 +364,13 @@ def _reference_copy(ops, regions, itemsizes, inputs, nbytes):
     return out
 
 
-def test_wide_ops_fold_join_and_widen_and_their_bytes_equal_the_element_copies():
-    """bf16 ops: a contiguous 2-D block becomes one 8-byte-wide 1-D copy; a column shard (rows of 8
-    elements out of 16) a 2-D copy of 8-byte elements; two ops that continue each other one copy;
-    an odd run stays 2 bytes wide; a zero fill is widened on its own side. Then the wide copies,
-    into a slot of stale bytes, equal the element-by-element copies; and an input that starts
-    2 bytes into its buffer (misaligned for 8-byte elements) still gets the same bytes."""
-    from p2pweights.replica.copy_plan import run_wide_ops, widen_ops
+def test_byte_ops_fold_and_join_and_every_path_writes_the_element_copies():
+    """bf16 ops as byte copies: a contiguous 2-D block becomes one 1-D copy, two ops that continue
+    each other one copy, a column shard (rows of 8 elements out of 16) a 2-D copy, an odd run and a
+    zero fill stay whole. Then every replay path, into a slot of stale bytes, writes what the
+    element-by-element copies write; an input that starts 2 bytes into its buffer gets the same bytes."""
+    from p2pweights.copyplans import GroupPlan, ReplayOrder, ReplayPath
+    from p2pweights.copyplans.program import byte_ops
     from p2pweights.replica.groups import SlotRegion
 
     regions = (SlotRegion("a", 0, 256), SlotRegion("b", 256, 512), SlotRegion("c", 768, 64))
@@ -381,43 +382,26 @@ def test_wide_ops_fold_join_and_widen_and_their_bytes_equal_the_element_copies()
         (1, 1, 128, 3, (5,), (1,), (1,)),  # an odd run at an odd source offset
         (-1, 2, 0, 0, (32,), (1,), (0,)),  # zero fill
     ]
-    wide = widen_ops(ops, regions, itemsizes)
-    assert [(op[0], op[1], op[4]) for op in wide] == [
-        (0, 8, (32,)), (1, 8, (16, 2)), (1, 2, (5,)), (-1, 8, (8,))]
+    assert [(op[0], op[4]) for op in byte_ops(ops, regions, itemsizes)] == [
+        (0, (256,)), (1, (16, 16)), (1, (10,)), (-1, (64,))]
     inputs = [torch.randn(16, 16).to(torch.bfloat16), torch.randn(16, 16).to(torch.bfloat16)]
     expected = _reference_copy(ops, regions, itemsizes, inputs, 1024)
-    slot = torch.full((2048,), 0xA5, dtype=torch.uint8)
-    run_wide_ops(wide, inputs, slot, 512)
-    assert torch.equal(slot[512:1536], expected)
     shifted = [torch.cat([torch.zeros(1, dtype=torch.bfloat16), t.reshape(-1)])[1:].view(16, 16) for t in inputs]
     assert shifted[0].storage_offset() == 1
-    slot.fill_(0xA5)
-    run_wide_ops(wide, shifted, slot, 512)
-    assert torch.equal(slot[512:1536], expected)
-    # the element-op path (GPU slots) writes the same bytes
-    from p2pweights.replica.element_ops import run_element_ops
-
-    slot.fill_(0xA5)
-    run_element_ops(ops, regions, itemsizes, inputs, slot[512:])
-    assert torch.equal(slot[512:1536], expected)
-    assert bool((slot[:512] == 0xA5).all()) and bool((slot[1536:] == 0xA5).all())
+    plan = GroupPlan(0, ("x", "y"), tuple(((16, 16), "torch.bfloat16") for _ in inputs), regions, itemsizes, ops)
+    views = ReplayPath.ELEMENT_VIEWS
+    for order in (ReplayOrder(), ReplayOrder(host=(views,), gpu=(views,))):
+        for given in (inputs, shifted):
+            slot = torch.full((2048,), 0xA5, dtype=torch.uint8)
+            order.replay(plan, dict(zip(plan.inputs, given)), slot, 512)
+            assert torch.equal(slot[512:1536], expected), order.groups
+            assert bool((slot[:512] == 0xA5).all()) and bool((slot[1536:] == 0xA5).all())
 
 
-def test_every_recorded_plan_replays_as_wide_copies(tmp_path):
-    """Recorded plans of a TP/EP MoE rank: most copies are widened to 8 bytes, and none is left
-    narrower than its parameter's element."""
-    cfg = write_config("qwen3_moe", str(tmp_path))
-    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 1)
-    _produce(SlotProducer(UpdateTimes()), replica, _inputs(replica, 1))
-    wide = [(op, p) for p in plans_of(replica).plans.values() for op in p.wide_ops]
-    assert sum(op[1] == 8 for op, _ in wide) > 0.9 * len(wide)
-    assert all(op[1] >= min(p.itemsizes) for op, p in wide)
-
-
-# -- plans on disk (replica/plan_store.py) ---------------------------------------------------------
+# -- plans on disk (copyplans/store.py) ---------------------------------------------------------
 def _stored(tmp_path, layout="tp=2"):
     """A replica with a cache folder whose plans were recorded and saved; its config and the file."""
-    from p2pweights.replica.plan_store import plan_path
+    from p2pweights.copyplans.store import plan_path
 
     cfg = write_config("qwen3", str(tmp_path))
     cache = str(tmp_path / "cache")
@@ -476,13 +460,13 @@ def test_a_stored_plan_of_another_format_replica_or_input_spec_is_recorded_again
     _assert_equal(_produce(SlotProducer(times), replica, tensors), _loader_bytes(replica, tensors), "rebuilt")
     assert times.recorded == len(replica.groups)
     with open(path) as f:  # and the file is rewritten with the new plans
-        from p2pweights.replica.plan_store import PLAN_FORMAT
+        from p2pweights.copyplans.store import PLAN_FORMAT
         body = json.load(f)
     assert body["format"] == PLAN_FORMAT and body["replica"] == replica.key.digest()
 
 
 def test_another_layout_does_not_find_the_plans_of_this_one(tmp_path):
-    from p2pweights.replica.plan_store import plan_path
+    from p2pweights.copyplans.store import plan_path
 
     cfg, cache, tp2, path = _stored(tmp_path)
     tp4 = ModelReplicas(cache_dir=cache).get(cfg, EngineLayout.parse("tp=4"), 0)
@@ -523,7 +507,7 @@ def test_a_forged_plan_file_cannot_make_the_sender_write_wrong_bytes(tmp_path, f
     assert times.replayed == len(replica.groups)
 
 
-# -- recording in the background (sender/plan_recorder.py) -------------------------------------------
+# -- recording in the background (copyplans/background_recorder.py) -------------------------------------------
 def _qwen3_replica(tmp_path):
     cfg = write_config("qwen3", str(tmp_path))
     return ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 0)
@@ -577,7 +561,8 @@ def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_p
     load_groups = replica.load_groups
 
     def watched(placed, tensors, slot):
-        overlaps.append(recording.is_set())
+        if threading.current_thread().name != "p2pw-plan-recorder":  # the update's loaders, not the recording's
+            overlaps.append(recording.is_set())
         return load_groups(placed, tensors, slot)
 
     replica.load_groups = watched
@@ -649,8 +634,9 @@ def _forged_record(rep, group, like, device=None):
     plan = record_group_plan(rep, group, like, device=device)
     i = next(i for i, op in enumerate(plan.ops) if op[0] >= 0)
     inp, reg, d, src, n, ds, ss = plan.ops[i]
-    plan.ops[i] = (inp, reg, d, src + 1, n[:-1] + (n[-1] - 1,), ds, ss) if n[-1] > 1 else (inp, reg, d, src + 1, n, ds, ss)
-    return plan
+    ops = list(plan.ops)
+    ops[i] = (inp, reg, d, src + 1, n[:-1] + (n[-1] - 1,), ds, ss) if n[-1] > 1 else (inp, reg, d, src + 1, n, ds, ss)
+    return dataclasses.replace(plan, ops=ops, _program=None)  # a new plan: the recorded one is compiled
 
 
 def _failing_record(rep, group, like, device=None):

@@ -18,10 +18,10 @@ import torch
 
 from p2pweights.errors import LayoutMismatch, UnknownParameter, UnsupportedLayout
 from p2pweights.models.checkpoint import TensorSpec, checkpoint_tensors, random_tensor
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.replica import ModelReplicas
 from p2pweights.replica.draft_model import DRAFT_ARCHITECTURES
 from p2pweights.replica.groups import ParameterGroup, SlotRegion
-from p2pweights.replica.layout import EngineLayout
 from p2pweights.replica.reference import reference_model
 from p2pweights.replica.role_check import check_rank_roles, reference_draft
 from p2pweights.replica.roles import RankRoles, _join_groups, rank_replica, roles_of

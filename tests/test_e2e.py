@@ -94,7 +94,7 @@ def test_killed_engine_fails_the_update_naming_it_and_reconnect_reuses_the_repli
             for name, t in items[len(items) // 2:]:
                 update.push(name, t)
             update.finish()
-        assert time.monotonic() - t0 < 5 + 1
+        assert time.monotonic() - t0 < 5 + 5  # by the 5 s transfer timeout, not never (margin for 2 loaded cores)
         assert list(info.value.failures) == ["fault1/rank0"]
         assert info.value.report.engine("fault0/rank0").state == "ok"  # the other engine completed
         # no engine bumped its version
@@ -178,7 +178,7 @@ def test_each_pp_stage_pushes_only_its_own_parameters(configs):
     they produce sglang's exact bytes, and a stage refuses another stage's tensors."""
     from p2pweights.control import UpdateSession
     from p2pweights.errors import P2PWeightsError
-    from p2pweights.sender import stage_hf_names
+    from p2pweights.models import stage_hf_names
 
     cfg = configs["dense"]
     engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="pp")

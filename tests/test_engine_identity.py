@@ -3,12 +3,14 @@ post-processing the replica reproduces (any for BF16, Hopper only for FP8 block-
 checkpoints), resolved flags read from /server_info, and the engine layouts refused with their
 reason (a running draft model, engine PP, MoE DP, attention CP, DCP) at connect and in check-layout.
 
-Unit checks of replica.identity and replica.refusals, then real receiver engines (their own
+Unit checks of replica.build_check and models.layout_refusals, then real receiver engines (their own
 /server_info and publications), and a proxy of a real engine that answers a doctored /server_info
 or publication (what an sglang server of another build, or on another GPU, would answer)."""
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 
 import pytest
 
@@ -16,9 +18,9 @@ from engine_proxy import PosingAs
 from p2pweights.cli import main
 from p2pweights.control import SglangEngine
 from p2pweights.errors import EngineMismatch, UnsupportedLayout
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.receiver import ReceiverServer, start_engine
-from p2pweights.replica.identity import engine_identity, normalize_arch, replica_environment
-from p2pweights.replica.layout import EngineLayout
+from p2pweights.replica.build_check import engine_identity, normalize_arch, replica_environment
 from p2pweights.sender import WeightSender
 from p2pweights.transport.publication import EnginePublication
 from replica_configs import _COMMON, CONFIGS, write_config
@@ -58,7 +60,7 @@ def test_a_word_that_is_no_architecture_is_refused():
 def test_a_receiver_rank_names_its_architecture_as_the_sender_reads_it(monkeypatch):
     import torch
 
-    from p2pweights.receiver.identity import device_arch
+    from p2pweights.receiver.build_report import device_arch
 
     assert device_arch("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0) if index == 1 else (10, 0))
@@ -194,13 +196,19 @@ def test_engine_layouts_the_replica_cannot_build_are_refused_with_the_reason(arg
 
 
 def test_a_draft_with_the_targets_own_backends_or_no_weights_is_not_refused_for_them():
-    EngineLayout.from_server_info({"tp_size": 2, "speculative_algorithm": "NGRAM"})  # no draft weights
-    EngineLayout.from_server_info({"tp_size": 2, "speculative_algorithm": None})
-    # the target's own MTP layer with the target's backends: a draft role (tests/test_draft_roles.py)
-    EngineLayout.from_server_info({"tp_size": 2, "speculative_algorithm": "EAGLE", "moe_runner_backend": "triton",
-                                   "speculative_moe_runner_backend": "triton"})
-    EngineLayout.from_server_info({"tp_size": 2, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/m",
-                                   "model_path": "/m"})
+    infos = [
+        {"tp_size": 2, "speculative_algorithm": "NGRAM"},  # no draft weights
+        {"tp_size": 2, "speculative_algorithm": None},
+        # the target's own MTP layer with the target's backends: a draft role (tests/test_draft_roles.py)
+        {"tp_size": 2, "speculative_algorithm": "EAGLE", "moe_runner_backend": "triton",
+         "speculative_moe_runner_backend": "triton"},
+        {"tp_size": 2, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/m", "model_path": "/m"},
+    ]
+    for info in infos:
+        layout = EngineLayout.from_server_info(info)
+        # accepted as the engine runs: its ranks, and the algorithm that decides the draft role, kept
+        assert layout.world_size == 2 and layout.get("speculative_algorithm") == info["speculative_algorithm"]
+        assert layout.get("moe_runner_backend") == info.get("moe_runner_backend", "auto")
 
 
 @pytest.fixture
@@ -244,6 +252,18 @@ def model(tmp_path_factory):
 def engine(model):
     with start_engine(model, "tp=2", transport="mooncake", name="identity") as e:
         yield e
+
+
+def test_the_sglang_version_is_read_in_one_place_for_the_sender_and_the_receiver():
+    from p2pweights.models.sglang_version import sglang_version
+    from p2pweights.receiver.build_report import server_identity
+
+    assert replica_environment().sglang_version == sglang_version()  # what the sender's replicas are built with
+    assert server_identity({})["version"] == sglang_version()        # what a receiver reports without ranks
+    pkg = pathlib.Path(sglang_version.__code__.co_filename).parents[1]
+    readers = {str(f.relative_to(pkg)) for f in pkg.rglob("*.py")
+               if re.search(r'(?<!\w)version\(\s*"sglang"\s*\)|sglang\.__version__', f.read_text())}
+    assert readers == {"models/sglang_version.py"}
 
 
 def test_the_receiver_reports_its_sglang_version_and_each_ranks_architecture(engine):

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import http.client
+import json
 import multiprocessing as mp
 import socket
 import time
 
 import pytest
 
-from p2pweights.control import SglangEngine, UpdateSession, call_engines
+from p2pweights.control import FailurePolicy, SglangEngine, UpdateSession, call_engines
 from p2pweights.errors import EngineError
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, register_transfer_engine_info
 
@@ -209,14 +210,40 @@ def test_a_failed_update_leaves_engines_paused_unbumped_and_the_next_update_resu
         assert e.client.weight_version() == "2"
 
 
-def test_on_failure_continue_resumes_generation_without_ending_or_bumping(start_engine):
+def test_on_failure_continue_unfinished_resumes_generation_without_ending_or_bumping(start_engine):
     e = start_engine("e0")
     with pytest.raises(ValueError):
-        with UpdateSession(e.client, version=1, on_failure="continue") as session:
+        with UpdateSession(e.client, version=1, on_failure="continue_unfinished") as session:
             raise ValueError("a write failed")
     assert session.outcome == {"e0": "generating, session open"}
     assert e.calls() == [["pause", "abort"], ["begin", "all"], ["continue", True]]
     assert e.client.weight_version() == "default"
+
+
+def test_on_failure_resume_if_unwritten_rolls_back_only_when_told_nothing_was_written(start_engine):
+    unwritten, written = start_engine("unwritten"), start_engine("written")
+    session = UpdateSession(unwritten.client, version=1, on_failure=FailurePolicy.RESUME_IF_UNWRITTEN)
+    with session:
+        session.abort("failed before any write", written=False)
+    assert session.outcome == {"unwritten": "rolled back"}
+    assert unwritten.calls() == [["pause", "abort"], ["begin", "all"], ["end"], ["continue", True]]
+    with pytest.raises(ValueError):  # the block's exit cannot see the writes: it leaves the engines paused
+        with UpdateSession(written.client, version=1, on_failure="resume_if_unwritten") as session:
+            raise ValueError("a write failed")
+    assert session.outcome == {"written": "paused, session open"}
+    assert written.calls() == [["pause", "abort"], ["begin", "all"]]
+
+
+def test_failure_policy_is_one_vocabulary_its_values_are_the_strings_callers_pass():
+    assert [str(p) for p in FailurePolicy] == ["resume_if_unwritten", "leave_paused", "continue_unfinished"]
+    assert FailurePolicy.parse("leave_paused") is FailurePolicy.LEAVE_PAUSED
+    assert json.dumps({"on_failure": FailurePolicy.LEAVE_PAUSED}) == '{"on_failure": "leave_paused"}'
+    assert f"{FailurePolicy.CONTINUE_UNFINISHED}" == "continue_unfinished"
+    for old in ("stay_paused", "continue"):  # the session's former words are gone
+        with pytest.raises(ValueError, match="on_failure must be one of resume_if_unwritten, leave_paused"):
+            UpdateSession(SglangEngine("http://127.0.0.1:1", name="e"), version=1, on_failure=old)
+    with pytest.raises(ValueError, match="one of resume_if_unwritten, leave_paused, got 'continue_unfinished'"):
+        FailurePolicy.parse("continue_unfinished", (FailurePolicy.RESUME_IF_UNWRITTEN, FailurePolicy.LEAVE_PAUSED))
 
 
 def test_opening_failure_rolls_back_engines_that_saw_no_write(start_engine):
@@ -286,7 +313,7 @@ def test_checks_and_infos_round_trip(start_engine):
 def test_server_info_reports_the_engines_build_from_what_its_ranks_registered():
     """sglang's /server_info says ``version``; a receiver says it too, and each rank's GPU
     architecture as the rank published it (``device_arch``), which connect checks."""
-    from p2pweights.replica.identity import replica_environment
+    from p2pweights.replica.build_check import replica_environment
 
     class Reporting(ReceiverHooks):
         def __init__(self, info):

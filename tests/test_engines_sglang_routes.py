@@ -1,4 +1,4 @@
-"""The protocol table (control.protocol) is sglang 0.5.23's routes and request bodies; the client
+"""The route table (control.routes) is sglang 0.5.23's routes and request bodies; the client
 sends exactly those. (That the receiver serves the same table: tests/test_control_protocol.py.)
 
 Read from the installed sglang's own source (http_server.py's route table, io_struct.py's request
@@ -14,12 +14,12 @@ import os
 
 import pytest
 
-from p2pweights.control import http, protocol
+from conftest import require_sglang
+from p2pweights.control import http, protocol, routes
 from p2pweights.control.sglang import SglangEngine
 
+require_sglang()  # skips without sglang; fails in CI
 spec = importlib.util.find_spec("sglang")
-if spec is None or spec.origin is None:
-    pytest.skip("sglang is not installed", allow_module_level=True)
 SRT = os.path.join(os.path.dirname(spec.origin), "srt")
 
 
@@ -131,7 +131,7 @@ def _every_verb(engine: SglangEngine) -> None:
 
 def test_protocol_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):
     """Every route of the table, with sglang's methods and sglang's body class."""
-    for r in protocol.ROUTES:
+    for r in routes.ROUTES:
         if r.p2pw:  # p2pweights' own routes: a receiver serves them, sglang has none
             continue
         if r.bootstrap:
@@ -147,7 +147,7 @@ def test_protocol_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):
 def test_protocol_bodies_are_sglangs_structs(io_structs):
     """Each request body has exactly its sglang struct's fields (BaseReq's rid aside), with the same
     defaults and the same required fields."""
-    bodies = {r.body for r in protocol.ROUTES if r.body is not None and r.body.SGLANG}
+    bodies = {r.body for r in routes.ROUTES if r.body is not None and r.body.SGLANG}
     assert len(bodies) == 10
     for cls in bodies:
         sglang = {k: v for k, v in io_structs(cls.SGLANG).items() if k not in ("rid", "http_worker_ipc")}
@@ -196,7 +196,7 @@ def test_client_sends_every_route_with_sglangs_field_names(sglang_routes, io_str
         required = {f for f, default in fields.items() if default is None}
         assert required <= set(body), f"{path}: sglang's {body_cls} requires {sorted(required - set(body))}"
     # every route a client calls, it called (the bootstrap PUT is the ranks' own, see receiver.server)
-    assert sent_paths >= {r.path for r in protocol.ROUTES if r.called and r.method != "PUT" and not r.p2pw}
+    assert sent_paths >= {r.path for r in routes.ROUTES if r.called and r.method != "PUT" and not r.p2pw}
     # the version bump never aborts requests (sglang's default would)
     (bump,) = [b for _, _, path, b, _ in rec.sent if path == "/update_weight_version"]
     assert bump == {"new_version": "12", "abort_all_requests": False}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from p2pweights.errors import NonFiniteTensor, UnsupportedTensor
-from p2pweights.sender.fp8 import (
+from p2pweights.models.fp8_format import (
     FP8_E4M3_MAX,
     MIN_SCALE_INV,
     ceil_to_power_of_two,

@@ -10,15 +10,16 @@ import os
 import pytest
 import torch
 
+from conftest import require_sglang
 from p2pweights.cli import main
 from p2pweights.errors import UnsupportedLayout
 from p2pweights.models import load_config, resolve_model
 from p2pweights.models.checkpoint import RandomCheckpoint, TensorSpec, checkpoint_tensors, random_tensor, trainer_tensors
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.models.fp8_format import dequantize_block_fp8, quantize_block_fp8
 from p2pweights.models.quant import quant_scheme
-from p2pweights.replica.layout import EngineLayout
 
-pytest.importorskip("sglang")
+require_sglang()
 
 TINY = "deepseek-v3-fp8-tiny"
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}

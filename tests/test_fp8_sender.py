@@ -13,8 +13,9 @@ import torch
 
 from p2pweights.errors import LayoutMismatch, MissingTensors, NonFiniteTensor, UnsupportedTensor
 from p2pweights.models.checkpoint import TensorSpec
+from p2pweights.models.fp8_format import quantize_block_fp8
 from p2pweights.sender import fp8 as sender_fp8
-from p2pweights.sender.fp8 import quantize_block_fp8, quantize_many
+from p2pweights.sender.fp8 import quantize_many
 from p2pweights.sender.inputs import TrainerInputs
 from p2pweights.sender.stager import GroupStager
 
@@ -190,8 +191,8 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def replica(tiny):
+    from p2pweights.models.engine_layout import EngineLayout
     from p2pweights.replica import model_replicas
-    from p2pweights.replica.layout import EngineLayout
 
     return model_replicas().get(tiny, EngineLayout.parse("tp=2"), 0)
 

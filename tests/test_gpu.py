@@ -62,7 +62,7 @@ def test_updates_from_gpu_tensors_are_byte_exact(tmp_path, buffer_device, num_sl
     # checks the no-deadlock path
     from p2pweights.control import SglangEngine
     from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
-    from p2pweights.receiver.engine import check_weights_equal, start_engines
+    from p2pweights.receiver.local import check_weights_equal, start_engines
     from p2pweights.sender import WeightSender
     from replica_configs import write_config
 

@@ -6,8 +6,8 @@ import pytest
 
 from p2pweights.cli import main
 from p2pweights.commands.plan import parse_engines
+from p2pweights.models.engine_layout import EngineLayout, LayoutSpecError, parse_layout_spec
 from p2pweights.models.shapes import PlanError
-from p2pweights.replica.layout import EngineLayout, LayoutSpecError, parse_layout_spec
 
 
 def test_one_spelling_means_one_layout_in_every_command():

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import require_sglang
 from p2pweights.cli import main
 from p2pweights.errors import P2PWeightsError, UnsupportedLayout
 from p2pweights.models import (
@@ -138,7 +139,7 @@ def test_each_hf_tensor_belongs_to_exactly_one_pp_stage():
 # -- bytes per engine rank ---------------------------------------------------------------------------
 @pytest.mark.parametrize("model,spec", [("qwen3", "tp=2"), ("qwen3_moe", "tp=4,ep=2,dp_attention=2")])
 def test_bytes_per_engine_rank_equal_the_replicas_parameter_bytes(tmp_path, model, spec):
-    pytest.importorskip("sglang")
+    require_sglang()
     from p2pweights.models.shapes import engine_rank_bytes, model_shape
     from p2pweights.replica import EngineLayout, ModelReplicas
     from replica_configs import write_config

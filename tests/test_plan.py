@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import BENCH_MODELS, shared_model
 from p2pweights.cli import main
+from p2pweights.models import stage_layers
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.models.shapes import PlanError
-from p2pweights.planner import stage_layers
 from p2pweights.planner.assign import Engine, TrainerLayout, assign_engine_ranks, make_plan
-from p2pweights.replica.layout import EngineLayout
 
 layout = EngineLayout.parse
 
-MODELS = "/work/shared/models"
-QWEN3_235B = "benchmarks/models/qwen3-235b-a22b"
+QWEN3_235B = str(BENCH_MODELS / "qwen3-235b-a22b")
 
 
 def engines_of(sizes, ep_equals_tp=False):
@@ -164,7 +164,7 @@ def test_json_has_the_keys_the_issue_names(capsys):
 
 
 def test_engines_list_with_different_gpu_counts(capsys):
-    code, out, _ = run_cli(capsys, "--model", f"{MODELS}/qwen3-4b", "--trainer", "tp=2,gpus=8",
+    code, out, _ = run_cli(capsys, "--model", shared_model("qwen3-4b"), "--trainer", "tp=2,gpus=8",
                            "--engines", "3x4,1x2", "--json")
     assert code == 0
     doc = json.loads(out)
@@ -174,7 +174,7 @@ def test_engines_list_with_different_gpu_counts(capsys):
 
 
 def test_text_output_names_the_bottleneck(capsys):
-    code, out, _ = run_cli(capsys, "--model", f"{MODELS}/deepseek-v3", "--trainer", "tp=8,pp=4,ep=32,gpus=256",
+    code, out, _ = run_cli(capsys, "--model", shared_model("deepseek-v3"), "--trainer", "tp=8,pp=4,ep=32,gpus=256",
                            "--engines", "8x32", "--engine", "tp=32,ep=32", "--slots", "gpu", "--nic-gbps", "25")
     assert code == 0
     assert "bottleneck" in out and "NIC" in out and "sender host" not in out
@@ -183,30 +183,31 @@ def test_text_output_names_the_bottleneck(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=0", "--engines", "1x2"], "--trainer: gpus=0"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "2x0"], "--engines: '2x0'"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "0x4"], "--engines: '0x4'"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "tp=3,gpus=6", "--engines", "1x2"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=0", "--engines", "1x2"], "--trainer: gpus=0"),
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "2x0"], "--engines: '2x0'"),
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "0x4"], "--engines: '0x4'"),
+        (["--model", "@qwen3-4b", "--trainer", "tp=3,gpus=6", "--engines", "1x2"],
          "--trainer: tp=3 does not divide the 32 attention heads"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x6"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "1x6"],
          "--engine: attention TP 6 .* does not divide the 32 attention heads"),
-        (["--model", f"{MODELS}/qwen3-0.6b", "--trainer", "pp=32,gpus=32", "--engines", "1x2"],
+        (["--model", "@qwen3-0.6b", "--trainer", "pp=32,gpus=32", "--engines", "1x2"],
          "--trainer: pp=32 is more PP stages than the model's 28 layers"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--engine", "tp=8"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--engine", "tp=8"],
          "--engine: tp=8 but engine 0 has 4 GPUs"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8,cp=2", "--engines", "1x4"], "--trainer: cannot read 'cp=2'"),
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8,cp=2", "--engines", "1x4"], "--trainer: cannot read 'cp=2'"),
         (["--model", "/nonexistent", "--trainer", "gpus=8", "--engines", "1x4"], "--model: no config.json"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "tp=2,fsdp=3,gpus=8", "--engines", "1x4"],
+        (["--model", "@qwen3-4b", "--trainer", "tp=2,fsdp=3,gpus=8", "--engines", "1x4"],
          "--trainer: fsdp=3 does not divide the 4 data-parallel ranks"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--production-gbps", "0"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--production-gbps", "0"],
          "--production-gbps: 0 GB/s; bandwidths and rates must be positive"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--gather-gbps", "-1"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--gather-gbps", "-1"],
          "--gather-gbps: -1 GB/s"),
-        (["--model", f"{MODELS}/qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--nic-gbps", "0"],
+        (["--model", "@qwen3-4b", "--trainer", "gpus=8", "--engines", "1x4", "--nic-gbps", "0"],
          "--nic-gbps: 0 GB/s"),
     ],
 )
 def test_bad_requests_fail_with_an_error_naming_the_flag(capsys, argv, message):
+    argv = [shared_model(a[1:]) if a.startswith("@") else a for a in argv]  # "@NAME": that model's folder
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == ""
     assert re.search(message, err), err

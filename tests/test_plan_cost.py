@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import BENCH_MODELS, shared_model
 from p2pweights.commands.plan import parse_engines
 from p2pweights.models import load_config
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.models.shapes import (
     PlanError,
     engine_rank_bytes,
@@ -29,21 +31,18 @@ from p2pweights.planner.cost import (
     Links,
     predict,
 )
-from p2pweights.replica.layout import EngineLayout
 
 layout = EngineLayout.parse
 
-MODELS = "/work/shared/models"
-
 
 def shape_of(name: str):
-    folder = f"benchmarks/models/{name}" if name in ("qwen3-235b-a22b", "kimi-k2") else f"{MODELS}/{name}"
+    folder = str(BENCH_MODELS / name) if name in ("qwen3-235b-a22b", "kimi-k2") else shared_model(name)
     return model_shape(load_config(folder))
 
 
 @pytest.mark.parametrize(
     "model, engine, gigabytes",
-    [  # the table of /work/shared/models/README.md, measured on sglang's meta models
+    [  # the table of shared/models/README.md, measured on sglang's meta models
         ("qwen3-0.6b", layout("tp=1"), 1.192),
         ("qwen3-4b", layout("tp=2"), 4.023),
         ("qwen3-30b-a3b", layout("tp=8,ep=8"), 7.681),
@@ -273,7 +272,7 @@ def test_a_slow_gather_is_the_bottleneck():
 def test_plan_prints_and_emits_production_and_gather(capsys):
     from p2pweights.cli import main
 
-    argv = ["plan", "--model", f"{MODELS}/qwen3-30b-a3b", "--trainer", "tp=8,gpus=8", "--engines", "1x8",
+    argv = ["plan", "--model", shared_model("qwen3-30b-a3b"), "--trainer", "tp=8,gpus=8", "--engines", "1x8",
             "--engine", "tp=8,ep=8", "--slots", "gpu"]
     assert main([*argv, "--production", "replay"]) == 0
     out = capsys.readouterr().out

@@ -11,13 +11,12 @@ import json
 
 import pytest
 
+from conftest import require_sglang, shared_model
 from p2pweights.models import load_config
+from p2pweights.models.engine_layout import EngineLayout
 from p2pweights.models.shapes import engine_rank_bytes, model_shape
-from p2pweights.replica.layout import EngineLayout
 
 layout = EngineLayout.parse
-
-MODELS = "/work/shared/models"
 
 TINY_DENSE = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
@@ -95,7 +94,7 @@ def held_bytes(model) -> int:
 def sglang_meta():
     """A function building sglang's model for one engine rank on the meta device
     (p2pweights.replica.sglang_env, which stands in the parallel groups)."""
-    pytest.importorskip("sglang")
+    require_sglang()
     from p2pweights.replica.sglang_env import build_model, prepare
 
     prepare()
@@ -126,18 +125,18 @@ def test_bytes_per_engine_rank_equal_sglangs_meta_model(sglang_meta, tmp_path, c
 
 
 def test_qwen3_30b_a3b_tp8_ep8_rank_equals_sglangs_meta_model(sglang_meta):
-    model = sglang_meta(f"{MODELS}/qwen3-30b-a3b", layout("tp=8,ep=8"), 5)
+    model = sglang_meta(shared_model("qwen3-30b-a3b"), layout("tp=8,ep=8"), 5)
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sglang_bytes == 7_680_585_728
-    shape = model_shape(load_config(f"{MODELS}/qwen3-30b-a3b"))
+    shape = model_shape(load_config(shared_model("qwen3-30b-a3b")))
     assert engine_rank_bytes(shape, layout("tp=8,ep=8")).total == sglang_bytes
 
 
 def test_deepseek_v3_tp8_ep8_dp_attention_rank_equals_sglangs_meta_model(sglang_meta):
     dp8 = layout("tp=8,ep=8,dp=8")  # attention TP 1: every rank holds whole MLA attention
-    model = sglang_meta(f"{MODELS}/deepseek-v3", dp8, 3)
+    model = sglang_meta(shared_model("deepseek-v3"), dp8, 3)
     sglang_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    shape = model_shape(load_config(f"{MODELS}/deepseek-v3"))
+    shape = model_shape(load_config(shared_model("deepseek-v3")))
     assert engine_rank_bytes(shape, dp8).total == sglang_bytes
 
 

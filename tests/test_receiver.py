@@ -37,7 +37,7 @@ _references: dict = {}
 
 def reference_params(config: str, engine: str, rank: int, seed: int) -> dict:
     """name -> bytes of what sglang's loader puts into each parameter of that rank (the sender's side)."""
-    from p2pweights.replica.layout import EngineLayout
+    from p2pweights.models.engine_layout import EngineLayout
     from p2pweights.replica.reference import ReferenceModel, tensor_bytes
 
     key = (config, engine, rank)
@@ -251,15 +251,32 @@ def _imported_modules(path: Path, package: str) -> set[str]:
     return names
 
 
-def test_no_receiver_module_imports_the_broadcast_baseline():
-    """The broadcast path reaches an engine rank only as a BroadcastReceiver it is given."""
+def _named_in_strings(path: Path, prefix: str) -> list[str]:
+    """String constants of ``path`` (docstrings aside) that name a module under ``prefix``: an import
+    by name (``importlib.import_module("...")``, ``"module:attr"``) that no import statement shows."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docstrings and prefix in n.value]
+
+
+def test_only_the_rank_process_imports_the_broadcast_baseline_and_hands_it_to_the_rank():
+    """The broadcast path reaches an engine rank only as a BroadcastReceiver it is given: the rank
+    process imports the baseline's (by an import statement, never by a name in a string) and hands
+    it over; the rank, the server and the hooks never name the baseline."""
     import p2pweights.receiver as receiver
+    from p2pweights.baseline.broadcast import GroupReceiver
+    from p2pweights.receiver import rank_process
 
     modules = sorted(Path(receiver.__file__).parent.glob("*.py"))
     assert {m.stem for m in modules} >= {"rank", "rank_process", "launcher", "local", "hooks", "region"}
-    for module in modules:
-        imported = _imported_modules(module, "p2pweights.receiver")
-        assert not [n for n in imported if n.startswith("p2pweights.baseline")], module.name
+    importers = {m.stem for m in modules
+                 if any(n.startswith("p2pweights.baseline") for n in _imported_modules(m, "p2pweights.receiver"))}
+    assert importers == {"rank_process"}
+    assert {m.name: _named_in_strings(m, "p2pweights.baseline") for m in modules} == {m.name: [] for m in modules}
+    assert rank_process.BROADCAST_RECEIVERS == {"baseline": GroupReceiver, "none": None}
     # and the reference model the ranks compare with does not import the receiver back (no cycle)
     import p2pweights.replica.reference as reference
 
@@ -270,8 +287,8 @@ def test_no_receiver_module_imports_the_broadcast_baseline():
 def test_check_layout_and_the_receivers_equality_check_use_one_reference_model(configs, monkeypatch):
     import torch
 
+    from p2pweights.models.engine_layout import EngineLayout
     from p2pweights.replica import check, reference
-    from p2pweights.replica.layout import EngineLayout
 
     with pytest.raises(ImportError):
         import p2pweights.receiver.reference  # noqa: F401 - the receiver's own copy is gone
@@ -284,7 +301,7 @@ def test_check_layout_and_the_receivers_equality_check_use_one_reference_model(c
 
     monkeypatch.setattr(reference, "reference_model", recording)
     engine = EngineLayout.parse("tp=2")
-    assert check.check_layout(configs["qwen3"], engine, ranks=[1], seed=4).equal       # check-layout's side
+    assert check.check_byte_exact(configs["qwen3"], engine, ranks=[1], seed=4).equal       # check-layout's side
     received, _ = reference.ReferenceModel(configs["qwen3"], engine, 1).loaded(4)      # an engine rank's side
     assert built == [False, True]  # both built by the one reference_model; the receiver's post-processed
     # qwen3's post-processing leaves parameters alone: both references hold the same parameter bytes

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-pytest.importorskip("sglang")
+from conftest import require_sglang
+
+require_sglang()
 torch = pytest.importorskip("torch")
 
 from p2pweights.cli import main  # noqa: E402
@@ -26,7 +28,8 @@ from p2pweights.replica import (  # noqa: E402
     random_tensor,
     sglang_env,
 )
-from p2pweights.replica.check import check_layout, compare_with_reference, reference_model  # noqa: E402
+from p2pweights.replica.check import check_byte_exact, compare_with_reference  # noqa: E402
+from p2pweights.replica.reference import reference_model  # noqa: E402
 from replica_configs import write_config  # noqa: E402
 
 
@@ -68,7 +71,7 @@ BYTE_EXACT_CASES = [
 @pytest.mark.parametrize("model,spec", BYTE_EXACT_CASES, ids=[f"{m}-{s}" for m, s in BYTE_EXACT_CASES])
 def test_every_parameter_of_every_rank_matches_sglangs_loader(configs, model, spec):
     engine = EngineLayout.parse(spec)
-    result = check_layout(configs(model), engine)
+    result = check_byte_exact(configs(model), engine)
     assert result.mismatches == []
     assert result.equal
     assert [r.rank for r in result.ranks] == list(range(engine.world_size))

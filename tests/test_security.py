@@ -1,6 +1,6 @@
 """Authentication and HTTP hygiene of the receiver (docs/security.md).
 
-- The key: every route of ``protocol.ROUTES`` but the health routes answers 401 without
+- The key: every route of ``routes.ROUTES`` but the health routes answers 401 without
   ``Authorization: Bearer KEY`` or with a wrong one, and runs nothing; the right key works end to
   end (a real engine of rank processes, real Mooncake on 127.0.0.1, WeightSender(api_key=...));
   a rank's weight table cannot be re-registered without the key; the ranks' internal endpoints
@@ -23,7 +23,7 @@ import typing
 
 import pytest
 
-from p2pweights.control import SglangEngine
+from p2pweights.control import SglangEngine, bodies, error_answers, routes
 from p2pweights.control import protocol as p
 from p2pweights.control.http import request
 from p2pweights.errors import EngineError, Unauthorized
@@ -52,7 +52,7 @@ class RecordingHooks(ReceiverHooks):
         return call
 
 
-def sample_body(route: p.Route) -> dict | None:
+def sample_body(route: routes.Route) -> dict | None:
     """A well-formed body for ``route`` (what would run if the call were let through)."""
     if route.body is None:
         return None
@@ -61,15 +61,15 @@ def sample_body(route: p.Route) -> dict | None:
     for f in dataclasses.fields(route.body):
         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
             continue
-        kind = p._kind(typing.get_type_hints(route.body)[f.name])
+        kind = bodies._kind(typing.get_type_hints(route.body)[f.name])
         out[f.name] = samples.get(kind, "x")
-    if route.body is p.RegisterTransferEngineInfoReq:
+    if route.body is bodies.RegisterTransferEngineInfoReq:
         out = {"tp_rank": 0, "transfer_engine_info": {"session_id": "10.0.0.66:1234", "weights_info_dict": {}}}
     return out
 
 
 def calls_of_every_route():
-    for route in p.ROUTES:
+    for route in routes.ROUTES:
         for method in route.methods:
             yield route, method
 
@@ -121,10 +121,10 @@ def test_every_route_but_health_answers_401_without_the_key_or_with_a_wrong_one_
                 assert status == p.OK, (route.path, status, answer)
             else:
                 assert status == p.UNAUTHORIZED, (method, route.path, headers, status, answer)
-                assert p.ErrorAnswer.of(answer).fields.get("hint"), answer
+                assert error_answers.ErrorAnswer.of(answer).fields.get("hint"), answer
             checked += 1
     assert hooks.calls == [], f"a refused call ran hooks: {hooks.calls}"
-    assert checked >= 4 * len(p.ROUTES)
+    assert checked >= 4 * len(routes.ROUTES)
     # an unknown path is no way around the key either (sglang's middleware answers 401 too)
     assert request("GET", server.url, "/no_such_route")[0] == p.UNAUTHORIZED
 
@@ -223,7 +223,7 @@ def test_bad_input_to_a_real_engine_is_a_4xx_never_a_500(keyed_engine):
            ("/update_weight_version", {"new_version": {"a": 1}}),
            ("/register_transfer_engine_info", {"tp_rank": -1, "transfer_engine_info": {}})]
     for path, body in bad:
-        method = p.BY_PATH[path].method
+        method = routes.BY_PATH[path].method
         status, answer = request(method, engine.url, path, body=body, api_key=KEY)
         assert 400 <= status < 500, (path, body, status, answer)
     for rank in ("x", "-1", str(10 ** 30), ""):
@@ -233,11 +233,11 @@ def test_bad_input_to_a_real_engine_is_a_4xx_never_a_500(keyed_engine):
     # the internal endpoint: an unknown verb, a path outside it, a body that is not JSON
     control = engine.ready[1]["control_url"]
     port = int(control.rsplit(":", 1)[1])
-    assert request("POST", control, p.RANK_ROUTE_PREFIX + "rm_rf", body={}, api_key=KEY)[0] == p.BAD_REQUEST
+    assert request("POST", control, routes.RANK_ROUTE_PREFIX + "rm_rf", body={}, api_key=KEY)[0] == p.BAD_REQUEST
     assert request("POST", control, "/elsewhere", body={}, api_key=KEY)[0] == p.NOT_FOUND
-    status, _ = raw_http(port, _post(p.RANK_ROUTE_PREFIX + "ping", b"{not json", RIGHT))
+    status, _ = raw_http(port, _post(routes.RANK_ROUTE_PREFIX + "ping", b"{not json", RIGHT))
     assert status == p.BAD_REQUEST
-    status, _ = raw_http(port, _post(p.RANK_ROUTE_PREFIX + "ping", b"", RIGHT, length="99999999999"))
+    status, _ = raw_http(port, _post(routes.RANK_ROUTE_PREFIX + "ping", b"", RIGHT, length="99999999999"))
     assert status == p.PAYLOAD_TOO_LARGE
     assert SglangEngine(engine.url, api_key=KEY).health()
 
@@ -298,7 +298,7 @@ def test_malformed_json_and_wrong_types_are_400_never_500(keyed_server):
         status, answer = raw_http(server.port, _post("/pause_generation", raw, RIGHT))
         assert status == p.BAD_REQUEST, (raw[:20], answer)
     wrong_values = [{"a": 1}, [1], "text", 1.5, True, -1, 10 ** 40]
-    for route in p.ROUTES:
+    for route in routes.ROUTES:
         if route.body is None or "POST" not in route.methods and "PUT" not in route.methods:
             continue
         for f in dataclasses.fields(route.body):

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from p2pweights.control import SglangEngine
+from p2pweights.control import FailurePolicy, SglangEngine
 from p2pweights.errors import (
     EngineError,
     LayoutMismatch,
@@ -115,7 +115,7 @@ def test_a_failure_after_the_pause_but_before_any_write_ends_the_session_and_res
 
 def test_on_failure_leave_paused_keeps_an_unwritten_update_paused_until_the_next_one(sender, engine, cfg):
     with pytest.raises(RuntimeError, match="trainer died"):
-        with sender.update("kept", on_failure="leave_paused") as u:
+        with sender.update("kept", on_failure=FailurePolicy.LEAVE_PAUSED) as u:  # the enum, or its value
             u.push(*_tensors(cfg, 1)[0])
             raise RuntimeError("trainer died")
     assert "leave_paused" in u.outcome
@@ -150,6 +150,9 @@ def test_pause_mode_is_an_argument_of_update(sender):
         sender.update("pm", pause_mode="sleep")
     with pytest.raises(ValueError, match="on_failure"):
         sender.update("pm", on_failure="pray")
+    # an update offers no policy that serves partly written weights (UpdateSession alone does)
+    with pytest.raises(ValueError, match="on_failure must be one of resume_if_unwritten, leave_paused, got"):
+        sender.update("pm", on_failure=FailurePolicy.CONTINUE_UNFINISHED)
 
 
 # -- item 8: trainer inputs ---------------------------------------------------------------------------

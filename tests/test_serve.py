@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from p2pweights.control import SglangEngine
+from p2pweights.control import SglangEngine, routes
 from p2pweights.control import protocol as p
 from p2pweights.control.http import request
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
@@ -66,8 +66,8 @@ def test_serve_runs_an_engine_a_sender_updates_and_sigterm_stops_every_rank(tmp_
                   "--name", "served", env={"P2PW_API_KEY": KEY})
     try:
         url = _wait_ready(proc)
-        assert request("GET", url, p.route("health").path)[0] == p.OK
-        assert request("GET", url, p.route("server_info").path)[0] == p.UNAUTHORIZED
+        assert request("GET", url, routes.route("health").path)[0] == p.OK
+        assert request("GET", url, routes.route("server_info").path)[0] == p.UNAUTHORIZED
         info = SglangEngine(url, api_key=KEY).server_info()
         assert info["tp_size"] == 2 and info["p2pw_engine_name"] == "served"
         ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]

@@ -25,6 +25,7 @@ from p2pweights.control import SglangEngine, UpdateSession
 from p2pweights.control import protocol as p
 from p2pweights.errors import P2PWeightsError, SessionConflict, TornWeights, UpdateFailed, UpdateRefused
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine, start_engines
+from p2pweights.receiver.session_keeper import SessionKeeper, SessionState
 from replica_configs import write_config
 
 
@@ -169,6 +170,20 @@ def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_
     assert _weight_update(srv.url) == {"state": "none"}
 
 
+def test_the_keeper_reports_its_session_state_as_the_enum_and_json_reads_the_protocol_words():
+    now = [0.0]
+    keeper = SessionKeeper("e0", lease=1.0, clock=lambda: now[0])
+    seen = [keeper.state()["state"]]
+    keeper.begin("trainer", None)
+    seen.append(keeper.state()["state"])
+    now[0] = 2.0  # past the lease: expired, torn
+    seen.append(keeper.state()["state"])
+    assert seen == [SessionState.NONE, SessionState.OPEN, SessionState.TORN]
+    assert all(isinstance(s, SessionState) for s in seen)
+    assert [json.loads(json.dumps({"state": s}))["state"] for s in seen] == ["none", "open", p.TORN]
+    assert keeper.health()["status"] == p.TORN
+
+
 def test_a_failed_update_gives_its_session_up_so_the_next_one_heals_at_once(server):
     srv, hooks = server
     with pytest.raises(RuntimeError):
@@ -212,13 +227,13 @@ def test_an_engine_that_fails_the_check_in_before_the_end_is_named_and_left_paus
 
 
 def test_a_session_an_sglang_server_says_is_open_is_resumed_only_by_its_own_owner():
-    from p2pweights.receiver import server as receiver_server
+    from p2pweights.receiver.request_handler import OutOfOrder
 
     class SglangLike(ReceiverServer):
         """sglang keeps no owners: its begin answers 400 "already open" to anyone."""
 
         def _begin(self, req):
-            raise receiver_server._Conflict(f"a weight-update session is {p.SESSION_ALREADY_OPEN}")
+            raise OutOfOrder(f"a weight-update session is {p.SESSION_ALREADY_OPEN}")
 
     hooks = Recording()
     with SglangLike(hooks) as srv:
@@ -372,7 +387,7 @@ def test_a_sender_killed_mid_update_leaves_the_engine_torn_after_its_lease_then_
         assert _weight_update(engine.url)["state"] == "open"  # its lease runs on a little
         while _weight_update(engine.url)["state"] == "open" and time.monotonic() - killed_at < 10:
             time.sleep(0.2)
-        assert time.monotonic() - killed_at < 2 + 2
+        assert time.monotonic() - killed_at < 2 + 5  # the 2 s lease, then expiry; the loop above gives up at 10
         status, body = _raw_health(engine.url)
         assert status == p.OK and body["status"] == p.TORN and "expired" in body["message"]
         assert SglangEngine(engine.url).server_info()["p2pw_weight_update"]["state"] == p.TORN

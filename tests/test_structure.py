@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "python"
 PKG = ROOT / "p2pweights"
@@ -12,7 +13,7 @@ PKG = ROOT / "p2pweights"
 LAYERS = [
     {"errors", "settings", "_native"},
     {"models", "transport", "control"},
-    {"planner", "replica"},
+    {"planner", "replica", "copyplans"},
     {"sender", "receiver", "baseline"},
     {"bench", "commands", "cli", "__main__"},
 ]
@@ -140,13 +141,47 @@ def test_the_extension_has_a_type_stub():
 
 
 def test_every_declared_pytest_marker_is_used():
-    import re
-
-    import tomllib
-
     project = ROOT.parent
-    declared = [m.split(":")[0].strip() for m in
-                tomllib.loads((project / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]]
+    # read without tomllib (Python 3.11+; pyproject allows 3.10): the markers array is one of plain strings
+    pyproject = (project / "pyproject.toml").read_text()
+    block = re.search(r"^\[tool\.pytest\.ini_options\]$.*?^markers = (\[.*?^\])$", pyproject, re.M | re.S)
+    assert block, "pyproject.toml: [tool.pytest.ini_options] markers = [...] not found"
+    declared = [m.split(":")[0].strip() for m in ast.literal_eval(block.group(1))]
+    assert declared, "no pytest markers read from pyproject.toml"
     sources = "".join(p.read_text() for d in ("tests", "benchmarks") for p in (project / d).rglob("*.py"))
     unused = [m for m in declared if not re.search(rf"pytest\.mark\.{m}\b", sources)]
     assert not unused, f"markers declared in pyproject.toml and never used: {unused}"
+
+
+def test_the_sender_is_importable_from_the_package_root():
+    import p2pweights
+    from p2pweights.sender.weight_sender import WeightSender
+
+    assert p2pweights.WeightSender is WeightSender and "WeightSender" in p2pweights.__all__
+    assert [name for name in p2pweights.__all__ if not hasattr(p2pweights, name)] == []
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def test_no_receiver_module_imports_or_names_the_broadcast_baseline():
+    """The broadcast path reaches an engine rank only as a BroadcastReceiver it is given: of the
+    receiver's modules only the rank process's entry point (rank_process.py, which picks it by
+    --broadcast-receiver) imports p2pweights.baseline, and none names it in a string (importlib, ``-m``,
+    a ``mod:attr`` default), which would hide the dependency from the checks above. Docstrings may."""
+    mods = _modules()
+    edges = _imports(mods)
+    offenders = [f"{m} imports {e}" for m in mods if m.startswith("p2pweights.receiver")
+                 and m != "p2pweights.receiver.rank_process" for e in edges[m] if e.startswith("p2pweights.baseline")]
+    for m, path in mods.items():
+        if not m.startswith("p2pweights.receiver"):
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        offenders += [f"{path.name}:{n.lineno} names {n.value!r}" for n in ast.walk(tree)
+                      if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+                      and re.search(r"\bp2pweights\.baseline\b", n.value)]
+    assert not offenders, offenders

@@ -124,6 +124,74 @@ def test_the_native_path_is_taken_where_the_c_api_loads_and_either_can_be_forced
         make_sender_transport("nixl")
 
 
+def test_a_nixl_version_the_c_api_was_not_checked_for_takes_the_python_api_and_doctor_says_why(monkeypatch, capsys):
+    import argparse
+
+    from p2pweights.commands import doctor
+    from p2pweights.transport import make_sender_transport, nixl_native
+
+    def never(*a, **k):
+        raise AssertionError("an unchecked NIXL's C API was loaded")
+
+    monkeypatch.setattr(nixl_native, "nixl_version", lambda: "9.9.9")
+    monkeypatch.setattr(nixl_native, "NativeNixlTransport", never)
+    monkeypatch.setenv("P2PW_NIXL_API", "auto")
+    path = nixl_native.data_path()
+    assert path["path"] == "python" and path["library"] == nixl_native.capi_library()
+    assert "NIXL 9.9.9 is not a version" in path["reason"] and "1.5.1" in path["reason"], path
+    t = make_sender_transport("nixl")
+    try:
+        assert isinstance(t, _native.PyTransport)
+    finally:
+        t.close()
+    doctor.run(argparse.Namespace(json=False))
+    assert f"data path    : python — {path['reason']}" in capsys.readouterr().out
+    monkeypatch.setenv("P2PW_NIXL_API", "native")
+    with pytest.raises(TransportError, match="P2PW_NIXL_API=native, but NIXL 9.9.9 is not a version"):
+        make_sender_transport("nixl")
+
+
+def test_a_c_api_that_failed_to_load_is_not_tried_again_in_the_process(monkeypatch):
+    from p2pweights.errors import NotFound
+    from p2pweights.transport import make_sender_transport, nixl_native
+
+    tried = []
+
+    def refuse(library, **opts):
+        tried.append(library)
+        raise NotFound(f"cannot load NIXL's C API from {library}: not an ELF file")
+
+    monkeypatch.setattr(nixl_native, "_load_failures", {})
+    monkeypatch.setattr(nixl_native, "NativeNixlTransport", refuse)
+    monkeypatch.setenv("P2PW_NIXL_API", "auto")
+    for _ in range(2):
+        t = make_sender_transport("nixl")
+        t.close()
+        assert isinstance(t, _native.PyTransport)
+    assert tried == [nixl_native.capi_library()]
+    path = nixl_native.data_path()
+    assert path["path"] == "python" and "failed to load earlier in this process: cannot load" in path["reason"]
+
+
+def test_the_native_core_does_not_dlopen_a_refused_library_again(tmp_path):
+    import os
+    import subprocess
+
+    lib = tmp_path / "libnixl_capi.so"
+    lib.write_bytes(b"not an ELF file")
+    libc = next(p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6",
+                            "/lib64/libc.so.6", "/usr/lib64/libc.so.6") if os.path.exists(p))
+    code = ("import shutil, sys\nfrom p2pweights import _native\nfrom p2pweights.errors import NotFound\n"
+            "for _ in range(2):\n"
+            "    try:\n        _native.NixlTransport(sys.argv[1], 'p2pw-test-agent')\n"
+            "    except NotFound as e:\n        print(e)\n"
+            "    shutil.copy(sys.argv[2], sys.argv[1])  # a loadable library now: a retry would say it lacks symbols\n")
+    out = subprocess.run([sys.executable, "-c", code, str(lib), libc], capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2 and lines[0] == lines[1], out
+    assert lines[0].startswith("cannot load NIXL's C API from " + str(lib)), out
+
+
 def test_a_library_without_the_c_api_is_refused_by_name_not_loaded_blindly(tmp_path):
     import subprocess
 
@@ -257,7 +325,7 @@ def test_bench_transport_measures_both_nixl_paths_with_a_python_loop_beside_the_
     import io
     from contextlib import redirect_stdout
 
-    from p2pweights.bench import transport as bench
+    from p2pweights.bench import transport_vs_vendor as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from conftest import require_sglang
 from p2pweights import _native
 from p2pweights.errors import LayoutMismatch, UnknownParameter, WrongTransport
 from p2pweights.transport import make_backend, make_receiver_endpoint, make_sender_transport, merge_regions
@@ -117,7 +118,7 @@ def _free_port() -> int:
 def test_a_real_sglang_bootstrap_server_serves_our_mooncake_publication():
     """Our Mooncake receiver's table, registered the way sglang's model runner does it, comes back
     from sglang's own EngineInfoBootstrapServer as a publication we parse and connect to."""
-    pytest.importorskip("sglang")
+    require_sglang()
     requests = pytest.importorskip("requests")
     import numpy as np
     from sglang.srt.entrypoints.engine_info_bootstrap_server import EngineInfoBootstrapServer

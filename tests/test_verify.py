@@ -10,10 +10,10 @@ import torch
 
 from engine_proxy import PosingAs
 from p2pweights.control import SglangEngine
+from p2pweights.control.weights_digest import ROW_WORDS, digest
 from p2pweights.errors import EngineError, UpdateFailed
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import ReceiverServer, check_weights_equal, start_engines
-from p2pweights.receiver.digest import ROW_WORDS, digest
 from p2pweights.sender import WeightSender
 from p2pweights.sender import update as update_module
 from p2pweights.transport.publication import EnginePublication
@@ -150,7 +150,7 @@ def test_one_flipped_byte_fails_the_update_naming_rank_and_parameter_and_the_eng
 
 def test_without_verify_the_flipped_byte_goes_unnoticed(model, engine, monkeypatch):
     """What verify=True is for: the same corruption, unverified, is served as the new version."""
-    from p2pweights.control.session import UpdateSession
+    from p2pweights.control import UpdateSession
 
     specs = checkpoint_tensors(model)
     real_commit = UpdateSession.commit

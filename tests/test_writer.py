@@ -11,7 +11,7 @@ import pytest
 from p2pweights import _native
 from p2pweights.errors import Busy, Closed, InvalidWrite, NotFound, OutOfRegion, TransferTimeout, UpdateFailed
 from p2pweights.sender.buffers import TransferBuffers
-from p2pweights.sender.writer import PipelinedWriter
+from p2pweights.sender.writer import EngineState, EngineWriteReport, PipelinedWriter, WriteReport
 
 SLOT = 2 << 20  # one alignment unit
 
@@ -117,6 +117,19 @@ def test_stuck_engine_delays_only_its_own_writes(rig):
     assert elapsed < 2.0 + 1.0
     stuck = report.engine("engine-1")
     assert stuck.batches + stuck.skipped_batches == 2 and stuck.bytes == 0
+    assert stuck.state is EngineState.FAILED  # the core's word, read as the enum
+
+
+def test_a_report_reads_each_engines_state_as_the_enum_and_names_only_the_failed_ones():
+    def row(name: str, state: str, error: str = "") -> EngineWriteReport:
+        return EngineWriteReport(engine=0, name=name, bytes=0, writes=0, batches=0, skipped_batches=0, seconds=0.0,
+                                 gbps=0.0, state=state, error=error)
+
+    report = WriteReport([row("a", "ok"), row("b", "failed", "boom"), row("c", "idle")])
+    assert [e.state for e in report.engines] == [EngineState.OK, EngineState.FAILED, EngineState.IDLE]
+    assert report.failures == {"b": "boom"} and f"{report.engine('a').state}" == "ok"
+    with pytest.raises(ValueError, match="'stuck' is not a valid EngineState"):
+        row("d", "stuck")  # a state the core added and Python does not know is caught here
 
 
 def test_timeout_fails_the_update_within_timeout_plus_one_second_naming_the_engine(rig):
@@ -330,6 +343,17 @@ def test_a_backend_that_raises_or_answers_nonsense_fails_its_engine_never_the_pr
     assert message in info.value.failures["engine-0"]
     assert writer.pending_batches(0) == 0  # the slot is free again
     assert writer.acquire(timeout=1.0) == 0
+
+
+@pytest.mark.parametrize("name", ["TIMEOUT", "OUT_OF_REGION", "DEVICE_ERROR"])
+def test_a_backend_may_answer_any_native_error_code_and_its_reason_is_kept(py_rig, name):
+    from p2pweights.errors import code_of
+
+    writer, buffers, region = py_rig(Backend(poll=lambda: (code_of(name), "the reason")))
+    writer.submit(writer.acquire(), [(0, 64, 0, region.ctypes.data)])
+    with pytest.raises(UpdateFailed) as info:
+        writer.finish()
+    assert info.value.failures == {"engine-0": "the reason"}  # not "... not a status code"
 
 
 def test_finish_is_bounded_by_the_transfer_timeout_when_a_post_blocks(py_rig):

@@ -142,7 +142,8 @@ def test_stopped_engine_fails_at_the_deadline_and_the_other_completes(backend, p
     elapsed = time.monotonic() - t0
     assert list(info.value.failures) == ["engine1/rank1"]
     assert "transfer timeout" in info.value.failures["engine1/rank1"]
-    assert 3.0 <= elapsed < 6.0, elapsed
+    # not before the deadline; well before "never" (a loaded machine delays the failure, it cannot hasten it)
+    assert 3.0 <= elapsed < 3.0 + 10, elapsed
     if backend == "nixl":  # NIXL cancels the stopped engine's writes: the update goes on for the others
         assert info.value.report.engine("engine0/rank0").bytes == SIZE
         assert a.check(5) == 0

@@ -35,8 +35,9 @@ from bench_gpu import gbps  # noqa: E402 - this folder's GPU bench
 
 from p2pweights.models import load_config, resolve_model  # noqa: E402
 from p2pweights.models.checkpoint import trainer_tensors  # noqa: E402
+from p2pweights.models.fp8_format import quantize_block_fp8  # noqa: E402
 from p2pweights.models.quant import quant_scheme  # noqa: E402
-from p2pweights.sender.fp8 import quantize_block_fp8, quantize_many  # noqa: E402
+from p2pweights.sender.fp8 import quantize_many  # noqa: E402
 from p2pweights.sender.quantize import QuantizeOnSend  # noqa: E402
 
 GiB = 1 << 30

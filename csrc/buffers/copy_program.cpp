@@ -7,9 +7,15 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <queue>
 #include <system_error>
 #include <thread>
 
@@ -36,16 +42,14 @@ std::string where(size_t i) { return "copy descriptor " + std::to_string(i); }
 
 }  // namespace
 
-Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, const std::vector<CopyInput>& inputs) {
+Status check_descriptors(const int64_t* program, size_t count, uint64_t slot_bytes, const uint64_t* input_nbytes,
+                         size_t num_inputs) {
   if (count > 0 && program == nullptr) return Status(Code::kInvalidArgument, "copy program has no descriptors");
-  for (const CopyInput& in : inputs) {
-    if (in.address == 0 && in.nbytes > 0) return Status(Code::kInvalidArgument, "a copy input has no address");
-  }
   for (size_t i = 0; i < count; ++i) {
     const Copy c = at(program, i);
-    if (c.input < -1 || c.input >= static_cast<int64_t>(inputs.size()))
+    if (c.input < -1 || c.input >= static_cast<int64_t>(num_inputs))
       return Status(Code::kInvalidArgument, where(i) + " names input " + std::to_string(c.input) + " of " +
-                                                std::to_string(inputs.size()));
+                                                std::to_string(num_inputs));
     if (c.row_bytes < 1 || c.rows < 1 || c.row_bytes >= kLimit || c.rows >= kLimit)
       return Status(Code::kInvalidArgument, where(i) + " has " + std::to_string(c.rows) + " rows of " +
                                                 std::to_string(c.row_bytes) + " bytes");
@@ -64,13 +68,162 @@ Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, 
     const __int128 span = static_cast<__int128>(c.rows - 1) * c.src_pitch;
     const __int128 lo = c.src + std::min<__int128>(0, span);
     const __int128 hi = c.src + std::max<__int128>(0, span) + c.row_bytes;
-    const uint64_t n = inputs[c.input].nbytes;
+    const uint64_t n = input_nbytes[c.input];
     if (lo < 0 || hi > static_cast<__int128>(n))
       return Status(Code::kOutOfRegion, where(i) + " reads bytes [" + std::to_string(static_cast<int64_t>(lo)) + ", " +
                                             std::to_string(static_cast<int64_t>(hi)) + ") of input " +
                                             std::to_string(c.input) + " of " + std::to_string(n) + " bytes");
   }
   return Status::Ok();
+}
+
+Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, const std::vector<CopyInput>& inputs) {
+  std::vector<uint64_t> nbytes(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (inputs[k].address == 0 && inputs[k].nbytes > 0) return Status(Code::kInvalidArgument, "a copy input has no address");
+    nbytes[k] = inputs[k].nbytes;
+  }
+  return check_descriptors(program, count, slot_bytes, nbytes.data(), nbytes.size());
+}
+
+// -- disjoint writes ------------------------------------------------------------------------------
+namespace {
+
+constexpr size_t kNone = SIZE_MAX;
+constexpr int64_t kMaxEnd = int64_t(1) << 62;  // no slot is this large: ends are refused past it, sums stay in int64
+using Pair = std::pair<size_t, size_t>;
+
+// A descriptor's destination bytes seen as lines of `pitch` bytes: cells [line0, line1) x [col0, col1).
+struct Rect {
+  int64_t line0, line1, col0, col1;
+  size_t copy;
+};
+
+// The destination bytes of copy i as at most three rectangles; c.rows == 1 or c.dst_pitch == pitch.
+// The rectangles of one copy never share a cell (its rows are disjoint: pitch >= row_bytes).
+void add_rects(const Copy& c, size_t i, int64_t pitch, std::vector<Rect>* out) {
+  if (c.rows > 1) {  // every row starts at the same column of consecutive lines
+    const int64_t q = c.dst / pitch, r = c.dst % pitch;
+    if (r + c.row_bytes <= pitch) {
+      out->push_back(Rect{q, q + c.rows, r, r + c.row_bytes, i});
+    } else {  // each row wraps into the next line
+      out->push_back(Rect{q, q + c.rows, r, pitch, i});
+      out->push_back(Rect{q + 1, q + 1 + c.rows, 0, r + c.row_bytes - pitch, i});
+    }
+    return;
+  }
+  const int64_t end = c.dst + c.row_bytes;
+  const int64_t q0 = c.dst / pitch, r0 = c.dst % pitch, q1 = end / pitch, r1 = end % pitch;
+  if (q0 == q1) {
+    out->push_back(Rect{q0, q0 + 1, r0, r1, i});
+    return;
+  }
+  out->push_back(Rect{q0, q0 + 1, r0, pitch, i});
+  if (q1 > q0 + 1) out->push_back(Rect{q0 + 1, q1, 0, pitch, i});
+  if (r1 > 0) out->push_back(Rect{q1, q1 + 1, 0, r1, i});
+}
+
+// Two copies whose rectangles share a cell, or {kNone, kNone}: a sweep over lines keeping the
+// column intervals of the rectangles that cover the current line (disjoint until the first overlap).
+Pair overlap_of_rects(std::vector<Rect>& rects) {
+  std::sort(rects.begin(), rects.end(), [](const Rect& a, const Rect& b) { return a.line0 < b.line0; });
+  std::map<int64_t, const Rect*> active;  // by col0
+  using Expiry = std::pair<int64_t, int64_t>;  // (line1, col0)
+  std::priority_queue<Expiry, std::vector<Expiry>, std::greater<Expiry>> expiry;
+  for (const Rect& r : rects) {
+    while (!expiry.empty() && expiry.top().first <= r.line0) {
+      active.erase(expiry.top().second);
+      expiry.pop();
+    }
+    auto it = active.lower_bound(r.col1);
+    if (it != active.begin() && (--it)->second->col1 > r.col0) return {it->second->copy, r.copy};
+    active.emplace(r.col0, &r);
+    expiry.emplace(r.line1, r.col0);
+  }
+  return {kNone, kNone};
+}
+
+// The same by rows, for copies of several pitches: a merge of every copy's rows (each copy's rows
+// ascend) checking each row's start against the furthest end seen so far.
+Pair overlap_of_rows(const int64_t* program, const std::vector<size_t>& copies) {
+  using Next = std::pair<int64_t, std::pair<size_t, int64_t>>;  // (row start, (copy, row))
+  std::priority_queue<Next, std::vector<Next>, std::greater<Next>> rows;
+  for (size_t i : copies) rows.push({at(program, i).dst, {i, 0}});
+  int64_t furthest = -1;
+  size_t owner = kNone;
+  while (!rows.empty()) {
+    const auto [start, which] = rows.top();
+    rows.pop();
+    const Copy c = at(program, which.first);
+    if (start < furthest) return {owner, which.first};
+    if (start + c.row_bytes > furthest) {
+      furthest = start + c.row_bytes;
+      owner = which.first;
+    }
+    if (which.second + 1 < c.rows) rows.push({start + c.dst_pitch, {which.first, which.second + 1}});
+  }
+  return {kNone, kNone};
+}
+
+}  // namespace
+
+Status check_disjoint_writes(const int64_t* program, size_t count) {
+  struct Box {
+    int64_t lo, hi;
+    size_t copy;
+  };
+  std::vector<Box> boxes(count);
+  for (size_t i = 0; i < count; ++i) {
+    const Copy c = at(program, i);
+    const __int128 hi = static_cast<__int128>(c.dst) + static_cast<__int128>(c.rows - 1) * c.dst_pitch + c.row_bytes;
+    if (c.rows < 1 || c.row_bytes < 1 || c.dst < 0 || (c.rows > 1 && c.dst_pitch < c.row_bytes) || hi >= kMaxEnd)
+      return Status(Code::kInvalidArgument, where(i) + " is malformed (run check_descriptors first)");
+    boxes[i] = Box{c.dst, static_cast<int64_t>(hi), i};
+  }
+  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.lo < b.lo; });
+  std::vector<size_t> members;
+  std::vector<Rect> rects;
+  for (size_t a = 0; a < count;) {
+    // a cluster: boxes that overlap one another transitively; only within one can bytes collide
+    size_t b = a + 1;
+    int64_t end = boxes[a].hi;
+    while (b < count && boxes[b].lo < end) end = std::max(end, boxes[b++].hi);
+    if (b - a > 1) {
+      members.clear();
+      int64_t pitch = 0;
+      bool one_pitch = true;
+      for (size_t k = a; k < b; ++k) {
+        members.push_back(boxes[k].copy);
+        const Copy c = at(program, boxes[k].copy);
+        if (c.rows == 1) continue;
+        if (pitch == 0) pitch = c.dst_pitch;
+        one_pitch &= c.dst_pitch == pitch;
+      }
+      Pair hit{kNone, kNone};
+      if (one_pitch) {  // the usual case (column shards, interleaved heads): rectangles, whatever the rows
+        rects.clear();
+        for (size_t i : members) add_rects(at(program, i), i, pitch > 0 ? pitch : kMaxEnd, &rects);
+        hit = overlap_of_rects(rects);
+      } else {
+        hit = overlap_of_rows(program, members);
+      }
+      if (hit.first != kNone) {
+        const size_t i = std::min(hit.first, hit.second), j = std::max(hit.first, hit.second);
+        return Status(Code::kOutOfRegion, "copy descriptors " + std::to_string(i) + " and " + std::to_string(j) +
+                                              " write overlapping destination bytes (from offsets " +
+                                              std::to_string(at(program, i).dst) + " and " +
+                                              std::to_string(at(program, j).dst) + ")");
+      }
+    }
+    a = b;
+  }
+  return Status::Ok();
+}
+
+Status check_copy_program(const int64_t* program, size_t count, uint64_t slot_bytes,
+                          const std::vector<uint64_t>& input_nbytes) {
+  Status s = check_descriptors(program, count, slot_bytes, input_nbytes.data(), input_nbytes.size());
+  return s.ok() ? check_disjoint_writes(program, count) : s;
 }
 
 // -- host ----------------------------------------------------------------------------------------
@@ -97,6 +250,84 @@ void run_piece(const int64_t* program, const Piece& p, uint8_t* slot, const std:
   }
 }
 
+// The host copies' helper threads: started on first use, grown to the largest count asked, kept
+// for the process (leaked on purpose: joining at exit could wait on a copy). A call's shares are
+// taken by index, by the pool's threads and by the caller alike, so a call completes even where
+// no helper could be started (or after fork(), which copies no thread).
+class CopyPool {
+ public:
+  static CopyPool& get() {
+    static CopyPool* pool = new CopyPool();
+    return *pool;
+  }
+
+  // work(0) .. work(n - 1), on up to n threads (the caller's included); returns when all are done.
+  void run(int n, const std::function<void(int)>& work) {
+    auto job = std::make_shared<Job>();
+    job->work = &work;
+    job->n = n;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      while (static_cast<int>(threads_.size()) < std::min(n, kMaxCopyThreads) - 1) {
+        try {
+          threads_.emplace_back([this] { serve(); });
+        } catch (const std::system_error&) {
+          break;  // fewer helpers: the caller takes the shares left
+        }
+      }
+      queue_.push_back(job);
+    }
+    cv_.notify_all();
+    job->take();
+    {
+      std::lock_guard<std::mutex> lk(mu_);  // every share is taken: no helper needs to find it
+      auto it = std::find(queue_.begin(), queue_.end(), job);
+      if (it != queue_.end()) queue_.erase(it);
+    }
+    std::unique_lock<std::mutex> lk(job->mu);
+    job->all_done.wait(lk, [&] { return job->done == job->n; });
+  }
+
+ private:
+  struct Job {
+    const std::function<void(int)>* work = nullptr;
+    int n = 0;
+    std::atomic<int> next{0};
+    std::mutex mu;
+    std::condition_variable all_done;
+    int done = 0;  // under mu
+
+    void take() {  // runs shares until none is left to take
+      for (int w; (w = next.fetch_add(1)) < n;) {
+        (*work)(w);
+        std::lock_guard<std::mutex> lk(mu);
+        if (++done == n) all_done.notify_all();
+      }
+    }
+  };
+
+  void serve() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return !queue_.empty(); });
+        job = queue_.front();
+        if (job->next.load() >= job->n) {  // all taken: let the next call's job come to the front
+          queue_.pop_front();
+          continue;
+        }
+      }
+      job->take();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::vector<std::thread> threads_;
+};
+
 }  // namespace
 
 Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
@@ -107,7 +338,7 @@ Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uin
   uint8_t* dst = reinterpret_cast<uint8_t*>(slot);
   uint64_t total = 0;
   for (size_t i = 0; i < count; ++i) total += at(program, i).bytes();
-  threads = std::max(1, std::min(threads, 64));
+  threads = std::max(1, std::min(threads, kMaxCopyThreads));
   if (threads == 1 || total < kInlineCopyBytes) {
     for (size_t i = 0; i < count; ++i) {
       const Copy c = at(program, i);
@@ -142,19 +373,9 @@ Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uin
     while (t < threads && seen >= total * t / threads) first[t++] = k;
     seen += pieces[k].bytes;
   }
-  auto work = [&](int w) {
+  CopyPool::get().run(threads, [&](int w) {
     for (size_t k = first[w]; k < first[w + 1]; ++k) run_piece(program, pieces[k], dst, inputs);
-  };
-  std::vector<std::thread> helpers;
-  for (int w = 1; w < threads; ++w) {
-    try {
-      helpers.emplace_back(work, w);
-    } catch (const std::system_error&) {
-      work(w);  // a thread that could not be started: its share runs here
-    }
-  }
-  work(0);
-  for (std::thread& h : helpers) h.join();
+  });
   return Status::Ok();
 }
 
@@ -173,8 +394,6 @@ constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotInitialized = 3;
 constexpr int kPointerAttributeContext = 1;  // CU_POINTER_ATTRIBUTE_CONTEXT
 constexpr int kMemoryTypeUnified = 4;        // CU_MEMORYTYPE_UNIFIED: the *Device field is a UVA address
-constexpr int kSrcAccessOrderStream = 1;     // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-const CUstream kPerThreadStream = reinterpret_cast<CUstream>(0x2);  // CU_STREAM_PER_THREAD
 constexpr unsigned kStreamNonBlocking = 0x1;   // CU_STREAM_NON_BLOCKING: no implicit sync with the legacy stream
 constexpr unsigned kEventDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
 constexpr int64_t kMaxPitch = 2147483647;    // cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
@@ -195,16 +414,6 @@ struct Memcpy2D {  // CUDA_MEMCPY2D (v2)
   size_t WidthInBytes, Height;
 };
 
-struct MemLocation {  // CUmemLocation
-  int type;
-  int id;
-};
-struct MemcpyAttributes {  // CUmemcpyAttributes (v1, CUDA 12.8)
-  int srcAccessOrder;
-  MemLocation srcLocHint, dstLocHint;
-  unsigned int flags;
-};
-
 struct Driver {
   void* handle = nullptr;
   CudaDriverInfo info;
@@ -217,8 +426,6 @@ struct Driver {
   CUresult (*memcpy_2d_async)(const Memcpy2D*, CUstream) = nullptr;
   CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*memset_d2d8_async)(CUdeviceptr, size_t, unsigned char, size_t, size_t, CUstream) = nullptr;
-  CUresult (*memcpy_batch_async)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t,
-                                 size_t*, CUstream) = nullptr;
   // the lanes: side streams the copies are spread over, joined to the caller's stream by events
   CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
   CUresult (*event_create)(CUevent*, unsigned) = nullptr;
@@ -264,8 +471,6 @@ struct Driver {
       handle = nullptr;
       return;
     }
-    // the 12.8 ABI (with failIdx) under the plain name; a CUDA 13 driver keeps it there too
-    info.batch = find(&memcpy_batch_async, "cuMemcpyBatchAsync");
 #ifdef P2PW_HAVE_COPY_KERNEL
     info.kernel = find(&module_load_data, "cuModuleLoadData") && find(&module_get_function, "cuModuleGetFunction") &&
                   find(&launch_kernel, "cuLaunchKernel");
@@ -300,7 +505,7 @@ class ContextScope {
       r = d_.ctx_get_current(&previous_);
     }
     if (r != kCudaSuccess) {
-      status_ = Status(Code::kTransportError, d_.error(r, "cuCtxGetCurrent"));
+      status_ = Status(Code::kDeviceError, d_.error(r, "cuCtxGetCurrent"));
       return;
     }
     CUcontext owner = nullptr;
@@ -309,12 +514,12 @@ class ContextScope {
         owner != previous_) {
       r = d_.ctx_set_current(owner);
       if (r != kCudaSuccess) {
-        status_ = Status(Code::kTransportError, d_.error(r, "cuCtxSetCurrent"));
+        status_ = Status(Code::kDeviceError, d_.error(r, "cuCtxSetCurrent"));
         return;
       }
       switched_ = true;
     } else if (previous_ == nullptr) {
-      status_ = Status(Code::kTransportError, "no CUDA context is current and the slot's memory names none");
+      status_ = Status(Code::kDeviceError, "no CUDA context is current and the slot's memory names none");
     }
   }
   ~ContextScope() {
@@ -407,7 +612,7 @@ Status run_kernel_program(Driver& d, CUfunction fn, const int64_t* program, size
     const uint64_t n_chunks = (units + per_chunk - 1) / per_chunk;
     if (batch.count == kKernelEntries || chunks + n_chunks > (uint64_t(1) << 30)) {
       CUresult r = launch();
-      if (r != kCudaSuccess) return Status(Code::kTransportError, where(i) + ": " + d.error(r, "cuLaunchKernel"));
+      if (r != kCudaSuccess) return Status(Code::kDeviceError, where(i) + ": " + d.error(r, "cuLaunchKernel"));
     }
     KernelEntry& e = batch.entries[batch.count++];
     e.dst = dst;
@@ -421,7 +626,7 @@ Status run_kernel_program(Driver& d, CUfunction fn, const int64_t* program, size
     chunks += n_chunks;
   }
   CUresult r = launch();
-  if (r != kCudaSuccess) return Status(Code::kTransportError, d.error(r, "cuLaunchKernel"));
+  if (r != kCudaSuccess) return Status(Code::kDeviceError, d.error(r, "cuLaunchKernel"));
   return Status::Ok();
 }
 #endif
@@ -476,16 +681,16 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
 #ifdef P2PW_HAVE_COPY_KERNEL
   if (mode == CopyMode::kKernel && d.info.kernel) {
     LaneSet* kset = lane_set(d);
-    if (kset == nullptr) return Status(Code::kTransportError, "no CUDA context for the batched copy kernel");
+    if (kset == nullptr) return Status(Code::kDeviceError, "no CUDA context for the batched copy kernel");
     std::lock_guard<std::mutex> lock(kset->mu);
     CUfunction fn = copy_kernel(d, *kset);
-    if (fn == nullptr) return Status(Code::kTransportError, kset->kernel_error);
+    if (fn == nullptr) return Status(Code::kDeviceError, kset->kernel_error);
     s = run_kernel_program(d, fn, program, count, slot, inputs, stream, &made);
     if (calls) *calls = made;
     return s;
   }
 #endif
-  if (mode == CopyMode::kKernel) mode = CopyMode::kEach;  // built without the kernel
+  (void)mode;  // kEach, or kKernel where the module was built without the kernel: one call per copy
 
   // the streams the copies go to: the caller's, or lanes forked from it (joined back below)
   std::vector<CUstream> targets{stream};
@@ -501,7 +706,7 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
       for (int k = 0; k < have && r == kCudaSuccess; ++k, ++made) r = d.stream_wait_event(set->streams[k], set->start, 0);
       if (r != kCudaSuccess) {
         if (calls) *calls = made;
-        return Status(Code::kTransportError, d.error(r, "forking the copy lanes"));  // nothing enqueued yet
+        return Status(Code::kDeviceError, d.error(r, "forking the copy lanes"));  // nothing enqueued yet
       }
       targets.assign(set->streams.begin(), set->streams.begin() + have);
     }
@@ -523,7 +728,7 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
   auto fail = [&](const std::string& what) -> Status {
     join();
     if (calls) *calls = made;
-    return Status(Code::kTransportError, what);
+    return Status(Code::kDeviceError, what);
   };
 
   std::vector<uint64_t> load(n_lanes, 0);
@@ -534,18 +739,9 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
     load[best] += bytes;
     return best;
   };
-  std::vector<std::vector<CUdeviceptr>> batch_dst(n_lanes), batch_src(n_lanes);
-  std::vector<std::vector<size_t>> batch_size(n_lanes);
-  const bool batch = mode == CopyMode::kBatch && d.info.batch;
-  auto one_d = [&](size_t lane, CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
-    if (batch) {
-      batch_dst[lane].push_back(to);
-      batch_src[lane].push_back(from);
-      batch_size[lane].push_back(n);
-      return kCudaSuccess;
-    }
+  auto one_d = [&](CUstream st, CUdeviceptr to, CUdeviceptr from, size_t n) -> CUresult {
     ++made;
-    return d.memcpy_async(to, from, n, targets[lane]);
+    return d.memcpy_async(to, from, n, st);
   };
   for (size_t i = 0; i < count; ++i) {
     const Copy c = at(program, i);
@@ -572,7 +768,7 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
       const CUdeviceptr from = inputs[c.input].address + static_cast<uint64_t>(c.src);
       call = "cuMemcpyAsync";
       if (c.rows == 1) {
-        r = one_d(lane, to, from, static_cast<size_t>(c.row_bytes));
+        r = one_d(st, to, from, static_cast<size_t>(c.row_bytes));
       } else if (c.src_pitch >= c.row_bytes && c.src_pitch <= kMaxPitch && c.dst_pitch <= kMaxPitch) {
         Memcpy2D m{};
         m.srcMemoryType = kMemoryTypeUnified;
@@ -588,32 +784,16 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
         r = d.memcpy_2d_async(&m, st);
       } else {  // a source read backwards or repeated, or pitches past the 2-D limit: row by row
         for (int64_t row = 0; row < c.rows && r == kCudaSuccess; ++row)
-          r = one_d(lane, to + static_cast<uint64_t>(row * c.dst_pitch),
+          r = one_d(st, to + static_cast<uint64_t>(row * c.dst_pitch),
                     static_cast<CUdeviceptr>(static_cast<int64_t>(from) + row * c.src_pitch),
                     static_cast<size_t>(c.row_bytes));
       }
     }
     if (r != kCudaSuccess) return fail(where(i) + ": " + d.error(r, call));
   }
-  for (size_t k = 0; batch && k < n_lanes; ++k) {
-    if (batch_dst[k].empty()) continue;
-    // the batch call refuses the legacy default stream: the per-thread default stream is a
-    // blocking stream, so it orders with the legacy stream's work before and after like it
-    MemcpyAttributes attr{};
-    attr.srcAccessOrder = kSrcAccessOrderStream;
-    size_t attr_index = 0;
-    size_t failed = SIZE_MAX;
-    ++made;
-    CUstream st = targets[k] == nullptr ? kPerThreadStream : targets[k];
-    CUresult r = d.memcpy_batch_async(batch_dst[k].data(), batch_src[k].data(), batch_size[k].data(),
-                                      batch_dst[k].size(), &attr, &attr_index, 1, &failed, st);
-    if (r != kCudaSuccess)
-      return fail(d.error(r, "cuMemcpyBatchAsync") +
-                  (failed != SIZE_MAX ? " at copy " + std::to_string(failed) : std::string()));
-  }
   CUresult r = join();
   if (calls) *calls = made;
-  if (r != kCudaSuccess) return Status(Code::kTransportError, d.error(r, "joining the copy lanes"));
+  if (r != kCudaSuccess) return Status(Code::kDeviceError, d.error(r, "joining the copy lanes"));
   return Status::Ok();
 }
 

@@ -8,7 +8,6 @@ namespace p2pw {
 
 namespace {
 constexpr unsigned kHostRegisterPortable = 0x01;
-constexpr int kMemcpyDefault = 4;
 constexpr int kNoRuntime = -1000;
 }  // namespace
 
@@ -40,10 +39,6 @@ CudaRuntime::CudaRuntime() {
   get_device_count_ = reinterpret_cast<int (*)(int*)>(dlsym(handle_, "cudaGetDeviceCount"));
   host_register_ = reinterpret_cast<int (*)(void*, size_t, unsigned)>(dlsym(handle_, "cudaHostRegister"));
   host_unregister_ = reinterpret_cast<int (*)(void*)>(dlsym(handle_, "cudaHostUnregister"));
-  malloc_ = reinterpret_cast<int (*)(void**, size_t)>(dlsym(handle_, "cudaMalloc"));
-  free_ = reinterpret_cast<int (*)(void*)>(dlsym(handle_, "cudaFree"));
-  memcpy_ = reinterpret_cast<int (*)(void*, const void*, size_t, int)>(dlsym(handle_, "cudaMemcpy"));
-  set_device_ = reinterpret_cast<int (*)(int)>(dlsym(handle_, "cudaSetDevice"));
   get_error_string_ = reinterpret_cast<const char* (*)(int)>(dlsym(handle_, "cudaGetErrorString"));
   if (!get_device_count_ || !host_register_ || !host_unregister_) {
     handle_ = nullptr;  // an unusable runtime counts as none
@@ -62,14 +57,6 @@ int CudaRuntime::host_register(void* ptr, size_t bytes) const {
 int CudaRuntime::host_unregister(void* ptr) const {
   return host_unregister_ ? host_unregister_(ptr) : kNoRuntime;
 }
-int CudaRuntime::malloc_device(void** ptr, size_t bytes) const {
-  return malloc_ ? malloc_(ptr, bytes) : kNoRuntime;
-}
-int CudaRuntime::free_device(void* ptr) const { return free_ ? free_(ptr) : kNoRuntime; }
-int CudaRuntime::memcpy_default(void* dst, const void* src, size_t bytes) const {
-  return memcpy_ ? memcpy_(dst, src, bytes, kMemcpyDefault) : kNoRuntime;
-}
-int CudaRuntime::set_device(int device) const { return set_device_ ? set_device_(device) : kNoRuntime; }
 std::string CudaRuntime::error_string(int err) const {
   if (err == kNoRuntime) return "no CUDA runtime";
   if (get_error_string_) return get_error_string_(err);

@@ -20,7 +20,7 @@ const char* pin_mode_name(PinMode m) {
 }
 
 Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std::string& pin,
-                                     TransferBuffer** out) {
+                                     std::unique_ptr<TransferBuffer>* out) {
   if (slot_bytes == 0) return Status(Code::kInvalidArgument, "slot size must be positive");
   if (num_slots < 1) return Status(Code::kInvalidArgument, "need at least one slot");
   if (pin != "auto" && pin != "cuda" && pin != "mlock" && pin != "none")
@@ -33,7 +33,7 @@ Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std
     return Status(Code::kInvalidArgument, "cannot allocate " + std::to_string(total) +
                                               " bytes of transfer buffer: " + std::strerror(errno));
   madvise(p, total, MADV_HUGEPAGE);
-  auto* b = new TransferBuffer();
+  std::unique_ptr<TransferBuffer> b(new TransferBuffer());  // the constructor is private
   b->base_ = static_cast<uint8_t*>(p);
   b->slot_bytes_ = slot;
   b->num_slots_ = num_slots;
@@ -48,6 +48,9 @@ Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std
       if (err == 0) {
         b->pin_mode_ = PinMode::kCudaHostRegister;
         pinned = true;
+      } else if (pin == "cuda") {  // asked for by name, and the runtime failed: a device error, not a warning
+        return Status(Code::kDeviceError, "cudaHostRegister of " + std::to_string(total) +
+                                              " bytes failed: " + cuda.error_string(err));  // b unmaps
       } else {
         why = "cudaHostRegister failed: " + cuda.error_string(err);
       }
@@ -68,23 +71,23 @@ Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std
     b->pin_warning_ = "transfer buffer is not pinned (" + why +
                       "); writes still work but the transport may bounce through its own copies";
   }
-  *out = b;
+  *out = std::move(b);
   return Status::Ok();
 }
 
 Status TransferBuffer::wrap(uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location,
-                            TransferBuffer** out) {
+                            std::unique_ptr<TransferBuffer>* out) {
   if (addr == 0) return Status(Code::kInvalidArgument, "cannot wrap a null address");
   if (slot_bytes == 0 || num_slots < 1)
     return Status(Code::kInvalidArgument, "slot size and slot count must be positive");
-  auto* b = new TransferBuffer();
+  std::unique_ptr<TransferBuffer> b(new TransferBuffer());  // the constructor is private
   b->base_ = reinterpret_cast<uint8_t*>(addr);
   b->slot_bytes_ = slot_bytes;
   b->num_slots_ = num_slots;
   b->location_ = location;
   b->pin_mode_ = location.rfind("cuda", 0) == 0 ? PinMode::kDevice : PinMode::kNone;
   b->owned_ = false;
-  *out = b;
+  *out = std::move(b);
   return Status::Ok();
 }
 

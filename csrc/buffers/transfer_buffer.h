@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -28,10 +29,10 @@ class TransferBuffer {
   // Allocates num_slots × round_up(slot_bytes, kAlignment) of host memory and pins it.
   // pin: "auto" (cuda, then mlock), "cuda", "mlock" or "none".
   static Status allocate_host(size_t slot_bytes, int num_slots, const std::string& pin,
-                              TransferBuffer** out);
+                              std::unique_ptr<TransferBuffer>* out);
   // Wraps memory owned by someone else (GPU slots from a torch allocation, a receiver's region).
   static Status wrap(uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location,
-                     TransferBuffer** out);
+                     std::unique_ptr<TransferBuffer>* out);
 
   ~TransferBuffer();
   TransferBuffer(const TransferBuffer&) = delete;

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <map>
 #include <mutex>
 
 namespace p2pw::nixl_capi {
@@ -12,6 +13,7 @@ std::mutex g_mu;
 Api g_api;
 const Api* g_loaded = nullptr;
 Status g_failure;
+std::map<std::string, Status> g_dlopen_failures;  // by path: a library that would not load stays so
 
 template <typename F>
 bool resolve(void* lib, const char* symbol, F* slot, std::string* missing) {
@@ -34,12 +36,15 @@ Status load(const std::string& path, const Api** api) {
     return Status::Ok();
   }
   if (!g_failure.ok()) return g_failure;
+  auto refused = g_dlopen_failures.find(path);
+  if (refused != g_dlopen_failures.end()) return refused->second;
   // RTLD_LOCAL: our table is the only user of these symbols; libnixl.so itself is shared with the
   // Python bindings when they are loaded too (same path, one copy per process).
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
-    return Status(Code::kNotFound, "cannot load NIXL's C API from " + path + ": " + (why ? why : "dlopen failed"));
+    return g_dlopen_failures[path] =
+               Status(Code::kNotFound, "cannot load NIXL's C API from " + path + ": " + (why ? why : "dlopen failed"));
   }
   Api a{};
   std::string missing;

@@ -6,6 +6,8 @@
 // our snapshot; no 1.5.1 tag there), checked against the nixl-cu12 1.5.1 wheel's library: every
 // symbol is exported (`nm -D`), and nixl_capi_create_configured_agent reads the config at the
 // offsets below (0,1: bools; 4: port; 8: sync; 16, 24: delays; 32: telemetry; objdump).
+// kCheckedVersions lists the releases so checked; any other release takes NIXL's Python API
+// (p2pweights.transport.nixl_native reads the list as _native.NIXL_CAPI_CHECKED_VERSIONS).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +17,10 @@
 #include "status.h"
 
 namespace p2pw::nixl_capi {
+
+// The NIXL wheel versions (nixl-cu12 / nixl-cu13) whose libnixl_capi.so these declarations were
+// checked against, as above. Add a release only after checking its symbols and config layout.
+constexpr const char* kCheckedVersions[] = {"1.5.1"};
 
 // nixl_capi_status_t
 enum Result : int {
@@ -92,8 +98,8 @@ struct Api {
 };
 
 // Loads the library at `path` once per process: later calls return the same table whatever their
-// path (one NIXL per process), or the first failure. Never throws; a missing library or symbol is
-// kNotFound naming it.
+// path (one NIXL per process), or the first failure; a path dlopen refused is not tried again.
+// Never throws; a missing library or symbol is kNotFound naming it.
 Status load(const std::string& path, const Api** api);
 
 // "NIXL C API error -2 (backend)" for messages.

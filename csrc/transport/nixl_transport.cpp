@@ -54,18 +54,15 @@ std::string request_key(int engine, const std::vector<WriteDesc>& writes) {
 
 NixlTransport::NixlTransport(const NixlOptions& options, const api::Api* a) : options_(options), api_(a) {}
 
-Status NixlTransport::create(const NixlOptions& options, NixlTransport** out) {
-  *out = nullptr;
+Status NixlTransport::create(const NixlOptions& options, std::unique_ptr<NixlTransport>* out) {
+  out->reset();
   const api::Api* a = nullptr;
   Status s = api::load(options.library, &a);
   if (!s.ok()) return s;
-  auto* t = new NixlTransport(options, a);
+  std::unique_ptr<NixlTransport> t(new NixlTransport(options, a));  // the constructor is private
   s = t->start();
-  if (!s.ok()) {
-    delete t;
-    return s;
-  }
-  *out = t;
+  if (!s.ok()) return s;
+  *out = std::move(t);
   return Status::Ok();
 }
 

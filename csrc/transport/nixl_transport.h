@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -45,7 +46,7 @@ class NixlTransport final : public Transport {
   static constexpr size_t kMaxKeptRequests = 1024;
 
   // Loads the C API, creates the agent and its plugin. *out is null on error.
-  static Status create(const NixlOptions& options, NixlTransport** out);
+  static Status create(const NixlOptions& options, std::unique_ptr<NixlTransport>* out);
   ~NixlTransport() override;
 
   std::string name() const override { return "nixl"; }

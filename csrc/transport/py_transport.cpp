@@ -15,11 +15,6 @@ PyTransport::~PyTransport() {
 
 namespace {
 
-// A status code a backend may report for a failure; anything else reads as a transport error.
-bool is_error_code(long c) {
-  return c <= static_cast<long>(Code::kInvalidArgument) && c >= static_cast<long>(Code::kOutOfRegion);
-}
-
 // A Python object's str() without letting a second exception escape.
 std::string describe(py::handle obj) {
   try {

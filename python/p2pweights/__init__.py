@@ -28,6 +28,7 @@ from .errors import (
     WrongTransport,
 )
 from .sender.buffers import TransferBuffers
+from .sender.weight_sender import WeightSender
 from .sender.writer import PipelinedWriter, WriteReport
 from .settings import SettingError, Settings
 
@@ -60,6 +61,7 @@ __all__ = [
     "UnknownParameter",
     "UnsupportedLayout",
     "UpdateFailed",
+    "WeightSender",
     "WriteReport",
     "WrongTransport",
 ]

@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+#: NIXL wheel versions whose C API csrc/transport/nixl_capi.h was checked against (others: Python API)
+NIXL_CAPI_CHECKED_VERSIONS: tuple[str, ...]
 
 class Code(enum.IntEnum):
     IN_PROGRESS = 1
@@ -23,6 +25,7 @@ class Code(enum.IntEnum):
     NOT_FOUND = -6
     BUSY = -7
     OUT_OF_REGION = -8
+    DEVICE_ERROR = -9  # a CUDA driver/runtime call failed (errors.DeviceError)
 
 class CudaRuntimeInfo(TypedDict):
     loaded: bool
@@ -33,21 +36,24 @@ def cuda_runtime_info() -> CudaRuntimeInfo: ...
 
 class CudaDriverInfo(TypedDict):
     loaded: bool
-    batch: bool  # cuMemcpyBatchAsync found
     lanes: bool  # cuStreamCreate / cuEventCreate / cuEventRecord / cuStreamWaitEvent found
+    kernel: bool  # the batched copy kernel is embedded and cuModuleLoadData / cuLaunchKernel found
     library: str
     error: str
 
 def cuda_driver_info() -> CudaDriverInfo: ...
 
-# Copy programs (csrc/buffers/copy_program.h; replica/native_copies.py): an (n, 7) int64 array of 2-D
+# Copy programs (csrc/buffers/copy_program.h; copyplans/replay.py): an (n, 7) int64 array of 2-D
 # byte copies, checked against slot_bytes and each input's bytes before anything is written.
 # Return (code, message) / (code, message, driver calls); code 0 is OK (csrc/status.h).
+# check_copy_program: the same bounds, and that no two descriptors write one destination byte
+# (OUT_OF_REGION naming both); run where a program is compiled or loaded, not on every replay.
+def check_copy_program(program: npt.NDArray[np.int64], dst_bytes: int, input_nbytes: list[int]) -> tuple[int, str]: ...
 def run_copy_program_host(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
                           input_nbytes: list[int], threads: int = 1) -> tuple[int, str]: ...
 def run_copy_program_cuda(program: npt.NDArray[np.int64], slot: int, slot_bytes: int, input_addrs: list[int],
                           input_nbytes: list[int], stream: int, mode: str = "each",
-                          lanes: int = 1) -> tuple[int, str, int]: ...
+                          lanes: int = 1) -> tuple[int, str, int]: ...  # mode: "kernel" | "each"
 
 class SlotView:
     """The buffer-protocol exporter behind a slot view; holds the transfer buffer open while alive."""

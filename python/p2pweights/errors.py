@@ -1,11 +1,15 @@
 """Typed exceptions at the Python edge: one class per meaning, all under P2PWeightsError.
 
-The native core returns status codes; :func:`raise_for_status` maps each code to its class.
+The native core returns status codes (``_native.Code``, csrc/status.h); :data:`CLASS_OF_CODE` names
+the class of each error code, and :func:`raise_for_status` raises it. The integers come from the enum
+alone: :func:`code_of` is how Python code names one (``code_of("DEVICE_ERROR")``).
 """
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Mapping
+
+from . import _native
 
 #: the context fields every P2PWeightsError can carry (keyword arguments, default None)
 FIELDS = ("engine", "rank", "parameter", "hint")
@@ -20,7 +24,9 @@ class P2PWeightsError(Exception):
     fix). ``str()`` is the message followed by whichever fields it does not already mention.
     """
 
-    p2pw_code = -4
+    #: the native status code this class stands for (set from ``_native.Code`` below; TRANSPORT_ERROR
+    #: for the classes no code maps to, e.g. when a Python transport raises one)
+    p2pw_code: int
 
     def __init__(self, *args: object, engine: str | None = None, rank: int | None = None,
                  parameter: str | None = None, hint: str | None = None):
@@ -66,37 +72,25 @@ def _rebuild(cls: type, args: tuple, state: dict) -> P2PWeightsError:
 class InvalidWrite(P2PWeightsError, ValueError):
     """A write or request was refused before anything was posted (bad offset, size, engine...)."""
 
-    p2pw_code = -1
-
 
 class TransferTimeout(P2PWeightsError, TimeoutError):
     """A write was still running past the transfer timeout; it was cancelled."""
-
-    p2pw_code = -2
 
 
 class RemoteDisconnected(P2PWeightsError, ConnectionError):
     """The peer (an engine rank) went away."""
 
-    p2pw_code = -3
-
 
 class TransportError(P2PWeightsError):
     """The transport (Mooncake, NIXL, loopback) reported a failure."""
-
-    p2pw_code = -4
 
 
 class Closed(P2PWeightsError):
     """The object was already closed."""
 
-    p2pw_code = -5
-
 
 class NotFound(P2PWeightsError, KeyError):
     """An unknown engine, slot or request."""
-
-    p2pw_code = -6
 
     __str__ = P2PWeightsError.__str__  # KeyError quotes its message; keep it readable
 
@@ -104,13 +98,15 @@ class NotFound(P2PWeightsError, KeyError):
 class Busy(P2PWeightsError):
     """Refused because something is still in flight."""
 
-    p2pw_code = -7
-
 
 class OutOfRegion(InvalidWrite):
-    """A write lies outside every region the engine published."""
+    """A write lies outside every region the engine published (or a copy outside its slot, or two
+    copies of a copy program writing the same bytes)."""
 
-    p2pw_code = -8
+
+class DeviceError(P2PWeightsError):
+    """A CUDA driver or runtime call failed: a copy program's driver copies or kernel launch, or the
+    CUDA host registration asked for by name (``pin="cuda"``). Not a transport failure."""
 
 
 class LayoutMismatch(P2PWeightsError):
@@ -209,13 +205,34 @@ def split_target(target: str) -> tuple[str, int | None]:
     return (m.group(1), int(m.group(2))) if m else (target, None)
 
 
-_BY_CODE = {
-    cls.p2pw_code: cls
-    for cls in (InvalidWrite, TransferTimeout, RemoteDisconnected, TransportError, Closed, NotFound, Busy, OutOfRegion)
+#: every error code of ``_native.Code`` (by name) -> the class raised for it; OK and IN_PROGRESS are
+#: not errors (tests/test_status_codes.py pins that each error code has one)
+CLASS_OF_CODE: dict[str, type[P2PWeightsError]] = {
+    "INVALID_ARGUMENT": InvalidWrite,
+    "TIMEOUT": TransferTimeout,
+    "REMOTE_DISCONNECTED": RemoteDisconnected,
+    "TRANSPORT_ERROR": TransportError,
+    "CLOSED": Closed,
+    "NOT_FOUND": NotFound,
+    "BUSY": Busy,
+    "OUT_OF_REGION": OutOfRegion,
+    "DEVICE_ERROR": DeviceError,
 }
 
 
+def code_of(name: str) -> int:
+    """The integer of a native status code by its name in ``_native.Code`` (``"DEVICE_ERROR"`` -> -9)."""
+    return int(_native.Code.__members__[name])
+
+
+P2PWeightsError.p2pw_code = code_of("TRANSPORT_ERROR")
+for _name, _cls in CLASS_OF_CODE.items():
+    _cls.p2pw_code = code_of(_name)
+_BY_CODE = {code_of(name): cls for name, cls in CLASS_OF_CODE.items()}
+
+
 def error_class(code: int) -> type[P2PWeightsError]:
+    """The class raised for a native status code; P2PWeightsError for a code this module does not know."""
     return _BY_CODE.get(int(code), P2PWeightsError)
 
 
@@ -231,11 +248,6 @@ def error_named(name: str) -> type[P2PWeightsError]:
 def raise_for_status(code: int, message: str) -> None:
     """Called by the native module for every non-OK status."""
     raise error_class(code)(message or f"status {code}")
-
-
-def failures_of(engine_reports: Iterable[Mapping[str, object]]) -> dict[str, str]:
-    """engine name -> error text for every failed engine of a native writer report."""
-    return {str(r["name"]): str(r["error"]) for r in engine_reports if r["state"] == "failed"}
 
 
 class NonFiniteTensor(P2PWeightsError, ValueError):

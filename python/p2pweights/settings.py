@@ -7,12 +7,21 @@ Rules (as in sglang's ``Envs``): a module never calls ``os.environ.get("P2PW_...
 ``p2pweights doctor`` prints :func:`describe` (every setting, its value and where it came from) and
 exits non-zero when one is invalid. The README's settings table is checked against
 :data:`REGISTRY` by a test.
+
+Each setting has a ``scope`` (who reads it): ``sender`` settings are exactly the keywords of
+``WeightSender`` (the :class:`Settings` fields are derived from them, so a new sender setting is a
+keyword without further code); ``engine`` settings are read by receiver processes, ``process`` ones
+once per process (at native load or sglang import, so a keyword could not change them), ``baseline``
+by the broadcast baseline (its own keyword), ``script`` ones only by scripts/ and the GPU bundle's
+stubs (declared so that doctor knows them). Every boolean, variable or keyword, is read by
+:func:`parse_bool`.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
 from typing import Any, Callable
 
 from .errors import P2PWeightsError
@@ -84,17 +93,50 @@ def _gpu_list(v: str) -> str:
     return v
 
 
-def _flag(v: str) -> str:
-    if v not in ("", "0", "1"):
-        raise ValueError("must be 0 or 1")
-    return v
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
-def _switch(v: str) -> bool:
-    """0/1 in the environment; a keyword may pass a bool."""
-    if v.strip() not in ("", "0", "1"):
-        raise ValueError("must be 0 or 1")
-    return v.strip() == "1"
+def parse_bool(v: Any) -> bool:
+    """The one boolean reader of p2pweights: a bool, 0/1, or (any case) 1/true/yes/on, 0/false/no/off;
+    empty is false. Anything else is refused rather than read as false."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError("must be a boolean: 1/true/yes/on or 0/false/no/off")
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise TypeError(f"must be an integer, not {type(v).__name__}")
+    return int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise TypeError(f"must be a number, not {type(v).__name__}")
+    return float(v)
+
+
+def _size(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise TypeError(f"must be a size (bytes, or a string such as 64MiB), not {type(v).__name__}")
+    return parse_size(v)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"must be a string, not {type(v).__name__}")
+    return v.strip()
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, (str, os.PathLike)):
+        raise TypeError(f"must be a path (str or os.PathLike), not {type(v).__name__}")
+    return os.fspath(v).strip()
 
 
 def _log_level(v: str) -> str:
@@ -103,10 +145,14 @@ def _log_level(v: str) -> str:
     return v.upper()
 
 
+SCOPES = ("sender", "engine", "process", "baseline", "script")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One ``P2PW_`` variable. ``default`` None means "unset" (the user of the value decides);
-    ``also``: other variables honoured when this one is unset (sglang's or the vendor's own)."""
+    ``also``: other variables honoured when this one is unset (sglang's or the vendor's own);
+    ``scope``: who reads it (see the module; only ``sender`` settings are WeightSender keywords)."""
 
     env: str
     parse: Callable[[str], Any]
@@ -116,6 +162,7 @@ class Setting:
     also: tuple[str, ...] = ()
     secret: bool = False
     default_text: str = ""  # how the README spells a computed default
+    scope: str = "sender"
 
     @property
     def key(self) -> str:
@@ -123,23 +170,21 @@ class Setting:
         return self.env.removeprefix("P2PW_").lower()
 
     def coerce(self, raw: Any, where: str) -> Any:
+        """The parsed, checked value of ``raw`` (a variable's text or a keyword's value): the parser
+        also checks a keyword's type, so ``num_slots=2.5`` fails naming the setting."""
         try:
-            v = self.parse(raw) if isinstance(raw, str) else raw
+            v = self.parse(raw)
             return self.check(v) if self.check is not None else v
         except (TypeError, ValueError) as e:
             raise SettingError(f"{where}={raw!r}: {e} ({self.doc})") from None
 
 
-def _str(v: str) -> str:
-    return v.strip()
-
-
 REGISTRY: dict[str, Setting] = {s.env: s for s in (
     # the sender and its slots
-    Setting("P2PW_BUFFER_SIZE", parse_size, 512 << 20, "bytes per transfer slot; raised to the largest parameter "
+    Setting("P2PW_BUFFER_SIZE", _size, 512 << 20, "bytes per transfer slot; raised to the largest parameter "
             "group, rounded up to 2 MiB", _positive, default_text="512MiB"),
-    Setting("P2PW_NUM_SLOTS", int, 2, "transfer slots (2 = double buffering)", _at_least_one),
-    Setting("P2PW_TRANSFER_TIMEOUT", float, 30.0, "seconds a write may run before it is cancelled and the update "
+    Setting("P2PW_NUM_SLOTS", _int, 2, "transfer slots (2 = double buffering)", _at_least_one),
+    Setting("P2PW_TRANSFER_TIMEOUT", _float, 30.0, "seconds a write may run before it is cancelled and the update "
             "fails naming the engine", _positive, default_text="30"),
     Setting("P2PW_TRANSPORT", _str, "mooncake", "`mooncake` or `nixl`", _one_of(*TRANSPORTS)),
     Setting("P2PW_BUFFER_DEVICE", _str, "cpu", "where slots live: `cpu` (pinned host) or `cuda[:N]`", _device),
@@ -149,19 +194,19 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "check each against the loaders at its group's next load, then replay it instead of sglang's loaders; "
             "`on`: record on a group's first load; `off`: always the loaders",
             _one_of("on", "background", "off")),
-    Setting("P2PW_PREPARE", _switch, False, "`1`: a WeightSender starts, at construction, on a thread, what its "
+    Setting("P2PW_PREPARE", parse_bool, False, "`1`: a WeightSender starts, at construction, on a thread, what its "
             "first connect would import (sglang, the model's module) and its transport agent; connect waits for "
             "what is not done", default_text="0"),
-    Setting("P2PW_COPY_THREADS", int, min(4, os.cpu_count() or 1), "threads of a replayed copy plan's native "
+    Setting("P2PW_COPY_THREADS", _int, min(4, os.cpu_count() or 1), "threads of a replayed copy plan's native "
             "host copies (a group under 4 MiB runs on one)", _at_least_one, default_text="min(4, cores)"),
-    Setting("P2PW_COPY_LANES", int, 8, "CUDA streams a GPU slot's replayed copies are spread over (a GPU runs "
+    Setting("P2PW_COPY_LANES", _int, 8, "CUDA streams a GPU slot's replayed copies are spread over (a GPU runs "
             "one stream's small copies one after another); 1: the caller's stream only", _at_least_one),
-    Setting("P2PW_CUDA_RUNTIME", _str, None, "path or soname of `libcudart` to dlopen (read by the native core)",
-            default_text="(search)"),
+    Setting("P2PW_CUDA_RUNTIME", _path, None, "path or soname of `libcudart` to dlopen (read by the native core)",
+            default_text="(search)", scope="process"),
     # transports
     Setting("P2PW_NIXL_BACKEND", _str, "UCX", "NIXL plugin; `SGLANG_REMOTE_INSTANCE_NIXL_BACKEND` is honoured too",
             also=("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND",)),
-    Setting("P2PW_NIXL_PROGRESS_DELAY_US", int, 1000, "NIXL agent progress-thread sleep (NIXL's default 0 spins a "
+    Setting("P2PW_NIXL_PROGRESS_DELAY_US", _int, 1000, "NIXL agent progress-thread sleep (NIXL's default 0 spins a "
             "core)", _non_negative),
     Setting("P2PW_NIXL_API", _str, "auto", "sender's NIXL data path: `auto` (NIXL's C API without the GIL when the "
             "wheel ships it, else Python), `native`, `python`", _one_of("auto", "native", "python")),
@@ -172,39 +217,47 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_HOSTNAME", _str, None, "address a transfer engine advertises",
             default_text="`127.0.0.1` without RDMA, else this host's IP"),
     # the replica
-    Setting("P2PW_REPLICA_CACHE_DIR", _str, None, "on-disk cache of loader mappings (keyed by model config + "
-            "layout)", default_text="off"),
-    Setting("P2PW_SGLANG_IMPORT_AS_CPU", _str, "", "`1`: import sglang as on a host without CUDA (the byte-exact "
-            "CPU path) on a GPU host without sgl_kernel", _flag, default_text="unset"),
+    Setting("P2PW_REPLICA_CACHE_DIR", _path, None, "on-disk cache of each replica's loader mapping "
+            "(`replica-KEY.json`) and copy plans (`plans-vN-KEY.json`); KEY digests the model config, layout, rank, "
+            "role, sglang and p2pweights versions, so a change of any makes new files; a plan file of another format "
+            "or failing its checks is recorded again", default_text="off"),
+    Setting("P2PW_SGLANG_IMPORT_AS_CPU", parse_bool, False, "`1`: import sglang as on a host without CUDA (the "
+            "byte-exact CPU path) on a GPU host without sgl_kernel", default_text="unset", scope="process"),
     # the control plane
-    Setting("P2PW_ENGINE_TIMEOUT", float, 300.0, "seconds for an engine control-plane HTTP call", _positive,
+    Setting("P2PW_ENGINE_TIMEOUT", _float, 300.0, "seconds for an engine control-plane HTTP call", _positive,
             default_text="300"),
-    Setting("P2PW_ENGINE_CONNECT_TIMEOUT", float, 3.0, "seconds to connect to an engine's HTTP server", _positive,
+    Setting("P2PW_ENGINE_CONNECT_TIMEOUT", _float, 3.0, "seconds to connect to an engine's HTTP server", _positive,
             default_text="3"),
     Setting("P2PW_API_KEY", _str, None, "bearer key: receivers (`serve --api-key`) require it on every route but "
             "health; senders send it (`Authorization: Bearer KEY`), as sglang's `--api-key`", secret=True,
             default_text="unset"),
-    Setting("P2PW_SESSION_LEASE", float, 30.0, "seconds an update session lives without its owner renewing it; "
+    Setting("P2PW_SESSION_LEASE", _float, 30.0, "seconds an update session lives without its owner renewing it; "
             "then it expires (torn if it received writes)", _positive, default_text="30"),
-    Setting("P2PW_OPEN_BESIDE_SLOTS", _switch, False, "`1`: a sender alone pauses the engines at its first push, "
+    Setting("P2PW_OPEN_BESIDE_SLOTS", parse_bool, False, "`1`: a sender alone pauses the engines at its first push, "
             "then opens their session (begin) on a thread while it fills the first slots; the first write waits "
             "for every session", default_text="0"),
     # trust in what is written
-    Setting("P2PW_CHECK_FINITE", _str, "", "`1`: refuse NaN/Inf in pushed tensors, naming the tensor, before any "
-            "write", _flag, default_text="unset"),
-    Setting("P2PW_VERIFY", _str, "", "`1`: `update(verify=True)` by default: engine ranks digest what they hold "
-            "and the sender compares before the engines resume", _flag, default_text="unset"),
+    Setting("P2PW_CHECK_FINITE", parse_bool, False, "`1`: refuse NaN/Inf in pushed tensors, naming the tensor, "
+            "before any write", default_text="unset"),
+    Setting("P2PW_VERIFY", parse_bool, False, "`1`: `update(verify=True)` by default: engine ranks digest what they "
+            "hold and the sender compares before the engines resume", default_text="unset"),
     # the broadcast baseline
-    Setting("P2PW_BROADCAST_BUCKET", parse_size, 256 << 20, "bucket size of the broadcast baseline", _positive,
-            default_text="256MiB"),
+    Setting("P2PW_BROADCAST_BUCKET", _size, 256 << 20, "bucket size of the broadcast baseline", _positive,
+            default_text="256MiB", scope="baseline"),
     # the receiver
     Setting("P2PW_RECEIVER_LAUNCH", _str, "fork", "receiver ranks: forked from one launcher that imported sglang "
-            "once, or `spawn`", _one_of("fork", "spawn")),
-    Setting("P2PW_LOG_LEVEL", _str, "WARNING", "receiver processes' log level", _log_level),
+            "once, or `spawn`", _one_of("fork", "spawn"), scope="engine"),
+    Setting("P2PW_LOG_LEVEL", _str, "WARNING", "receiver processes' log level", _log_level, scope="engine"),
     Setting("P2PW_RECEIVER_DEVICE", _str, "cpu", "where receiver engine ranks keep their parameters: `cpu` or "
-            "`cuda[:N]` (VRAM registration)", _device),
+            "`cuda[:N]` (VRAM registration)", _device, scope="engine"),
     Setting("P2PW_RECEIVER_GPUS", _str, "", "`1,2,3,4`: receiver engine rank r keeps its parameters on GPU number "
-            "r of this list", _gpu_list, default_text="unset"),
+            "r of this list", _gpu_list, default_text="unset", scope="engine"),
+    # scripts/gpu_env.sh and the GPU bundle's sgl_kernel stub (scripts/gpu_bundle.sh); the package never reads them
+    Setting("P2PW_GPU_SITE", _path, "/tmp/p2pw-gpu", "where scripts/gpu_env.sh unpacks the GPU bundles "
+            "(`.carry/gpu-NAME/site.tar.xz`)", scope="script"),
+    Setting("P2PW_NO_SGL_KERNEL_STUB", parse_bool, False, "`1`: the GPU bundle's `sgl_kernel` stub raises "
+            "ImportError instead of standing in for the missing wheel (scripts/gpu_bundle.sh)", default_text="unset",
+            scope="script"),
 )}
 
 
@@ -220,7 +273,7 @@ def lookup(name: str, override: Any = None) -> tuple[Any, str]:
     (or one it honours), else the default. Raises :class:`SettingError` naming the variable."""
     s = _setting(name)
     if override is not None:
-        return s.coerce(override, s.key), "keyword"
+        return s.coerce(override, f"keyword {s.key}"), "keyword"
     for env in (s.env, *s.also):
         raw = os.environ.get(env)
         if raw:
@@ -251,44 +304,47 @@ def describe() -> list[dict[str, Any]]:
     return rows
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The sender's knobs, each one a keyword of ``WeightSender`` and a ``P2PW_`` variable."""
-
-    buffer_size: int
-    num_slots: int
-    transfer_timeout: float
-    transport: str
-    buffer_device: str
-    pin: str
-    nixl_backend: str
-    nixl_progress_delay_us: int
-    mooncake_protocol: str | None
-    mooncake_device: str | None
-    hostname: str | None
-    replica_cache_dir: str | None
-    engine_timeout: float
-    engine_connect_timeout: float
-    api_key: str | None
-    session_lease: float
-    check_finite: str
-    verify: str
-    copy_plans: str
-    prepare: bool
-
-    def transport_options(self) -> dict[str, Any]:
-        """Keyword arguments for the chosen transport's backend (only those that are set)."""
-        if self.transport == "nixl":
-            opts = {"backend": self.nixl_backend, "progress_delay": self.nixl_progress_delay_us}
-        else:
-            opts = {"protocol": self.mooncake_protocol, "device": self.mooncake_device, "hostname": self.hostname}
-        return {k: v for k, v in opts.items() if v is not None}
+def _transport_options(self: Any) -> dict[str, Any]:
+    """Keyword arguments for the chosen transport's backend (only those that are set)."""
+    if self.transport == "nixl":
+        opts = {"backend": self.nixl_backend, "progress_delay": self.nixl_progress_delay_us}
+    else:
+        opts = {"protocol": self.mooncake_protocol, "device": self.mooncake_device, "hostname": self.hostname}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
-def settings(**overrides: Any) -> Settings:
-    """Keyword arguments win over environment variables, which win over defaults. None = unset."""
-    names = {f.name for f in fields(Settings)}
-    unknown = set(overrides) - names
+SENDER_KEYWORDS: tuple[str, ...] = tuple(s.key for s in REGISTRY.values() if s.scope == "sender")
+
+# The sender's knobs: one frozen field per ``sender`` setting of REGISTRY (derived, so that a new
+# sender setting is a WeightSender keyword with no other edit), each a keyword and a P2PW_ variable.
+Settings = make_dataclass(
+    "Settings", [(k, Any) for k in SENDER_KEYWORDS], frozen=True,
+    namespace={"transport_options": _transport_options,
+               "__doc__": "The sender's knobs: each ``sender`` setting of REGISTRY, a keyword of WeightSender "
+                          "and a P2PW_ variable."})
+Settings.__module__ = __name__
+
+
+def settings(**overrides: Any) -> Any:
+    """The sender's :class:`Settings`: keyword arguments win over environment variables, which win
+    over defaults; None = unset. A keyword that is not a sender setting is a TypeError saying what it
+    is (a receiver's, a per-process one, ...) or listing the known ones."""
+    unknown = sorted(set(overrides) - set(SENDER_KEYWORDS))
     if unknown:
-        raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}")
-    return Settings(**{n: value("P2PW_" + n.upper(), overrides.get(n)) for n in names})
+        other = {s.key: s for s in REGISTRY.values()}
+        why = [f"{k} (P2PW_{k.upper()}) is a{'n' if other[k].scope == 'engine' else ''} {other[k].scope} "
+               f"setting: set the variable" for k in unknown if k in other]
+        typos = [k for k in unknown if k not in other]
+        if typos:
+            why.append(f"unknown setting(s): {', '.join(typos)}; known: {', '.join(sorted(SENDER_KEYWORDS))}")
+        raise TypeError("; ".join(why))
+    return Settings(**{k: value(k, overrides.get(k)) for k in SENDER_KEYWORDS})
+
+
+def sender_signature(init: Callable[..., Any]) -> inspect.Signature:
+    """``init``'s signature with its ``**overrides`` spelled out as one keyword (default None: the
+    variable, else the default) per sender setting, for help() and editors."""
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in SENDER_KEYWORDS]
+    return sig.replace(parameters=params)

@@ -29,28 +29,30 @@ struct Memcpy2D {
   size_t dstPitch;
   size_t WidthInBytes, Height;
 };
-struct MemcpyAttributes {
-  int srcAccessOrder;
-  int loc[4];
-  unsigned flags;
-};
 long kernel_on_host(const void* param, unsigned grid, unsigned block);
 }
 
 namespace {
-constexpr CUresult kOk = 0, kInvalid = 1, kNotInitialized = 3, kInvalidContext = 201, kNotFound = 500;
+constexpr CUresult kOk = 0, kInvalid = 1, kNotInitialized = 3, kInvalidContext = 201, kNotFound = 500,
+                   kLaunchFailed = 719;
 CUcontext current = nullptr;
 CUcontext const owner = reinterpret_cast<CUcontext>(0x1234);
 bool initialized = false;
-long counts[8] = {0};  // memcpy, 2d, memset, launches, kernel entries, batch, streams, waits
+long counts[7] = {0};  // memcpy, 2d, memset, launches, kernel entries, streams, waits
 long next_handle = 0x1000;
+int fail_call = -1;  // a counts index whose call fails from now on (fake_fail), as a broken device would
 CUresult need_ctx() { return current == owner ? kOk : kInvalidContext; }
+CUresult failing(int call) { return call == fail_call ? kLaunchFailed : kOk; }
 }  // namespace
 
 extern "C" {
 long fake_count(int i) { return counts[i]; }
+void fake_fail(int call) { fail_call = call; }
 CUresult cuInit(unsigned) { initialized = true; return kOk; }
-CUresult cuGetErrorString(CUresult e, const char** s) { *s = e == kInvalid ? "invalid argument" : "other"; return kOk; }
+CUresult cuGetErrorString(CUresult e, const char** s) {
+  *s = e == kInvalid ? "invalid argument" : e == kLaunchFailed ? "unspecified launch failure" : "other";
+  return kOk;
+}
 CUresult cuCtxGetCurrent(CUcontext* c) { if (!initialized) return kNotInitialized; *c = current; return kOk; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return kOk; }
 CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr) {
@@ -60,6 +62,7 @@ CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr) {
 }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) {
   if (need_ctx()) return need_ctx();
+  if (failing(0)) return failing(0);
   ++counts[0];
   std::memcpy(reinterpret_cast<void*>(d), reinterpret_cast<void*>(s), n);
   return kOk;
@@ -88,21 +91,10 @@ CUresult cuMemsetD2D8Async(CUdeviceptr d, size_t pitch, unsigned char v, size_t 
   for (size_t r = 0; r < h; ++r) std::memset(reinterpret_cast<char*>(d) + r * pitch, v, w);
   return kOk;
 }
-CUresult cuMemcpyBatchAsync(CUdeviceptr* d, CUdeviceptr* s, size_t* n, size_t count, MemcpyAttributes* a, size_t* ai,
-                            size_t na, size_t* fail, CUstream st) {
-  if (need_ctx()) return need_ctx();
-  if (st == nullptr || na != 1 || ai[0] != 0 || a[0].srcAccessOrder != 1) {
-    *fail = 0;
-    return kInvalid;
-  }
-  ++counts[5];
-  for (size_t i = 0; i < count; ++i) std::memcpy(reinterpret_cast<void*>(d[i]), reinterpret_cast<void*>(s[i]), n[i]);
-  return kOk;
-}
 CUresult cuStreamCreate(CUstream* s, unsigned flags) {
   if (need_ctx() || flags != 1) return kInvalid;  // CU_STREAM_NON_BLOCKING
   *s = reinterpret_cast<CUstream>(next_handle++);
-  ++counts[6];
+  ++counts[5];
   return kOk;
 }
 CUresult cuEventCreate(CUevent* e, unsigned flags) {
@@ -113,7 +105,7 @@ CUresult cuEventCreate(CUevent* e, unsigned flags) {
 CUresult cuEventRecord(CUevent e, CUstream) { return e ? kOk : kInvalid; }
 CUresult cuStreamWaitEvent(CUstream, CUevent e, unsigned flags) {
   if (!e || flags) return kInvalid;
-  ++counts[7];
+  ++counts[6];
   return kOk;
 }
 CUresult cuModuleLoadData(CUmodule* m, const void* image) {
@@ -130,6 +122,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
                         unsigned shared, CUstream, void** params, void** extra) {
   if (need_ctx() || !f || gx == 0 || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx > 1024 || shared || extra || !params)
     return kInvalid;
+  if (failing(3)) return failing(3);
   ++counts[3];
   counts[4] += kernel_on_host(params[0], gx, bx);
   return kOk;

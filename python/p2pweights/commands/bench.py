@@ -6,8 +6,8 @@ import importlib
 
 # kind -> (module under p2pweights.bench, help)
 KINDS = {
-    "writer": ("writer", "the pipelined writer over the loopback transport: fill, write, overlap"),
-    "transport": ("transport", "our pipelined writer vs the vendor's own API over Mooncake or NIXL"),
+    "writer": ("writer_overlap", "the pipelined writer over the loopback transport: fill, write, overlap"),
+    "transport": ("transport_vs_vendor", "our pipelined writer vs the vendor's own API over Mooncake or NIXL"),
 }
 
 

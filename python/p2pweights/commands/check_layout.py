@@ -21,6 +21,8 @@ import argparse
 import json
 import sys
 
+from ..models.engine_layout import EngineLayout
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="MODEL",
@@ -37,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import P2PWeightsError
     from ..models import load_config, resolve_model
     from ..models.quant import quant_scheme
-    from ..replica.layout import EngineLayout
     from ..replica.roles import roles_of
 
     try:

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from ..models.engine_layout import EngineLayout
 from ..settings import format_size, lookup, parse_size
 
 
@@ -67,7 +68,6 @@ def _default_transport() -> str:
 def run(args: argparse.Namespace) -> int:
     from ..models import UnknownModel, load_config, resolve_model
     from ..models.quant import quant_scheme
-    from ..replica.layout import EngineLayout
     from .demo_run import results_json, run_demo
 
     # refused here, before any engine starts: an unknown model, an --engine key the engines

@@ -10,10 +10,10 @@ import sys
 
 from ..errors import P2PWeightsError
 from ..models import UnknownModel, load_config
+from ..models.engine_layout import EngineLayout, parse_layout_spec
 from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
 from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
 from ..planner.cost import GATHER_GBPS, HOST_DEVICE_GBPS, NIC_GBPS, PRODUCTION_GBPS, Cost, Links, predict
-from ..replica.layout import EngineLayout, parse_layout_spec
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
 PLAN_KEYS = frozenset({"tp_size", "ep_size", "attn_dp_size", "enable_dp_lm_head",

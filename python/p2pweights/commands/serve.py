@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from ..models.engine_layout import EngineLayout
 from ..settings import TRANSPORTS, settings
 from ..settings import value as setting
 
@@ -53,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..models import UnknownModel, resolve_model
-    from ..replica.layout import EngineLayout
 
     # refused before any rank starts: an unknown model, an --engine key the ranks would not honour
     try:
@@ -130,11 +130,11 @@ class Serve:
         return code
 
     def _wait_healthy(self, url: str, deadline: float) -> None:
-        from ..control import protocol
+        from ..control import protocol, routes
         from ..control.http import request
         from ..errors import EngineError, EngineUnreachable
 
-        path = protocol.route("health").path
+        path = routes.route("health").path
         while True:
             try:
                 status, _ = request("GET", url, path, timeout=5.0, connect_timeout=2.0)

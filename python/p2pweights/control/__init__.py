@@ -2,7 +2,8 @@
 receiver's server, the one HTTP client, the sglang engine client, and update sessions on many engines."""
 from __future__ import annotations
 
-from .session import EngineCalls, UpdateSession, call_engines
+from .engine_calls import EngineCalls, call_engines
 from .sglang import SglangEngine
+from .update_session import FailurePolicy, UpdateSession
 
-__all__ = ["EngineCalls", "SglangEngine", "UpdateSession", "call_engines"]
+__all__ = ["EngineCalls", "FailurePolicy", "SglangEngine", "UpdateSession", "call_engines"]

@@ -71,7 +71,7 @@ def check_in_timeout(engine: Any) -> float:
 
 class LeaseRenewer:
     """Renews ``owner``'s lease on the engines that keep one. ``call(engines, fn)`` runs ``fn`` on
-    every engine at once and returns an ``EngineCalls`` (control.session.call_engines)."""
+    every engine at once and returns an ``EngineCalls`` (control.engine_calls.call_engines)."""
 
     def __init__(self, lease: float, call: Callable[..., Any]):
         self.lease = float(lease)

@@ -1,9 +1,9 @@
 """Control-plane client for sglang 0.5.23 servers (and p2pweights receivers), over sglang's own HTTP API.
 
-Every request this client sends is a route of :mod:`p2pweights.control.protocol` with its request
-body; a test checks that table against sglang's source. :mod:`p2pweights.control.http` does the
-HTTP (standard library only). Many engines at once, and the update session, are in
-:mod:`p2pweights.control.session`.
+Every request this client sends is a route of :mod:`p2pweights.control.routes` with its request
+body (:mod:`p2pweights.control.bodies`); a test checks that table against sglang's source. :mod:`p2pweights.control.http` does the
+HTTP (standard library only). Many engines at once are in :mod:`p2pweights.control.engine_calls`,
+the update session in :mod:`p2pweights.control.update_session`.
 
 An error answer becomes the exception it names (a receiver's error payload: its class, engine,
 rank, parameter and hint) or an EngineError (sglang's own answers); a connection that fails is an
@@ -16,7 +16,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ..errors import EngineError, EngineUnreachable, Unauthorized
 from ..settings import value
-from . import http
+from . import bodies, error_answers, http, routes
 from . import protocol as p
 
 
@@ -99,18 +99,18 @@ class SglangEngine:
 
     def pause_generation(self, mode: str = "abort") -> dict:
         """``POST /pause_generation {"mode": ...}``; sglang's modes: abort (its default), retract, in_place."""
-        return self._json("pause_generation", body=p.PauseGenerationReq(mode=mode))
+        return self._json("pause_generation", body=bodies.PauseGenerationReq(mode=mode))
 
     def continue_generation(self, torch_empty_cache: bool = True) -> dict:
         """``POST /continue_generation {"torch_empty_cache": ...}``."""
-        return self._json("continue_generation", body=p.ContinueGenerationReq(bool(torch_empty_cache)))
+        return self._json("continue_generation", body=bodies.ContinueGenerationReq(bool(torch_empty_cache)))
 
     def begin_weight_update(self, selector: str = "all", lease: float | None = None) -> dict:
         """``POST /begin_weight_update {"selector": ...}``: opens the engine's weight-update session
         (sglang restores in-place-packed quantized weights so they can be overwritten). A receiver
         records ``session_owner`` as its owner, with a lease of ``lease`` seconds (its own
         ``P2PW_SESSION_LEASE`` when None) that the owner renews; it answers ``lease``."""
-        return self._json("begin_weight_update", body=p.BeginWeightUpdateReq(selector=selector),
+        return self._json("begin_weight_update", body=bodies.BeginWeightUpdateReq(selector=selector),
                           headers=_lease_header(lease))
 
     def renew_weight_update(self, release: bool = False, lease: float | None = None,
@@ -119,7 +119,7 @@ class SglangEngine:
         session's owner renews its lease (the engine's leader also checks every rank answers), or
         with ``release`` gives the session up (the engine is torn until a complete update).
         ``timeout`` bounds this one call (default: the client's)."""
-        return self._json("renew_weight_update", body=p.RenewWeightUpdateReq(release=bool(release)),
+        return self._json("renew_weight_update", body=bodies.RenewWeightUpdateReq(release=bool(release)),
                           headers=_lease_header(lease), timeout=timeout)
 
     def end_weight_update(self, then_version: str | None = None, then_continue: bool = True,
@@ -133,14 +133,14 @@ class SglangEngine:
         extra = {} if then_version is None else {p.END_THEN: {
             "new_version": str(then_version), "continue": bool(then_continue),
             "torch_empty_cache": bool(torch_empty_cache)}}
-        return self._json("end_weight_update", body=p.EndWeightUpdateReq(extra=extra))
+        return self._json("end_weight_update", body=bodies.EndWeightUpdateReq(extra=extra))
 
     def update_weight_version(self, version: str | int) -> dict:
         """``POST /update_weight_version {"new_version": str, "abort_all_requests": false}``.
 
         Never aborts requests: the engine was paused before the writes."""
         return self._json("update_weight_version",
-                          body=p.UpdateWeightVersionReq(new_version=str(version), abort_all_requests=False))
+                          body=bodies.UpdateWeightVersionReq(new_version=str(version), abort_all_requests=False))
 
     def weights_checker(self, action: str = "checksum", allow_quant_error: bool = False,
                         skip_tensor_list: Sequence[str] | None = None, selector: str = "all",
@@ -148,7 +148,7 @@ class SglangEngine:
         """``POST /weights_checker`` (sglang's CheckWeightsReqInput); answers ``success``, ``message``
         and, for checksums, ``ranks`` and ``per_engine_checksum``. ``extra`` fields are sent as they
         are (sglang ignores them; a p2pweights receiver reads ``hf_seed`` for action ``p2pw_compare``)."""
-        return self._json("weights_checker", body=p.CheckWeightsReq(
+        return self._json("weights_checker", body=bodies.CheckWeightsReq(
             action=action, allow_quant_error=bool(allow_quant_error),
             skip_tensor_list=list(skip_tensor_list) if skip_tensor_list is not None else None,
             selector=selector, extra=dict(extra)))
@@ -157,7 +157,7 @@ class SglangEngine:
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
         """``POST /init_weights_update_group`` (InitWeightsUpdateGroupReqInput): the engine's ranks join a
         torch.distributed group as ranks ``rank_offset + tp_rank``; answers once every member joined."""
-        return self._json("init_weights_update_group", body=p.InitWeightsUpdateGroupReq(
+        return self._json("init_weights_update_group", body=bodies.InitWeightsUpdateGroupReq(
             master_address=master_address, master_port=int(master_port), rank_offset=int(rank_offset),
             world_size=int(world_size), group_name=group_name, backend=backend))
 
@@ -167,59 +167,59 @@ class SglangEngine:
         """``POST /update_weights_from_distributed`` (UpdateWeightsFromDistributedReqInput): the engine
         receives each tensor by broadcast from group rank 0 and loads it. sglang 0.5.23 requires an open
         weight-update session (begin_weight_update)."""
-        return self._json("update_weights_from_distributed", body=p.UpdateWeightsFromDistributedReq(
+        return self._json("update_weights_from_distributed", body=bodies.UpdateWeightsFromDistributedReq(
             names=list(names), dtypes=[str(d) for d in dtypes], shapes=[[int(x) for x in s] for s in shapes],
             group_name=group_name, flush_cache=bool(flush_cache),
             weight_version=str(weight_version) if weight_version is not None else None))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         """``POST /destroy_weights_update_group`` (DestroyWeightsUpdateGroupReqInput)."""
-        return self._json("destroy_weights_update_group", body=p.DestroyWeightsUpdateGroupReq(group_name))
+        return self._json("destroy_weights_update_group", body=bodies.DestroyWeightsUpdateGroupReq(group_name))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         """``POST /get_weights_by_name {"name", "truncate_size"}``: the parameter's first
         ``truncate_size`` rows as nested lists (a list per DP rank when the engine has DP > 1)."""
-        return self._json("get_weights_by_name", body=p.GetWeightsByNameReq(name=name, truncate_size=int(truncate_size)))
+        return self._json("get_weights_by_name", body=bodies.GetWeightsByNameReq(name=name, truncate_size=int(truncate_size)))
 
     # ---- HTTP -------------------------------------------------------------------------------
 
-    def _json(self, verb: str, *, body: p.Body | None = None, params: Mapping[str, Any] | None = None,
+    def _json(self, verb: str, *, body: bodies.Body | None = None, params: Mapping[str, Any] | None = None,
               base: str | None = None, headers: Mapping[str, str] | None = None,
               timeout: float | None = None) -> Any:
         _, payload = self._call(verb, body=body, params=params, base=base, headers=headers, timeout=timeout)
         return payload
 
-    def _call(self, verb: str, *, body: p.Body | None = None, params: Mapping[str, Any] | None = None,
+    def _call(self, verb: str, *, body: bodies.Body | None = None, params: Mapping[str, Any] | None = None,
               base: str | None = None, expect_ok: bool = True, headers: Mapping[str, str] | None = None,
               timeout: float | None = None) -> tuple[int, Any]:
         """One call of ``verb``'s route; (status, answer: JSON, text, or {} when empty). ``headers``
         are added to the client's own (the key, the session owner); ``timeout`` overrides the client's."""
         extra_headers = headers
-        route = p.route(verb)
+        route = routes.route(verb)
         base = base or self.base_url
         target = route.path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         headers = {**(headers or {}), **_owner_header(self.session_owner), **(extra_headers or {})} or None
         try:
             status, answer = http.request(route.method, base, route.path,
-                                          body=p.encode(body) if body is not None else None, params=params,
+                                          body=bodies.encode(body) if body is not None else None, params=params,
                                           timeout=timeout or self.timeout, connect_timeout=self.connect_timeout,
                                           headers=headers)
         except EngineUnreachable as e:
             raise EngineUnreachable(f"engine {self.name}: {e.message}", engine=self.name, hint=e.hint) from e
         context = f"engine {self.name} ({base}): {route.method} {target} failed"
         if expect_ok and status in (p.UNAUTHORIZED, p.FORBIDDEN):
-            said = p.ErrorAnswer.of(answer)
+            said = error_answers.ErrorAnswer.of(answer)
             raise Unauthorized(f"{context}: HTTP {status}: {said.message}", engine=self.name,
-                               hint=p.hint_for(verb, status, said.message))
+                               hint=error_answers.hint_for(verb, status, said.message))
         if expect_ok and not p.ok(status):
-            said = p.ErrorAnswer.of(answer)
+            said = error_answers.ErrorAnswer.of(answer)
             raise said.exception(f"{context}: HTTP {status}: {said.message}", engine=self.name,
-                                 hint=p.hint_for(verb, status, said.message) or None)
+                                 hint=error_answers.hint_for(verb, status, said.message) or None)
         if answer is None:
             return status, {}
         if expect_ok and isinstance(answer, str):
-            raise EngineError(f"{context}: HTTP {status} with a body that is not JSON: {p._clip(answer)}",
+            raise EngineError(f"{context}: HTTP {status} with a body that is not JSON: {error_answers.clip(answer)}",
                               engine=self.name, hint="is this URL an sglang server?")
         return status, answer
 

@@ -16,7 +16,7 @@ and the multiply and the cast are IEEE on CPU and CUDA, so the bytes do not depe
 The dequantization an engine applies is ``q.to(float32) * scale_inv`` per block.
 
 It lives in ``models/`` (layer 1) because both sides need it: the sender quantizes a trainer's BF16
-tensors with it (``sender/fp8.py`` re-exports it), and the replica's checks (``check-layout``, the
+tensors with it (``sender/fp8.py``'s batched ``quantize_many``), and the replica's checks (``check-layout``, the
 reference model) make the same FP8 checkpoint from seeded BF16 tensors.
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ This mirrors the constructors of sglang's model classes (qwen3.py, qwen3_moe.py,
 closely enough that the sum matches the parameters of sglang's own model built on the meta device
 for that rank (tests/test_plan_meta.py pins it). Which model applies to an architecture is its
 registry entry's ``cost`` (registry.py); the shard layout is the one ``EngineLayout``
-(replica/layout.py), read here by its attributes only (tp, ep, attn_dp, attn_tp, moe_tp,
-dp_lm_head, shared_experts_fusion) so that this module stays below the replica. What a rank holds is kept per section -- the
+(engine_layout.py), read here by its attributes (tp, ep, attn_dp, attn_tp, moe_tp,
+dp_lm_head, shared_experts_fusion). What a rank holds is kept per section -- the
 first-stage tensors (embedding), one entry per decoder layer, the last-stage tensors (final norm,
 LM head) -- because a trainer pipeline stage writes only its own layers.
 
@@ -28,14 +28,12 @@ Rules taken from sglang, with why they matter for the bytes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from ..errors import PlanError, UnsupportedLayout
+from .engine_layout import EngineLayout
 from .quant import Fp8Scheme, quant_scheme
 from .registry import architecture_of, registered
-
-if TYPE_CHECKING:
-    from ..replica.layout import EngineLayout
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 _FP32 = 4
@@ -156,7 +154,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
     return ModelShape(**common)
 
 
-def check_layout(shape: ModelShape, layout: "EngineLayout", flag: str = "--engine") -> None:
+def check_shardable(shape: ModelShape, layout: "EngineLayout", flag: str = "--engine") -> None:
     """Refuse a shard layout sglang would refuse (or build wrong) for this model, naming the flag
     to fix. (What holds for any model -- ep and attention DP dividing tp -- the layout type
     itself checks.)"""
@@ -265,7 +263,7 @@ class _Split:
 def engine_rank_bytes(shape: ModelShape, layout: "EngineLayout", dtype: str = "bf16") -> RankBytes:
     """Bytes every rank of an engine with this shard layout holds (all ranks hold the same count:
     sglang shards evenly, padding the vocabulary)."""
-    check_layout(shape, layout)
+    check_shardable(shape, layout)
     b = DTYPE_BYTES[dtype]
     h = shape.hidden
     embed_shards = layout.attn_tp if layout.attn_dp > 1 else layout.tp

@@ -1,8 +1,6 @@
 """Rollout-engine rank assignment (the seed's rule, in one function) and the cost model."""
 from __future__ import annotations
 
-from ..models.stages import stage_layers
 from .assign import Engine, Plan, SenderTargets, TrainerLayout, assign_engine_ranks, layout_label, make_plan
 
-__all__ = ["Engine", "Plan", "SenderTargets", "TrainerLayout", "assign_engine_ranks", "layout_label", "make_plan",
-           "stage_layers"]
+__all__ = ["Engine", "Plan", "SenderTargets", "TrainerLayout", "assign_engine_ranks", "layout_label", "make_plan"]

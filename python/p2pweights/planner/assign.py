@@ -13,20 +13,18 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
-from ..models.shapes import ModelShape, PlanError, check_layout, fuses_shared_experts
+from ..models.engine_layout import EngineLayout
+from ..models.shapes import ModelShape, PlanError, check_shardable, fuses_shared_experts
 from ..models.stages import stage_layers
-from ..replica.layout import EngineLayout
 
 __all__ = [
     "Engine",
     "Plan",
-    "PlanError",
     "SenderTargets",
     "TrainerLayout",
     "assign_engine_ranks",
     "layout_label",
     "make_plan",
-    "stage_layers",
 ]
 
 
@@ -224,7 +222,7 @@ def make_plan(
                 "leave tp out (it defaults to each engine's GPU count) or make them equal"
             )
         if shape is not None:
-            check_layout(shape, engine.layout)
+            check_shardable(shape, engine.layout)
     layers = shape.layers if shape is not None else max(trainer.pp, 1)
     bounds = stage_layers(layers, trainer.stages)
     per_stage = assign_engine_ranks(trainer.senders_per_stage, engines, balanced=balanced)

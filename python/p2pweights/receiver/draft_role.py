@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..control.weights_digest import parameter_digests
 from .region import WeightRegion, place_parameters
 
 if TYPE_CHECKING:
@@ -117,7 +118,6 @@ class DraftRole:
     def digest(self, names: Sequence[str], engine: str) -> dict[str, str]:
         """Digests of the draft's parameters named ``draft.<name>``."""
         from ..errors import UnknownParameter
-        from .digest import parameter_digests
 
         own = {n for n, _ in self.own_parameters()}
         missing = [n for n in names if n[len(PREFIX):] not in own]

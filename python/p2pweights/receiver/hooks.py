@@ -1,5 +1,7 @@
-"""The leader's hooks (:class:`EngineHooks`): what rank 0's ``ReceiverServer`` does for each control
-call. Every verb runs on rank 0 in this process and on every other rank over HTTP
+"""A receiver engine's hooks: what the engine does for each control call its ``ReceiverServer``
+serves. :class:`ReceiverHooks` is the interface (any PyTorch engine subclasses it; the defaults are
+no-ops); :class:`LeaderHooks` is its implementation for an engine of rank processes, run by the
+leader (rank 0): every verb runs on rank 0 in this process and on every other rank over HTTP
 (:func:`rank_server.call_rank`), at once; the call answers when all ranks did, and a failing or
 unreachable rank fails it, named.
 """
@@ -11,15 +13,99 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, P2PWeightsError, error_named
+from ..models.checkpoint import load_config
 from .phases import record_phase
 from .rank_server import call_rank, ping_timeout
-from .server import ReceiverHooks
 
 if TYPE_CHECKING:
     from .rank import EngineRank
 
 
-class EngineHooks(ReceiverHooks):
+class ReceiverHooks:
+    """What the engine does for each control call. Subclass and override what your engine needs;
+    the defaults are no-ops. A hook that raises makes the call answer 500 with the error's text,
+    and leaves the state unchanged (so ``end_weight_update`` can be retried). A hook that raises a
+    ``p2pweights.errors`` class (``LayoutMismatch(..., rank=1, parameter=..., hint=...)``) reaches
+    the client as that class with those fields.
+
+    Hooks run on the server's request threads; control hooks (pause, continue, begin, end,
+    weight version) run one at a time, never concurrently with each other.
+    """
+
+    def server_info(self) -> dict:
+        """``GET /server_info``: the engine's resolved server args (sglang's field names: tp_size,
+        dtype, quantization, ...), as the sender builds its replica from them."""
+        return {}
+
+    def model_info(self) -> dict:
+        """``GET /model_info``: model_path, architectures, ...; the server adds ``weight_version``."""
+        return {}
+
+    def transfer_engine_info(self, rank: int) -> Any:
+        """Rank ``rank``'s published regions: the value served as
+        ``remote_instance_transfer_engine_info`` (sglang's ``[session_id, {name: [ptr, numel, elem_size]}]``,
+        or the NIXL form of p2pweights.transport.publication). None: use what the rank registered."""
+        return None
+
+    def on_pause(self, mode: str) -> None:
+        """Stop generating (mode: abort | retract | in_place, as sglang's PauseGenerationReqInput)."""
+
+    def on_continue(self, torch_empty_cache: bool) -> None:
+        """Generate again."""
+
+    def on_begin_update(self, selector: str) -> None:
+        """A weight update starts: make the parameters writable (e.g. undo in-place packing)."""
+
+    def on_end_update(self) -> None:
+        """Every write landed: run the engine's post-processing (post_load_weights,
+        process_weights_after_loading, derived buffers)."""
+
+    def on_weight_version(self, new_version: str, abort_all_requests: bool) -> None:
+        """The version was bumped (the server tracks it; this is for the engine's own use)."""
+
+    def weights_checker(self, request: dict) -> dict:
+        """``/weights_checker`` with sglang's CheckWeightsReqInput fields (defaults filled).
+        Return sglang's answer: ``{"success": bool, "message": str, ["ranks"], ["per_engine_checksum"]}``."""
+        return {"success": False, "message": "this engine does not implement weights_checker"}
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> Any:
+        """The parameter's first ``truncate_size`` rows (a tensor or nested lists); None if unknown."""
+        return None
+
+    def weights_digest(self, names: dict[int, list[str]]) -> dict[int, dict[str, str]]:
+        """``POST /p2pw_weights_digest`` (``update(verify=True)``): for each engine rank, the digest
+        (``p2pweights.control.weights_digest``) of the bytes it holds for each named parameter. Raise
+        NotImplementedError (the default) to answer 501 (an sglang server answers 404: no route)."""
+        raise NotImplementedError("this engine does not digest its weights (/p2pw_weights_digest)")
+
+    def on_renew_lease(self) -> None:
+        """The session's owner renewed its lease: check, cheaply, that every rank of the engine still
+        answers; raise (naming the rank) when one does not, so a stalled rank is found while the
+        owner still holds the engine."""
+
+    def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
+        """A rank registered its regions (``PUT /register_transfer_engine_info``); ``info`` is the whole
+        ``transfer_engine_info`` object, extra keys included (keys starting with ``p2pw_`` are for the
+        engine only and are not published)."""
+
+    # the broadcast path (sglang's update_weights_from_distributed), for the baseline -------------
+    def init_weights_update_group(self, request: dict) -> None:
+        """``POST /init_weights_update_group`` (InitWeightsUpdateGroupReqInput: master_address,
+        master_port, rank_offset, world_size, group_name, backend): every rank joins the group.
+        Raise to answer 400 with the error's text."""
+        raise NotImplementedError("this engine does not implement init_weights_update_group")
+
+    def update_weights_from_distributed(self, request: dict) -> None:
+        """``POST /update_weights_from_distributed`` (UpdateWeightsFromDistributedReqInput: names, dtypes,
+        shapes, group_name, ...): receive each tensor by broadcast from group rank 0 and load it."""
+        raise NotImplementedError("this engine does not implement update_weights_from_distributed")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """``POST /destroy_weights_update_group``: leave the group."""
+        raise NotImplementedError("this engine does not implement destroy_weights_update_group")
+
+
+class LeaderHooks(ReceiverHooks):
     """The leader's hooks: the verbs run on rank 0 here and on every other rank over HTTP, at once."""
 
     def __init__(self, local: "EngineRank", instance: str, api_key: str | None = None):
@@ -55,8 +141,6 @@ class EngineHooks(ReceiverHooks):
         return info
 
     def model_info(self) -> dict:
-        from ..models.checkpoint import load_config
-
         cfg = load_config(self.local.config)
         return {"model_path": self.local.config, "tokenizer_path": None, "is_generation": True,
                 "architectures": cfg.get("architectures"), "model_type": cfg.get("model_type")}

@@ -1,6 +1,7 @@
 """What a receiver's HTTP servers check before a handler runs: the bearer key, and the request
-body's size, arrival time and shape. Shared by the engine's server (:mod:`.server`, sglang's
-routes) and its ranks' internal endpoint (:mod:`.rank_server`).
+body's size, arrival time and shape; and how they answer (:func:`send_json`). Shared by the
+engine's server (:mod:`.request_handler`, sglang's routes) and its ranks' internal endpoint
+(:mod:`.rank_server`).
 
 - **Key**: with an API key set, a call without ``Authorization: Bearer KEY`` is refused (401)
   before anything else is read or run (health routes excepted, as in sglang).
@@ -16,11 +17,16 @@ never be read as the next request.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
+from ..control import error_answers
 from ..control import protocol as p
 from ..control.http import key_matches
+
+logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20   # the largest legitimate body (a rank's parameter table) is far smaller
 READ_TIMEOUT = 30.0         # seconds a client may stall while sending its request
@@ -35,7 +41,7 @@ class RequestRefused(Exception):
         self.status, self.hint = status, hint
 
     def payload(self) -> dict:
-        return p.error_payload(str(self), hint=self.hint)
+        return error_answers.error_payload(str(self), hint=self.hint)
 
 
 def check_key(handler: BaseHTTPRequestHandler, api_key: str | None, *, limit: int = MAX_BODY_BYTES) -> None:
@@ -123,3 +129,19 @@ def _discard(handler: BaseHTTPRequestHandler, limit: int) -> None:
             return
         left -= len(chunk)
 
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    """Answer an HTTP request with a JSON body (none for ``payload=None``); a client that already
+    gave up (its timeout) is not our error."""
+    data = b"" if payload is None else json.dumps(payload).encode()
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        if handler.close_connection:  # a refused request's connection is closed: the client must not keep it
+            handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(data)
+    except OSError:  # broken pipe, reset, or a write past the socket's timeout
+        logger.debug("client left before the answer to %s", handler.path)
+        handler.close_connection = True

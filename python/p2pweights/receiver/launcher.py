@@ -69,16 +69,6 @@ def os_threads() -> int:
         return threading.active_count()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def _reap(children: set[int]) -> None:
     """Collect every child that exited, without blocking; report each."""
     while children:

@@ -22,9 +22,10 @@ import threading
 import time
 from typing import Any, Sequence
 
-from ..control import protocol
+from ..control import protocol, routes
 from ..control.http import request
 from ..errors import EngineError, EngineUnreachable
+from ..models.engine_layout import EngineLayout
 from ..settings import value as setting
 from .launcher import Launcher, child_env, tail
 from .rank_process import READY_EVENT
@@ -49,8 +50,6 @@ class LocalEngine:
                  host: str = "127.0.0.1", port: int = 0, env: dict | None = None, startup_timeout: float = 120.0,
                  log_dir: str | None = None, launch: str | None = None, broadcast_receiver: str | None = None,
                  api_key: str | None = None):
-        from ..replica.layout import EngineLayout
-
         self.model = os.fspath(model)
         self.engine = engine
         self.world = EngineLayout.parse(engine).world_size
@@ -249,7 +248,7 @@ def check_weights_equal(url: str, hf_seed: int, skip: Sequence[str] = (), timeou
     if skip:
         body["skip_tensor_list"] = list(skip)
     try:
-        status, payload = request("POST", url, protocol.route("weights_checker").path, body=body, timeout=timeout,
+        status, payload = request("POST", url, routes.route("weights_checker").path, body=body, timeout=timeout,
                                   connect_timeout=CONNECT_TIMEOUT, api_key=setting("P2PW_API_KEY", api_key))
     except EngineUnreachable as e:
         raise EngineError(f"engine {url}: the equality check could not reach it: {e.message}") from e

@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from ..control.protocol import TIMINGS_KEY  # noqa: F401 - the answer key, served by the server
-
 _phase_times: contextvars.ContextVar[dict | None] = contextvars.ContextVar("p2pw_phase_times", default=None)
 
 

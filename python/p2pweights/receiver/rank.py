@@ -2,23 +2,24 @@
 parameters in one registered region, its publication, the update session's begin/end, the
 equality check and checksum, and sglang's broadcast path through a :class:`BroadcastReceiver`.
 
-The broadcast path is a plug-in: the rank is given a :class:`BroadcastReceiver` (or the
-``"module:attribute"`` spec of one, resolved on first use), so the receiver never imports the
-broadcast baseline; ``p2pweights.baseline.broadcast.GroupReceiver`` is the one the rank processes
-are started with by default (``--broadcast-receiver``).
+The broadcast path is a plug-in: the rank is given a :class:`BroadcastReceiver` object, or None
+(those routes then fail). The rank process (:mod:`.rank_process`) chooses it: the broadcast
+baseline's ``GroupReceiver`` unless started with ``--broadcast-receiver none``.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from ..control.weights_digest import parameter_digests
+from ..models.engine_layout import EngineLayout
+from ..models.sglang_version import sglang_version
 from ..settings import value as setting
+from .build_report import device_arch
 from .draft_role import draft_role, split_names
-from .identity import device_arch, sglang_version
 from .region import place_parameters
 
 if TYPE_CHECKING:
@@ -40,23 +41,13 @@ class BroadcastReceiver(Protocol):
         """Leave the group."""
 
 
-def load_broadcast_receiver(spec: str) -> BroadcastReceiver:
-    """``"package.module:attribute"`` -> that object (a class is instantiated with no arguments)."""
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"broadcast receiver {spec!r}: expected 'package.module:attribute'")
-    obj = getattr(importlib.import_module(module), attr)
-    return obj() if isinstance(obj, type) else obj
-
-
 class EngineRank:
     """One engine rank in this process: the live model in one registered region, its publication,
     its post-processing, the equality check and the broadcast path."""
 
     def __init__(self, config: str, engine: Any, rank: int, transport: str = "mooncake", name: str = "engine",
-                 broadcast: "BroadcastReceiver | str | None" = None):
+                 broadcast: BroadcastReceiver | None = None):
         from ..replica import sglang_env
-        from ..replica.layout import EngineLayout
         from ..replica.reference import ReferenceModel
         from ..transport import make_receiver_endpoint, params_table
 
@@ -156,8 +147,6 @@ class EngineRank:
 
     def digest(self, names: Sequence[str]) -> dict[str, str]:
         """The digest of the bytes this rank holds for each named parameter (``verify=True``)."""
-        from .digest import parameter_digests
-
         target, draft = split_names(names)  # "draft.<name>": the draft role's
         with self._lock:
             digests = parameter_digests(self.model, target, engine=self.name, rank=self.rank)
@@ -178,10 +167,8 @@ class EngineRank:
     # -- the broadcast path ------------------------------------------------------------------------
     def broadcast_receiver(self) -> BroadcastReceiver:
         if self._broadcast is None:
-            raise RuntimeError(f"engine {self.name} rank {self.rank} has no broadcast receiver (start its rank "
-                               f"processes with --broadcast-receiver MODULE:ATTR)")
-        if isinstance(self._broadcast, str):
-            self._broadcast = load_broadcast_receiver(self._broadcast)
+            raise RuntimeError(f"engine {self.name} rank {self.rank} has no broadcast receiver (its rank "
+                               f"processes were started with --broadcast-receiver none)")
         return self._broadcast
 
     def init_group(self, request: dict) -> None:

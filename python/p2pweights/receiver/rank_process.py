@@ -7,7 +7,7 @@ Run one engine rank::
         --rank R --name ENGINE --transport {mooncake,nixl} [--port P] [--leader URL]
 
 Rank 0 is the leader: it runs the engine's one ``ReceiverServer`` (the engine's URL, sglang's
-routes) with :class:`EngineHooks`, which fan the control verbs out to every rank. Ranks >= 1 serve
+routes) with :class:`LeaderHooks`, which fan the control verbs out to every rank. Ranks >= 1 serve
 the internal control endpoint (:mod:`rank_server`) and register their regions and that endpoint
 with the leader (``PUT /register_transfer_engine_info``); they exit when the leader goes away (or
 is replaced) and every rank exits when the process that started it does. Each rank prints one
@@ -18,8 +18,10 @@ The engine's API key is ``P2PW_API_KEY`` in the rank's environment, never a flag
 is readable by every local user): the leader's server and every rank's internal endpoint require
 it, and ranks >= 1 send it to register with the leader.
 
-The broadcast path is plugged in by ``--broadcast-receiver MODULE:ATTR`` (a :class:`BroadcastReceiver`;
-``none`` turns it off): the receiver itself imports no baseline.
+The rank process chooses the rank's broadcast path (sglang's ``update_weights_from_distributed``
+routes): the broadcast baseline's ``GroupReceiver`` (``--broadcast-receiver baseline``, the default),
+or none (``none``: those routes fail). It is the one receiver module that imports the baseline;
+:class:`EngineRank` is handed the object (any :class:`BroadcastReceiver`).
 """
 from __future__ import annotations
 
@@ -34,17 +36,23 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from ..control import protocol
+from ..baseline.broadcast import GroupReceiver
+from ..control import routes
 from ..errors import EngineError
 from ..settings import TRANSPORTS
 from ..settings import value as setting
+from .hooks import LeaderHooks
+from .rank import BroadcastReceiver, EngineRank
+from .rank_server import get_json, serve_rank_control
+from .registration import register_transfer_engine_info
+from .server import ReceiverServer
 
 logger = logging.getLogger(__name__)
 
 READY_EVENT = "ready"
-SERVER_INFO = protocol.route("server_info").path
-#: the broadcast path's default plug-in, named (not imported): resolved when a group is first joined
-DEFAULT_BROADCAST_RECEIVER = "p2pweights.baseline.broadcast:GroupReceiver"
+SERVER_INFO = routes.route("server_info").path
+#: ``--broadcast-receiver``'s choices: the BroadcastReceiver each names (None: no broadcast path)
+BROADCAST_RECEIVERS = {"baseline": GroupReceiver, "none": None}
 
 
 def print_ready(**fields: Any) -> None:
@@ -71,15 +79,11 @@ def watch(check: Callable[[], bool], stop: threading.Event, interval: float = 0.
 
 def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str, host: str = "127.0.0.1",
                port: int = 0, leader: str | None = None, parent_pid: int | None = None,
-               startup_timeout: float = 120.0, broadcast: Any = DEFAULT_BROADCAST_RECEIVER,
+               startup_timeout: float = 120.0, broadcast: BroadcastReceiver | None = None,
                api_key: str | None = None) -> int:
     """The body of one rank process: build, register, publish, serve until told to stop.
-    ``api_key``: the engine's key (default ``P2PW_API_KEY``)."""
-    from .hooks import EngineHooks
-    from .rank import EngineRank
-    from .rank_server import get_json, serve_rank_control
-    from .server import ReceiverServer, register_transfer_engine_info
-
+    ``broadcast``: the rank's BroadcastReceiver (None: no broadcast path); ``api_key``: the
+    engine's key (default ``P2PW_API_KEY``)."""
     api_key = setting("P2PW_API_KEY", api_key)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -95,7 +99,7 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
             if leader:
                 raise SystemExit("--leader is for ranks >= 1; rank 0 is the leader")
             instance = uuid.uuid4().hex
-            server = ReceiverServer(EngineHooks(er, instance, api_key=api_key), host=host, port=port,
+            server = ReceiverServer(LeaderHooks(er, instance, api_key=api_key), host=host, port=port,
                                     api_key=api_key).start()
             closers.append(server.close)
             server.register_transfer_engine_info(0, peer, table, extra)
@@ -148,12 +152,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     p.add_argument("--leader", default=None, help="ranks >= 1: rank 0's URL")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     p.add_argument("--log-level", default=setting("P2PW_LOG_LEVEL"))
-    p.add_argument("--broadcast-receiver", default=DEFAULT_BROADCAST_RECEIVER,
-                   help="MODULE:ATTR of the BroadcastReceiver serving sglang's broadcast routes, or 'none'")
+    p.add_argument("--broadcast-receiver", default="baseline", choices=sorted(BROADCAST_RECEIVERS),
+                   help="what serves sglang's broadcast routes: the broadcast baseline's GroupReceiver, or none "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"[%(asctime)s {args.name} rank {args.rank}] %(levelname)s %(name)s: %(message)s")
-    broadcast = None if args.broadcast_receiver.lower() == "none" else args.broadcast_receiver
+    chosen = BROADCAST_RECEIVERS[args.broadcast_receiver]
+    broadcast = chosen() if chosen is not None else None
     code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=args.transport, host=args.host,
                       port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast)
     sys.stdout.flush()

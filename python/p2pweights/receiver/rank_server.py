@@ -1,8 +1,8 @@
 """HTTP between an engine's leader (rank 0) and its other ranks.
 
-Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``protocol.RANK_ROUTE_PREFIX``):
+Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``routes.RANK_ROUTE_PREFIX``):
 the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500 with
-the control plane's one error payload (``protocol.error_payload``), so a typed error raised on a
+the control plane's one error payload (``error_answers.error_payload``), so a typed error raised on a
 rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
 The verbs are :meth:`EngineRank.call`'s. The leader calls them with :func:`call_rank`; every call
 goes through the one control-plane client (``control.http.request``). With an API key the endpoint
@@ -16,12 +16,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from ..control import protocol
+from ..control import error_answers, protocol, routes
 from ..control.http import request
 from ..errors import EngineError, EngineUnreachable, P2PWeightsError
 from ..settings import value as setting
 from . import http_guard
-from .server import send_json
+from .http_guard import send_json
 
 if TYPE_CHECKING:
     from .rank import EngineRank
@@ -55,14 +55,14 @@ class _RankHandler(BaseHTTPRequestHandler):
         logger.debug(format, *args)
 
     def do_POST(self) -> None:
-        verb = self.path.removeprefix(protocol.RANK_ROUTE_PREFIX)
+        verb = self.path.removeprefix(routes.RANK_ROUTE_PREFIX)
         try:
             http_guard.check_key(self, self.api_key)
             body = http_guard.read_json_object(self)
         except http_guard.RequestRefused as e:
             return send_json(self, e.status, {"ok": False, **e.payload()})
-        if not self.path.startswith(protocol.RANK_ROUTE_PREFIX):
-            return send_json(self, protocol.NOT_FOUND, {"ok": False, **protocol.error_payload(
+        if not self.path.startswith(routes.RANK_ROUTE_PREFIX):
+            return send_json(self, protocol.NOT_FOUND, {"ok": False, **error_answers.error_payload(
                 f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
         t0 = time.perf_counter()
         try:
@@ -75,7 +75,7 @@ class _RankHandler(BaseHTTPRequestHandler):
                 logger.exception("rank %d: %s failed", self.rank.rank, verb)
             error = e if isinstance(e, P2PWeightsError) else f"{type(e).__name__}: {e}"
             status = protocol.BAD_REQUEST if bad_input else protocol.ENGINE_FAILED
-            payload = {"ok": False, **protocol.error_payload(error, rank=self.rank.rank)}
+            payload = {"ok": False, **error_answers.error_payload(error, rank=self.rank.rank)}
         send_json(self, status, payload)
 
 
@@ -97,13 +97,13 @@ def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None 
     default :func:`rank_timeout`. ``seconds``: where to put ``rank`` -> the seconds the verb took
     on the rank (its own clock)."""
     try:
-        status, payload = request("POST", url, protocol.RANK_ROUTE_PREFIX + verb, body=body,
+        status, payload = request("POST", url, routes.RANK_ROUTE_PREFIX + verb, body=body,
                                   timeout=timeout or rank_timeout(),
                                   connect_timeout=CONNECT_TIMEOUT, api_key=api_key)
     except EngineUnreachable as e:
         raise EngineError(f"rank {rank} ({url}) is unreachable: {e.message}", rank=rank) from e
     if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
-        answer = protocol.ErrorAnswer.of(payload)
+        answer = error_answers.ErrorAnswer.of(payload)
         raise answer.exception(f"rank {rank}: {answer.message or f'HTTP {status}'}", rank=rank)
     if seconds is not None and isinstance(payload.get("seconds"), (int, float)):
         seconds[rank] = payload["seconds"]

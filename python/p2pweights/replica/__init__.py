@@ -2,20 +2,20 @@
 
 Public API (imports of torch and sglang stay lazy until first use)::
 
-    EngineLayout.from_server_info(info) / EngineLayout.parse("tp=2,ep=2")   # layout.py: the one layout type
+    EngineLayout.from_server_info(info) / EngineLayout.parse("tp=2,ep=2")   # models/engine_layout.py
     parse_layout_spec(spec, command=..., honours=...)                       # the one --engine parser
     parse_engine_spec("tp=2,ep=2,dp_attention=2")                           # -> server args dict
     model_replicas().get(config_dir, engine, rank) -> ModelReplica           # one per shard layout
     ModelReplica.groups / group_of(hf_name) / largest_group_nbytes / param_nbytes(name)
-    ModelReplica.materialize_group(group, hf_tensors, slot) -> [SlotRegion]
-    check_layout(config_dir, engine, ranks=None) -> LayoutCheck              # check-layout's engine
+    ModelReplica.materialize_group(group, hf_tensors, slot) -> [SlotRegion]   # load_groups: several at once
+    check_byte_exact(config_dir, engine, ranks=None) -> LayoutCheck          # check-layout's engine
     sglang_env.prepare() / build_model(...) / activate(model) / materialize(model)
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .layout import LAYOUT_ARGS, REPLICA_KEYS, EngineLayout, LayoutSpecError, parse_engine_spec, parse_layout_spec
+from ..models.engine_layout import LAYOUT_ARGS, REPLICA_KEYS, EngineLayout, LayoutSpecError, parse_engine_spec, parse_layout_spec
 
 _LAZY = {
     "ModelReplica": ".replica",
@@ -27,10 +27,7 @@ _LAZY = {
     "SLOT_ALIGNMENT": ".groups",
     "LoaderMapping": ".probe",
     "probe_loaders": ".probe",
-    "TensorSpec": "..models.checkpoint",
-    "checkpoint_tensors": "..models.checkpoint",
-    "random_tensor": "..models.checkpoint",
-    "check_layout": ".check",
+    "check_byte_exact": ".check",
     "check_rank": ".check",
     "LayoutCheck": ".check",
     "build_model": ".sglang_env",

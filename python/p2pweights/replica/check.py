@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from ..models import load_config
 from ..models.checkpoint import RandomCheckpoint, checkpoint_tensors
+from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
 from . import reference
-from .layout import EngineLayout
-from .reference import reference_model  # noqa: F401 - callers import it from here too
 from .replica import ModelReplica, ModelReplicas
 
 if TYPE_CHECKING:
@@ -153,7 +152,7 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
     return result
 
 
-def check_layout(config: Any, engine: EngineLayout, ranks: Iterable[int] | None = None, *, seed: int = 0,
+def check_byte_exact(config: Any, engine: EngineLayout, ranks: Iterable[int] | None = None, *, seed: int = 0,
                  replicas: ModelReplicas | None = None) -> LayoutCheck:
     """:func:`check_rank` for every rank of the engine (or the given ones)."""
     replicas = replicas or ModelReplicas(cache_dir="")

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import UnsupportedLayout
 from ..models import load_config
+from ..models.engine_layout import EngineLayout
+from ..models.layout_refusals import DRAFT_ROLE_ALGORITHMS
 from . import sglang_env
-from .layout import EngineLayout
-from .refusals import DRAFT_ROLE_ALGORITHMS
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,7 @@ import os
 from typing import Any, Iterator
 
 from ..errors import UnsupportedLayout
-from .layout import EngineLayout
+from ..models.engine_layout import EngineLayout
 
 
 def post_load_as_on_hopper() -> None:

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from ..models import load_config, resolve_model
 from ..models.checkpoint import TensorSpec, checkpoint_tensors
+from ..models.engine_layout import EngineLayout
+from ..models.sglang_version import sglang_version
 from ..settings import value
 from . import sglang_env
 from .draft_model import build_role_model
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
-from .layout import EngineLayout
 from .probe import LoaderMapping, probe_loaders
 
 if TYPE_CHECKING:
@@ -46,25 +47,11 @@ class ReplicaKey:
         from .. import __version__
 
         text = json.dumps(
-            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, _sglang_version(), __version__],
+            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, sglang_version(), __version__],
             sort_keys=True,
             default=str,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def _sglang_version() -> str:
-    """sglang's version without importing sglang: its package ``__init__`` (transformers patches, the
-    frontend API) took seconds of every disk-cache hit, which otherwise needs no sglang until a
-    group is first loaded. The carried GPU bundles keep each package's METADATA."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        import sglang
-
-        return sglang.__version__
 
 
 def config_hash(config: Any) -> str:
@@ -172,9 +159,9 @@ class ModelReplica:
         parameters point into the slot only while the loaders run; they keep their class and
         attributes, and are meta again afterwards. HF tensors may be on the CPU or the slot's device.
         """
-        return self.materialize_groups([(group, offset)], hf_tensors, slot)
+        return self.load_groups([(group, offset)], hf_tensors, slot)
 
-    def materialize_groups(
+    def load_groups(
         self, placed: Sequence[tuple[ParameterGroup, int]], hf_tensors: Mapping[str, "torch.Tensor"],
         slot: "torch.Tensor",
     ) -> list[SlotRegion]:
@@ -258,9 +245,6 @@ class ModelReplica:
                 sglang_env.install_parameter(self._sites[name], old)
             derived.restore()
         return regions
-
-    load_group = materialize_group  # the sender's word for it
-    load_groups = materialize_groups
 
 
 def _first_sites(sites: Mapping[str, list[tuple[Any, str]]]) -> list[tuple[str, tuple[Any, str]]]:
@@ -391,7 +375,7 @@ class ModelReplicas:
             replica = self._load_from_disk(config, engine, rank, key)
             if replica is None:
                 replica = self._build(config, engine, rank, key, hf_specs)
-            replica.plan_cache_dir = self.cache_dir  # its copy plans are kept there too (replica/plan_store.py)
+            replica.plan_cache_dir = self.cache_dir  # its copy plans are kept there too (copyplans/store.py)
             self._replicas[key] = replica
             return replica
 

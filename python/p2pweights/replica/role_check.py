@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..models import load_config
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
 from . import sglang_env
 from .draft_model import build_role_model, target_embed_and_head, tie_to_target
-from .layout import EngineLayout
 from .roles import roles_of
 
 if TYPE_CHECKING:

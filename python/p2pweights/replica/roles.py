@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from ..models.checkpoint import TensorSpec
-from .draft_model import ROLES, draft_architecture
+from ..models.engine_layout import EngineLayout
+from ..models.layout_refusals import draft_algorithm
+from .draft_model import draft_architecture
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion
-from .layout import EngineLayout
-from .refusals import draft_algorithm
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +43,6 @@ DRAFT_PREFIX = "draft."
 def qualified(role: str, name: str) -> str:
     """A role's parameter name as published: the target's as is, the draft's with ``draft.``."""
     return name if role == "target" else f"{role}.{name}"
-
-
-def split_qualified(name: str) -> tuple[str, str]:
-    """(role, the role model's own parameter name) of a published name."""
-    for role in ROLES[1:]:
-        if name.startswith(role + "."):
-            return role, name[len(role) + 1:]
-    return "target", name
 
 
 def roles_of(config: Any, engine: EngineLayout) -> tuple[str, ...]:
@@ -145,9 +137,6 @@ class RankRoles:
                           slot: "torch.Tensor", offset: int = 0) -> list[SlotRegion]:
         return self.load_groups([(group, offset)], hf_tensors, slot)
 
-    materialize_groups = load_groups
-    load_group = materialize_group
-
 
 def _align(n: int) -> int:
     return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
@@ -204,7 +193,7 @@ def rank_replica(replicas: "ModelReplicas", config: Any, engine: EngineLayout, r
         return replicas.get(config, engine, rank, hf_specs=hf_specs)
     members = {role: replicas.get(config, engine, rank, hf_specs=hf_specs, role=role) for role in roles}
     # one joined object per set of role replicas (invariant 7): a reconnect reuses it, and what is
-    # kept per replica object (recorded copy plans, sender/replay.py) with it
+    # kept per replica object (recorded copy plans, p2pweights.copyplans) with it
     with _JOINED_LOCK:
         joined = _JOINED.get(members["target"])
         if joined is None or any(joined.roles.get(r) is not m for r, m in members.items()):

@@ -32,9 +32,9 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import UnsupportedLayout
+from ..models.engine_layout import EngineLayout
 from ..settings import value as setting
 from . import fp8_engine
-from .layout import EngineLayout
 from .sglang_imports import StubFinder, sglang_imports
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def _sglang_imports() -> Iterator[None]:
     """Where sglang modules get imported: in this thread, torch.compile is deferred to a function's
     first call and IPython is a stub (neither is needed to build or load a model); with
     P2PW_SGLANG_IMPORT_AS_CPU=1 sglang sees no CUDA. See replica/sglang_imports.py."""
-    with sglang_imports(as_cpu=setting("P2PW_SGLANG_IMPORT_AS_CPU") == "1"):
+    with sglang_imports(as_cpu=setting("P2PW_SGLANG_IMPORT_AS_CPU")):
         yield
 
 
@@ -441,11 +441,6 @@ def materialize(model: "torch.nn.Module", device: str = "cpu", fill: float | Non
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_meta:
                 setattr(module, attr, real(value))
     return model
-
-
-def parameter_nbytes(param: "torch.Tensor") -> int:
-    """numel × element size: what an engine publishes per parameter."""
-    return param.numel() * param.element_size()
 
 
 def run_update_session_hooks(model: "torch.nn.Module", device: str = "cpu") -> None:

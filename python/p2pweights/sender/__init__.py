@@ -3,7 +3,6 @@
 the native writer's binding."""
 from __future__ import annotations
 
-from ..models.stages import stage_hf_names
 from .buffers import TransferBuffers, slot_size
 from .fillers import GpuSlotFiller, HostSlotFiller, SlotFiller, StagedHostSlotFiller
 from .pipeline import SlotPipeline
@@ -15,4 +14,4 @@ from .writer import PipelinedWriter, WriteReport
 
 __all__ = ["EngineRankReport", "GpuSlotFiller", "GroupLoad", "GroupTransform", "HostSlotFiller", "PipelinedWriter",
            "SlotFiller", "SlotPipeline", "StagedHostSlotFiller", "TransferBuffers", "Update", "UpdateReport",
-           "WeightSender", "WriteReport", "slot_size", "stage_hf_names"]
+           "WeightSender", "WriteReport", "slot_size"]

@@ -1,7 +1,7 @@
 """Slot fillers: one per slot mode, behind one interface.
 
 A filler decides where a slot's loaders write and how the complete slot reaches the writer; its
-``producer`` (sender/replay.py) fills the slot from replayed copy plans where a group has one:
+``producer`` (sender/slot_producer.py) fills the slot from replayed copy plans where a group has one:
 
 - :class:`HostSlotFiller` (host slots, tensors on the CPU): the loaders write the pinned host slot;
   a complete slot goes to the writer at once.
@@ -105,7 +105,7 @@ class SlotFiller:
         self.slot: int | None = None  # the transfer slot held, if any
         self.target: Any = None  # where this slot's loaders write
         # (rank, placed, tensors, target) -> regions: replayed copy plans or the loaders
-        # (sender/replay.py's SlotProducer); None: always the replica's loaders
+        # (sender/slot_producer.py); None: always the replica's loaders
         self.producer: Callable[..., list] | None = None
 
     def open(self, device: Any) -> Any:

@@ -1,21 +1,13 @@
 """BF16 -> FP8 block quantization on the sender: the formula lives in ``models/fp8_format.py``
-(layer 1, so the replica's checks make the same FP8 checkpoint); this module is its sender-side
-name, plus the batched entry point the quantize-on-send transform uses (:func:`quantize_many`)."""
+(layer 1, so the replica's checks make the same FP8 checkpoint); this module holds the batched
+entry point the quantize-on-send transform uses (:func:`quantize_many`) and which weights a trainer
+pushes in BF16 (:func:`quantized_pairs`)."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from ..errors import NonFiniteTensor
-from ..models.fp8_format import (
-    DEFAULT_BLOCK,
-    FP8_E4M3_MAX,
-    MIN_SCALE_INV,
-    SCALE_FORMATS,
-    ceil_to_power_of_two,
-    dequantize_block_fp8,
-    quantize_block_fp8,
-    scale_shape,
-)
+from ..models.fp8_format import DEFAULT_BLOCK, quantize_block_fp8
 from ..models.quant import FP8_DTYPE, scale_name
 
 #: input bytes :func:`quantize_many` quantizes per call of the formula (its extra memory: one copy)
@@ -101,17 +93,4 @@ def _non_finite(weight: Any, name: str) -> NonFiniteTensor:
         parameter=name, hint="fix the training step; FP8 scales cannot be computed from NaN/Inf")
 
 
-__all__ = [
-    "DEFAULT_BLOCK",
-    "FP8_E4M3_MAX",
-    "MAX_BATCH_BYTES",
-    "MIN_SCALE_INV",
-    "SCALE_FORMATS",
-    "TRAINER_DTYPES",
-    "ceil_to_power_of_two",
-    "dequantize_block_fp8",
-    "quantize_block_fp8",
-    "quantize_many",
-    "quantized_pairs",
-    "scale_shape",
-]
+__all__ = ["MAX_BATCH_BYTES", "TRAINER_DTYPES", "quantize_many", "quantized_pairs"]

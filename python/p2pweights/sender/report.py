@@ -20,7 +20,7 @@ class UpdateTimes:
     control: float = 0.0  # engine control plane
     groups: int = 0  # parameter groups placed in slots
     slots: int = 0  # slots handed to the writer
-    replayed: int = 0  # groups produced by replaying a recorded copy plan (sender/replay.py)
+    replayed: int = 0  # groups produced by replaying a recorded copy plan (sender/slot_producer.py)
     loader_groups: int = 0  # groups produced by the replica's loaders
     recorded: int = 0  # copy plans recorded (and their first replay checked) in this update
     record_seconds: float = 0.0  # of ``loading``: recording plans and checking their first replay

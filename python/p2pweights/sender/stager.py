@@ -19,7 +19,8 @@ import difflib
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import LayoutMismatch, MissingTensors, P2PWeightsError, UnknownParameter, UnsupportedTensor
-from .fp8 import FP8_DTYPE, TRAINER_DTYPES, quantized_pairs
+from ..models.quant import FP8_DTYPE
+from .fp8 import TRAINER_DTYPES, quantized_pairs
 
 
 class TensorSpecLike:  # documentation only: anything with .shape (tuple) and .dtype (str, e.g. "bfloat16")
@@ -73,15 +74,8 @@ class GroupStager:
         self._pending: dict[int, int] = {}  # FP8 engines: see _complete
 
     @property
-    def num_groups(self) -> int:
-        return len(self._active)
-
-    @property
     def staged_bytes(self) -> int:
         return sum(int(t.numel()) * t.element_size() for g in self._staged.values() for t in g.values())
-
-    def group_inputs(self, group: int) -> list[str]:
-        return list(self._inputs[group])
 
     def _unknown_message(self, name: str, count: int = 1) -> str:
         close = difflib.get_close_matches(name, list(self._specs), n=3, cutoff=0.6)

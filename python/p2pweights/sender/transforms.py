@@ -33,10 +33,6 @@ class GroupLoad:
     group: Any  # p2pweights.replica.ParameterGroup of rank.replica
     tensors: dict[str, Any]  # HF name -> tensor: the group's hf_names (FP8, before quantizing: no scales)
 
-    @property
-    def input_bytes(self) -> int:
-        return sum(int(t.numel()) * t.element_size() for t in self.tensors.values())
-
 
 class GroupTransform:
     """The transform interface, and the identity transform.

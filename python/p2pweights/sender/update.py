@@ -14,8 +14,8 @@ finish:    drain the pipeline, wait for every write (meanwhile sender 0's last l
            continues generation, each engine on its own as soon as it ended.
 A failure anywhere releases every slot and tells no engine to end; then the failure policy
 (``on_failure``): before any write of any sender the engines end the session without a version
-bump and generate again ("resume_if_unwritten", the default); after a write they stay paused with
-their session open and their old version, and the next complete update heals them.
+bump and generate again (``FailurePolicy.RESUME_IF_UNWRITTEN``, the default); after a write they
+stay paused with their session open and their old version, and the next complete update heals them.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from ..control import SglangEngine, UpdateSession
+from ..control import FailurePolicy, SglangEngine, UpdateSession
+from ..control.engine_calls import call_engines, recording_verbs
 from ..control.protocol import PAUSE_MODES
-from ..control.session import call_engines, recording_verbs
+from ..copyplans import ReplayOrder, background_recorded, plan_memory
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from ..settings import value as setting
 from .fillers import FillerChoice, SlotHandOver
@@ -35,15 +36,16 @@ from .inputs import TrainerInputs, check_version_order
 from .open_gate import OpenGate
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
-from .replay import SlotProducer, background_recorded, plan_memory
 from .report import EngineRankReport, UpdateReport, UpdateTimes
+from .slot_producer import SlotProducer
 from .transforms import GroupLoad, GroupTransform, apply_transforms
 from .verify import WrittenDigests, verify_written
 from .writer import PipelinedWriter, WriteReport
 
 logger = logging.getLogger("p2pweights.sender")
 
-ON_FAILURE = ("resume_if_unwritten", "leave_paused")
+#: the failure policies an update offers (the engines serving partly written weights is not one of them)
+ON_FAILURE = (FailurePolicy.RESUME_IF_UNWRITTEN, FailurePolicy.LEAVE_PAUSED)
 UNTOUCHED = "nothing was written and the engines were not paused"
 ROLLED_BACK = "nothing was written: the engines ended the session without a version bump and generate again"
 LEFT_PAUSED = ("writes may have landed: the engines stay paused with their session open at their old version; "
@@ -63,13 +65,13 @@ class Update:
                  version: Any, *, control: bool = True, transforms: Sequence[GroupTransform] = (),
                  staging_for: Callable[[Any], Any] | None = None, group: SenderGroup | None = None,
                  inputs: TrainerInputs | None = None, pause_mode: str = "abort",
-                 on_failure: str = "resume_if_unwritten", previous_version: str | None = None, force: bool = False,
+                 on_failure: str | FailurePolicy = FailurePolicy.RESUME_IF_UNWRITTEN,
+                 previous_version: str | None = None, force: bool = False,
                  metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
-                 owner: str | None = None, lease: float | None = None, copy_plans: str = "on"):
+                 owner: str | None = None, lease: float | None = None, copy_plans: str = "on",
+                 open_beside_slots: bool | None = None, replay_order: ReplayOrder | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
-        if on_failure not in ON_FAILURE:
-            raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
         self.version = str(version)
         self._ranks = list(ranks)
         self._engines = list(engines)
@@ -77,15 +79,17 @@ class Update:
         self._transforms = tuple(transforms)
         self._group = group or SenderGroup()
         self._inputs = inputs
-        self._on_failure = on_failure
+        self._on_failure = FailurePolicy.parse(on_failure, ON_FAILURE)
         self._metrics = metrics
         self._on_success = on_success
         self._controls = control and self._group.controller
+        self._open_beside = setting("P2PW_OPEN_BESIDE_SLOTS", open_beside_slots)  # the sender's keyword, else the variable
         self.times = UpdateTimes()
         self._gate = OpenGate(writer)  # every slot reaches the writer through it (held while opening)
         handover = SlotHandOver(self._gate, self.times)
-        # groups with a verified copy plan are replayed, the others loaded (and, copy_plans="on", recorded): replay.py
-        producer = SlotProducer(self.times, mode=copy_plans)
+        # groups with a verified copy plan are replayed, the others loaded (and, copy_plans="on", recorded):
+        # slot_producer.py; the sender's replay order keeps what turned off across its updates
+        producer = SlotProducer(self.times, replay_order or ReplayOrder(), mode=copy_plans)
         self.pipeline = SlotPipeline(handover, FillerChoice(handover, staging_for, producer), self.times)
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
@@ -93,7 +97,7 @@ class Update:
         # owner: the sender's one controller id, so that its next update may resume a session this
         # one left open on an sglang server (which cannot say whose a session is)
         self._session = (UpdateSession(self._engines, self.version, pause_mode=pause_mode, owner=owner,
-                                       lease=lease)
+                                       lease=lease, on_failure=self._on_failure)
                          if self._controls else None)
         self.report: UpdateReport | None = None
         self.outcome = ""
@@ -255,7 +259,7 @@ class Update:
                 loads += apply_transforms(self._transforms, GroupLoad(p, p.replica.groups[group_index], tensors))
         self.times.staging += time.perf_counter() - t0
         if self._phase == "new":
-            if self._session is not None and self._group.size == 1 and setting("P2PW_OPEN_BESIDE_SLOTS"):
+            if self._session is not None and self._group.size == 1 and self._open_beside:
                 self._open_soon()
             else:
                 self._open()
@@ -390,12 +394,10 @@ class Update:
         note = ""
         if self._session is not None:
             written = any(s.written for s in statuses)
-            if not written and self._on_failure == "resume_if_unwritten":
-                self._control(self._session.roll_back, reason)
-                note = ROLLED_BACK
-            else:
-                self._session.abort(reason)
-                note = LEFT_PAUSED if written else KEPT_PAUSED
+            # the session applies the policy: rolled back only when nothing was written (RESUME_IF_UNWRITTEN)
+            self._control(lambda: self._session.abort(reason, written=written))
+            rolled_back = not written and self._on_failure is FailurePolicy.RESUME_IF_UNWRITTEN
+            note = ROLLED_BACK if rolled_back else LEFT_PAUSED if written else KEPT_PAUSED
             failed = {n: str(e) for n, e in self._session.errors.items()}
             if failed:
                 note += f" (control calls failed on {', '.join(sorted(failed))})"

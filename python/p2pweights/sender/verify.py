@@ -6,7 +6,7 @@ loaded into (:meth:`WrittenDigests.add`; on the slot's device, no synchronizatio
 returned, :func:`verify_written` asks each engine for its ranks' digests of the same parameters
 (``POST /p2pw_weights_digest``, served by p2pweights receivers) and compares. A difference fails
 the update naming the engine, the rank and the parameter, before any engine is told to end the
-update: the engines stay paused with the old version. The digest is :mod:`p2pweights.receiver.digest`'s.
+update: the engines stay paused with the old version. The digest is :mod:`p2pweights.control.weights_digest`'s.
 
 sglang 0.5.23 has no such route, and its ``/weights_checker`` cannot answer the question: its
 ``checksum`` action hashes every tensor of the whole model after post-processing (a value the
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ..control import protocol as p
-from ..control.session import call_engines
+from ..control import bodies
+from ..control.engine_calls import call_engines
+from ..control.weights_digest import digest_sums, digest_text
 from ..errors import EngineError, P2PWeightsError, UpdateFailed
-from ..receiver.digest import digest_sums, digest_text
 
 if TYPE_CHECKING:
     from ..control import SglangEngine
@@ -60,7 +60,7 @@ class WrittenDigests:
 
 def _ask(engine: "SglangEngine", names: dict[str, list[str]]) -> dict:
     # SglangEngine's one call path: its URL, timeouts, API key, typed errors and hints
-    return engine._json(_ROUTE, body=p.WeightsDigestReq(names=names))
+    return engine._json(_ROUTE, body=bodies.WeightsDigestReq(names=names))
 
 
 def check_engines_digest(engines: Sequence["SglangEngine"]) -> None:

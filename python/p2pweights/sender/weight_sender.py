@@ -21,14 +21,16 @@ import warnings
 from typing import Any, Sequence
 
 from .. import transport as transports
-from ..control import SglangEngine
+from ..control import FailurePolicy, SglangEngine
 from ..control.lease import new_owner_id
+from ..copyplans import PlanRecorder, ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError
+from ..models.engine_layout import EngineLayout
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
 from ..planner.assign import Engine as PlanEngine
 from ..planner.assign import assign_engine_ranks
-from ..settings import Settings, settings
+from ..settings import Settings, sender_signature, settings
 from ..transport.publication import EnginePublication, check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
@@ -37,7 +39,6 @@ from .gpu_staging import GpuStaging
 from .group import SenderGroup
 from .inputs import TrainerInputs
 from .metrics import metrics_for
-from .plan_recorder import PlanRecorder
 from .prepared import EngineTarget, PreparedRank
 from .quantize import with_quantize_on_send
 from .report import Progress
@@ -66,7 +67,8 @@ class WeightSender:
     adds quantize-on-send last, sender/quantize.py).
     metrics: a prometheus_client registry (True: the default one) for update seconds, bytes and
     failures per engine (sender/metrics.py); without prometheus_client, nothing.
-    Other keywords override P2PW_ settings (see p2pweights.settings), transport options included;
+    Every other keyword is a ``sender`` setting of p2pweights.settings.REGISTRY (its P2PW_ variable
+    without the prefix, lower case: ``nixl_api="python"``, ``copy_threads=2``), overriding the variable;
     ``prepare=True`` (P2PW_PREPARE=1) starts the first connect's imports and transport agent on a
     thread at construction (sender/warmup.py): construct the sender early, connect later.
     """
@@ -108,7 +110,9 @@ class WeightSender:
         self._closed = False
         self._metrics = metrics_for(metrics)
         self._update: Update | None = None  # the update in flight
-        self.recorder: PlanRecorder | None = None  # copy plans recorded off the update path (plan_recorder.py)
+        self.recorder: PlanRecorder | None = None  # copy plans recorded off the update path (copyplans)
+        # how this sender's slots replay copy plans; a path that fails at the driver stays off for it
+        self.replay_order = ReplayOrder(threads=self.settings.copy_threads, lanes=self.settings.copy_lanes)
         self.last_version: str | None = None  # of this sender's last complete update
         self.owner = new_owner_id()  # the controller id of every session this sender opens
         # prepare=True: sglang and the model's module imported, the agent made, from now on (warmup.py)
@@ -143,8 +147,7 @@ class WeightSender:
         attaching detaches what it attached and leaves the sender disconnected. Both re-raise."""
         if self._closed:
             raise P2PWeightsError("WeightSender is closed")
-        from ..replica.identity import engine_identity
-        from ..replica.layout import EngineLayout
+        from ..replica.build_check import engine_identity
 
         phases = self.connect_phases = ConnectPhases(self.replicas)
         if self._transport is None and self._early is None:  # cold: agent (GPU slots) beside the replicas
@@ -153,7 +156,7 @@ class WeightSender:
         infos = [c.server_info() for c in clients]
         phases.lap("http server_info")
         layouts = [EngineLayout.from_server_info(info) for info in infos]
-        # same build, same architecture (replica/identity.py): refused before any replica is built
+        # same build, same architecture (replica/build_check.py): refused before any replica is built
         identities = [engine_identity(c.name, info, self.config, gpu_arch=getattr(c, "gpu_arch", None))
                       for c, info in zip(clients, infos)]
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
@@ -276,7 +279,8 @@ class WeightSender:
                           pin=self.settings.pin, device=self.settings.buffer_device)
 
     def _make_transport(self) -> Any:
-        return transports.make_sender_transport(self.settings.transport, **self.settings.transport_options())
+        return transports.make_sender_transport(self.settings.transport, nixl_api=self.settings.nixl_api,
+                                                **self.settings.transport_options())
 
     def _staging_for(self, device: Any) -> GpuStaging:
         if self._staging is None or not self._staging.fits(self._buffers.slot_bytes, device):
@@ -306,7 +310,7 @@ class WeightSender:
 
     # -- update ----------------------------------------------------------------------------------
     def update(self, version: Any, *, control: bool = True, pause_mode: str = "abort",
-               on_failure: str = "resume_if_unwritten", force: bool = False, cast: bool = False,
+               on_failure: str | FailurePolicy = FailurePolicy.RESUME_IF_UNWRITTEN, force: bool = False, cast: bool = False,
                check_finite: bool | None = None, verify: bool | None = None) -> Update:
         """An update as a context manager.
 
@@ -314,9 +318,9 @@ class WeightSender:
         ``group=``, sender 0 of the group drives it for all; without a group, one sender only
         (several senders or PP stages need ``group=``, or control=False and a coordinator).
         pause_mode: sglang's ``pause_generation`` mode (abort, retract, in_place).
-        on_failure: "resume_if_unwritten" (default: an update that failed before any write ends the
-        session without a version bump and resumes the engines) or "leave_paused" (always leave
-        them paused, session open). After a write they stay paused either way, until the next
+        on_failure: a ``control.FailurePolicy`` or its value: "resume_if_unwritten" (default: an update
+        that failed before any write ends the session without a version bump and resumes the engines)
+        or "leave_paused" (always leave them paused, session open). After a write they stay paused either way, until the next
         complete update.
         force: set ``version`` even if it does not come after this sender's last one and the
         engines' current one (numerically when both are numbers, else it must differ).
@@ -341,8 +345,8 @@ class WeightSender:
             raise P2PWeightsError(f"update {self._update.version} of this sender is still in flight; finish it "
                                   f"(or leave its with-block) before update({version!r})")
         if check_finite is None:
-            check_finite = self.settings.check_finite == "1"
-        verify = self.settings.verify == "1" if verify is None else bool(verify)
+            check_finite = self.settings.check_finite
+        verify = self.settings.verify if verify is None else bool(verify)
         if verify:
             check_engines_digest(self._engines)
         specs = {n: s for p in self._ranks for n, s in p.replica.hf_specs.items()}
@@ -354,7 +358,8 @@ class WeightSender:
                               inputs=inputs, pause_mode=pause_mode, on_failure=on_failure,
                               previous_version=self.last_version, force=force, metrics=self._metrics,
                               on_success=self._updated, verify=verify, owner=self.owner,
-                              lease=self.settings.session_lease, copy_plans=self.settings.copy_plans)
+                              lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
+                              open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order)
         return self._update
 
     def _updated(self, update: Update) -> None:
@@ -394,4 +399,8 @@ class WeightSender:
             warnings.warn("WeightSender was not closed; call close()", ResourceWarning, stacklevel=2)
 
 
-__all__ = ["WeightSender", "stage_hf_names"]
+# help(WeightSender) and editors list every sender setting as a keyword (derived from the registry)
+WeightSender.__init__.__signature__ = sender_signature(WeightSender.__init__)  # type: ignore[attr-defined]
+
+
+__all__ = ["WeightSender"]

@@ -3,13 +3,26 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .. import _native
-from ..errors import Busy, UpdateFailed, failures_of
+from ..errors import Busy, UpdateFailed
 from .buffers import TransferBuffers
+
+
+class EngineState(str, Enum):
+    """One engine's state in a writer report (csrc/writer.h's ``EngineState``; the core reports the
+    value). A ``str`` enum: it equals its value and prints it, so reports and JSON read the same."""
+
+    IDLE = "idle"      # no write was submitted for it in this update
+    OK = "ok"          # every write submitted for it landed
+    FAILED = "failed"  # a write failed or timed out; ``error`` says why
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -22,9 +35,12 @@ class EngineWriteReport:
     skipped_batches: int
     seconds: float
     gbps: float
-    state: str  # idle | ok | failed
+    state: EngineState
     error: str = ""
     peak_inflight: int = 0  # most batches posted and not yet returned at once
+
+    def __post_init__(self) -> None:
+        self.state = EngineState(self.state)  # the core's string; an unknown one is a ValueError here
 
 
 @dataclass
@@ -37,7 +53,7 @@ class WriteReport:
 
     @property
     def failures(self) -> dict[str, str]:
-        return {e.name: e.error for e in self.engines if e.state == "failed"}
+        return {e.name: e.error for e in self.engines if e.state is EngineState.FAILED}
 
     @property
     def ok(self) -> bool:
@@ -96,7 +112,7 @@ class PipelinedWriter:
                                   for r in rows])
             if not report.failures:
                 raise
-            raise UpdateFailed(failures_of(rows), report) from busy
+            raise UpdateFailed(report.failures, report) from busy
 
     def release_slot(self, slot: int) -> None:
         self._native.release_slot(slot)
@@ -121,14 +137,11 @@ class PipelinedWriter:
             rem = np.fromiter((w[3] for w in rows), dtype=np.uint64, count=len(rows))
         self._native.submit(int(slot), off, ln, eng, rem)
 
-    def submit_arrays(self, slot: int, offsets, lengths, engines, remote_addrs) -> None:
-        self._native.submit(int(slot), offsets, lengths, engines, remote_addrs)
-
     def finish(self, *, raise_on_failure: bool = True) -> WriteReport:
         rows = self._native.finish()
         report = WriteReport([EngineWriteReport(**{k: r[k] for k in EngineWriteReport.__dataclass_fields__}) for r in rows])
         if raise_on_failure and report.failures:
-            raise UpdateFailed(failures_of(rows), report)
+            raise UpdateFailed(report.failures, report)
         return report
 
     def close(self) -> None:

@@ -98,11 +98,12 @@ def make_backend(name: str, **opts: Any):
     raise ValueError(f"{name} has no Python backend")
 
 
-def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Transport":
+def make_sender_transport(name: str | None = None, nixl_api: str | None = None, **opts: Any) -> "_native.Transport":
     """A native Transport for the sender: loopback (in-process, tests), mooncake or nixl.
 
     name defaults to P2PW_TRANSPORT (mooncake). nixl is ``nixl_native.NativeNixlTransport`` (NIXL's C
-    API, no GIL) when the wheel ships it, else the Python backend (P2PW_NIXL_API).
+    API, no GIL) when the wheel ships it, else the Python backend (``nixl_api``, default P2PW_NIXL_API;
+    ignored by the other transports).
     Options go to the backend, None meaning unset —
     so ``make_sender_transport(s.transport, **s.transport_options())`` works for a Settings ``s``:
     mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin),
@@ -115,7 +116,7 @@ def make_sender_transport(name: str | None = None, **opts: Any) -> "_native.Tran
     if name == "nixl":  # native (NIXL's C API, no GIL) or Python, by P2PW_NIXL_API
         from .nixl_native import make_nixl_transport
 
-        return make_nixl_transport(**_options(name, opts))
+        return make_nixl_transport(api=nixl_api, **_options(name, opts))
     return _native.PyTransport(make_backend(name, **opts))
 
 

@@ -37,15 +37,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import Busy, NotFound, RemoteDisconnected, TransportError
+from ..errors import Busy, NotFound, RemoteDisconnected, TransportError, code_of
 from ..settings import value
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
 
 NAME = "mooncake"
 
 TCP_LANES_PER_PEER = 16  # MC_TCP_LANES_PER_PEER unless set (see new_engine)
-IN_PROGRESS, DONE = 1, 0
-TIMEOUT, REMOTE_DISCONNECTED, TRANSPORT_ERROR = -2, -3, -4
+# the native status codes poll returns (plain ints: PyTransport reads an int)
+IN_PROGRESS, DONE = code_of("IN_PROGRESS"), code_of("OK")
+TIMEOUT, REMOTE_DISCONNECTED, TRANSPORT_ERROR = code_of("TIMEOUT"), code_of("REMOTE_DISCONNECTED"), code_of("TRANSPORT_ERROR")
 _BAD_BATCH = {0, -1, (1 << 64) - 1}
 
 

@@ -43,14 +43,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import NotFound, RemoteDisconnected, TransportError
+from ..errors import NotFound, RemoteDisconnected, TransportError, code_of
 from ..settings import value
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
 
 NAME = "nixl"
 
-IN_PROGRESS, DONE = 1, 0
-REMOTE_DISCONNECTED, TRANSPORT_ERROR = -3, -4
+# the native status codes poll returns (plain ints: PyTransport reads an int)
+IN_PROGRESS, DONE = code_of("IN_PROGRESS"), code_of("OK")
+REMOTE_DISCONNECTED, TRANSPORT_ERROR = code_of("REMOTE_DISCONNECTED"), code_of("TRANSPORT_ERROR")
 
 
 def _rdma_devices() -> list[str]:

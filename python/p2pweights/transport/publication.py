@@ -26,7 +26,7 @@ table whose entries overlap or leave the registered memory (:meth:`EnginePublica
 and a session id that is not the rank's own (:func:`check_sessions`); docs/transports.md says what
 "own" means. They also publish the rank's own build, ``"device_arch": "sm90"`` (``cpu`` for a GPU
 rank's layout held in host memory) and ``"sglang_version"``, which connect checks against the
-engine's ``/server_info`` and the sender's sglang (``replica/identity.py``).
+engine's ``/server_info`` and the sender's sglang (``replica/build_check.py``).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class EnginePublication:
     registered: list[tuple[int, int]] = field(default_factory=list)
     registered_from: str = ""      # the address the rank's registration came from (p2pweights receivers)
     # the rank's own build (p2pweights receivers; sglang publishes neither): what connect's
-    # same-build check (replica/identity.py) compares with the engine's and the sender's
+    # same-build check (replica/build_check.py) compares with the engine's and the sender's
     device_arch: str = ""          # "sm90", "gfx942", "cpu" (a GPU rank's layout in host memory)
     sglang_version: str = ""       # the sglang the rank's model classes and post-processing come from
 

@@ -1,6 +1,7 @@
-"""The digest of a byte range, and an engine rank's digests of the parameters it holds
-(``update(verify=True)``: the sender digests the slot bytes it wrote with the same function and
-compares, before the engines resume).
+"""The digest of a byte range, and an engine rank's digests of the parameters it holds: the wire
+format of ``update(verify=True)`` (``POST /p2pw_weights_digest``). The sender digests the slot bytes
+it wrote with the same function and compares, before the engines resume; here, below both sides, so
+that neither imports the other.
 
 The digest (:data:`ALGORITHM`): the bytes as little-endian 64-bit words ``w_i`` (the last one
 zero-padded), laid out in rows of :data:`ROW_WORDS`, and three sums mod 2**64: ``S = sum(w_i)``,

@@ -8,7 +8,7 @@ post-processing. At connect (:func:`engine_identity`, then :meth:`EngineIdentity
 each rank's publication):
 
 - **sglang version**: the engine's (``/server_info`` ``version``; a rank's publication
-  ``sglang_version``) must equal the sender's (``importlib.metadata``). An engine that reports none
+  ``sglang_version``) must equal the sender's (``models/sglang_version.py``). An engine that reports none
   is refused for FP8 layouts and warned about otherwise.
 - **GPU architecture**: any for BF16 layouts (post-processing keeps them). FP8 block-quantized
   layouts only where post-processing keeps the checkpoint's bytes: Hopper (``sm90``), and a
@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from ..errors import EngineMismatch
+from ..models.sglang_version import sglang_version
 
 #: architectures whose post-processing keeps an FP8 block-quantized checkpoint's bytes
 FP8_ARCHS = ("sm90", "cpu")
@@ -85,13 +86,8 @@ class ReplicaEnvironment:
 
 @lru_cache(maxsize=1)
 def replica_environment() -> ReplicaEnvironment:
-    """The sglang this process's replicas are built with (read without importing it)."""
-    from importlib import metadata
-
-    try:
-        return ReplicaEnvironment(metadata.version("sglang"))
-    except metadata.PackageNotFoundError:
-        return ReplicaEnvironment(None)
+    """The sglang this process's replicas are built with."""
+    return ReplicaEnvironment(sglang_version())
 
 
 def _version(value: Any) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Container, Mapping
 
 from ..errors import LayoutSpecError, UnsupportedLayout
-from .refusals import SPECULATIVE_KEYS, check_parallelism, check_speculative
+from .layout_refusals import SPECULATIVE_KEYS, check_parallelism, check_speculative
 
 # Server args that decide a rank's parameter bytes, with sglang 0.5.23's defaults. The replica is
 # built from these and nothing else, so what is not listed here cannot leak into its bytes.
@@ -255,7 +255,7 @@ class EngineLayout:
             raise UnsupportedLayout(
                 f"engine flag max_ep_size={max_ep!r} is not supported: elastic EP scale-up changes the expert layout"
             )
-        check_parallelism(merged)  # pp, moe_dp, attn_cp, dcp: refusals.py says what sglang does and why
+        check_parallelism(merged)  # pp, moe_dp, attn_cp, dcp: layout_refusals.py says what sglang does and why
         check_speculative(merged)  # an engine running a draft is never treated as target-only
         tp = int(merged["tp_size"])
         if tp < 1:

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+from enum import Enum
 from typing import Any, Callable
 
 from ..control import protocol as p
@@ -32,6 +33,18 @@ from ..settings import value as setting
 logger = logging.getLogger(__name__)
 
 ANONYMOUS = ""  # the owner of calls that carry no owner header
+
+
+class SessionState(str, Enum):
+    """The engine's weight-update session, as ``/server_info`` ``p2pw_weight_update.state`` and
+    ``/health`` report it. A ``str`` enum: it equals its value, so the JSON stays the same."""
+
+    NONE = "none"    # no session: the engine generates (or is merely paused)
+    OPEN = "open"    # an owner holds it (maybe healing torn weights: see ``torn``)
+    TORN = p.TORN    # no owner holds it (expired, given up): the weights may be partly written
+
+    def __str__(self) -> str:
+        return self.value
 
 #: verbs a torn engine still accepts: pausing, taking the session over (begin), and joining or
 #: leaving a broadcast group (neither touches the weights)
@@ -77,20 +90,19 @@ class SessionKeeper:
 
     # ---- what the engine says about itself ----------------------------------------------------
     def state(self) -> dict:
-        """``{"state": "none" | "open" | "torn", "owner", "age_s", "lease_s", "torn": why or None}``."""
+        """``{"state": SessionState, "owner", "age_s", "lease_s", "torn": why or None}``."""
         with self._lock:
             self._expire()
             if not self.open:
-                return {"state": "none"}
+                return {"state": SessionState.NONE}
             now = self._clock()
-            # "open": an owner holds it (healing torn weights, maybe: see "torn"); "torn": none does
-            return {"state": "open" if self.owner is not None else p.TORN, "owner": self.owner,
+            return {"state": SessionState.OPEN if self.owner is not None else SessionState.TORN, "owner": self.owner,
                     "age_s": round(now - self.opened_at, 3), "lease_s": self.lease, "torn": self.torn}
 
     def health(self) -> dict | None:
         """The body of ``/health``: None (sglang's empty body) unless a session is open or torn."""
         state = self.state()
-        if state["state"] == "none":
+        if state["state"] is SessionState.NONE:
             return None
         if state["torn"]:
             return {"status": p.TORN, "message": f"engine {self.engine}: weights are {p.TORN}: {state['torn']}",

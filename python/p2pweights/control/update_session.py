@@ -1,8 +1,8 @@
-"""Many engines at once: ``call_engines`` (one verb on every engine, concurrently, each engine's
-failure collected) and ``UpdateSession`` (the control plane of one weight update on many engines).
+"""The client side of one weight update on many engines: ``UpdateSession`` (the control plane of
+the update) and ``FailurePolicy`` (what becomes of the engines when it fails).
 
 One update, seen from the control plane (``UpdateSession`` does exactly this, on many engines at
-once)::
+once, through ``engine_calls.call_engines``)::
 
     pause_generation -> begin_weight_update -> (the one-sided writes) ->
         end_weight_update -> update_weight_version(abort_all_requests=false) -> continue_generation
@@ -15,22 +15,21 @@ succeeded (DESIGN invariant 3). What happens to an engine whose update failed is
 A session has an owner (docs/protocol.md, "Sessions: owner and lease"): every ``UpdateSession`` is
 a controller with its own owner id (``control.lease``), sent on every call; a receiver refuses
 other controllers' calls while the session is live (``SessionConflict``), and the owner renews
-its lease while it writes.
+its lease while it writes. The engine's side of it is ``receiver/session_keeper.py``.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from enum import Enum
+from typing import Any, Callable, Iterable
 
-from ..errors import EngineError, EnginesFailed, SessionConflict, UpdateRefused
+from ..errors import EngineError, SessionConflict, UpdateRefused
 from ..settings import value as setting
+from . import error_answers
 from . import protocol as p
+from .engine_calls import EngineCalls, call_engines, check_unique_names, engines_failed, verb_log
 from .lease import CLAIMS, LeaseRenewer, new_owner_id
 from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
 from .sglang import SglangEngine
@@ -38,79 +37,35 @@ from .sglang import SglangEngine
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineCalls:
-    """What one verb did on each engine: ``results`` (name -> answer) and ``errors`` (name -> error)."""
+class FailurePolicy(str, Enum):
+    """What becomes of the engines when an update fails after they were paused: one vocabulary for
+    ``UpdateSession(on_failure=)`` and ``WeightSender.update(on_failure=)``. A ``str`` enum: the
+    values below are what callers pass and what logs and JSON show."""
 
-    verb: str
-    results: dict[str, Any] = field(default_factory=dict)
-    errors: dict[str, BaseException] = field(default_factory=dict)
+    #: nothing was written (by any sender): end the session without a version bump and generate
+    #: again, the weights untouched; once anything may have been written, as ``leave_paused``
+    RESUME_IF_UNWRITTEN = "resume_if_unwritten"
+    #: no end, no bump: stay paused with the session open at the old version, given up by its owner
+    #: (torn: the engine refuses to generate until a complete update, which heals it)
+    LEAVE_PAUSED = "leave_paused"
+    #: no end, no bump, but ``continue_generation`` at once: partly written weights served under the
+    #: old version label, the session open. Only for trainers that tolerate that
+    CONTINUE_UNFINISHED = "continue_unfinished"
 
-    @property
-    def ok(self) -> bool:
-        return not self.errors
+    def __str__(self) -> str:  # the value, as a plain str would print (not "FailurePolicy.X")
+        return self.value
 
-    def raise_for_errors(self) -> None:
-        """One EnginesFailed (an EngineError) naming every failed engine and why; ``.failures`` maps
-        name -> text, ``.errors`` name -> exception."""
-        if self.errors:
-            raise _engines_failed(self.verb, self.errors)
-
-
-def _engines_failed(verb: str, errors: Mapping[str, BaseException]) -> EnginesFailed:
-    return EnginesFailed(dict(errors), what=verb)
-
-
-#: where call_engines records (verb, seconds, engines) while ``recording_verbs()`` is active
-_verb_log: ContextVar[list | None] = ContextVar("p2pw_verb_log", default=None)
-
-
-@contextmanager
-def recording_verbs() -> Iterator[list[tuple[str, float, int]]]:
-    """Within the block, every ``call_engines`` of this thread appends (verb, seconds, number of
-    engines) to the list it yields: the sender logs each control phase from it."""
-    log: list[tuple[str, float, int]] = []
-    token = _verb_log.set(log)
-    try:
-        yield log
-    finally:
-        _verb_log.reset(token)
-
-
-def call_engines(engines: Iterable[SglangEngine], verb: str | Callable[[SglangEngine], Any], *args: Any,
-                 **kwargs: Any) -> EngineCalls:
-    """Run ``verb`` (an SglangEngine method name, or a callable taking the engine) on every engine
-    concurrently, one thread each; never raises for an engine's failure, collects it instead."""
-    engines = list(engines)
-    _check_unique_names(engines)
-    label = verb if isinstance(verb, str) else getattr(verb, "__name__", "call")
-    calls = EngineCalls(verb=label)
-    if not engines:
-        return calls
-
-    def one(engine: SglangEngine) -> Any:
-        if isinstance(verb, str):
-            return getattr(engine, verb)(*args, **kwargs)
-        return verb(engine, *args, **kwargs)
-
-    t0 = time.perf_counter()
-    if len(engines) == 1:  # one engine: in this thread (a thread's start is a tenth of a verb's round trip)
+    @classmethod
+    def parse(cls, value: "str | FailurePolicy", allowed: Iterable["FailurePolicy"] | None = None) -> "FailurePolicy":
+        """``value`` as a policy, one of ``allowed`` (default: every policy); ValueError otherwise."""
+        allowed = tuple(allowed or cls)
         try:
-            calls.results[engines[0].name] = one(engines[0])
-        except Exception as e:  # noqa: BLE001 - every engine's failure is data here
-            calls.errors[engines[0].name] = e
-    else:
-        with ThreadPoolExecutor(max_workers=min(len(engines), 64), thread_name_prefix=f"p2pw-{label}") as pool:
-            futures = {e.name: pool.submit(one, e) for e in engines}
-            for name, fut in futures.items():
-                try:
-                    calls.results[name] = fut.result()
-                except Exception as e:  # noqa: BLE001 - every engine's failure is data here
-                    calls.errors[name] = e
-    log = _verb_log.get()
-    if log is not None:
-        log.append((label, time.perf_counter() - t0, len(engines)))
-    return calls
+            policy = cls(value)
+        except (ValueError, TypeError):
+            policy = None
+        if policy not in allowed:
+            raise ValueError(f"on_failure must be one of {', '.join(p.value for p in allowed)}, got {value!r}")
+        return policy
 
 
 def _folded(engine: SglangEngine, answer: Any) -> bool:
@@ -123,7 +78,7 @@ def _folded(engine: SglangEngine, answer: Any) -> bool:
     for verb in ("update_weight_version", "continue_generation"):
         said = then.get(verb)
         if not (isinstance(said, dict) and said.get("success") is not False):
-            error = p.ErrorAnswer.of(said)
+            error = error_answers.ErrorAnswer.of(said)
             raise _StepFailed(verb, error.exception(
                 f"engine {engine.name} ({engine.base_url}): {verb} after end_weight_update failed: "
                 f"{error.message or 'no answer for it'}", engine=engine.name))
@@ -160,14 +115,6 @@ class _InThread:
         return self._value
 
 
-def _check_unique_names(engines: Sequence[SglangEngine]) -> None:
-    seen: dict[str, str] = {}
-    for e in engines:
-        if e.name in seen:
-            raise ValueError(f"two engines are named {e.name!r} ({seen[e.name]} and {e.base_url}); pass name=")
-        seen[e.name] = e.base_url
-
-
 # ---- the update session ----------------------------------------------------------------------
 
 #: per-engine outcomes recorded in UpdateSession.outcome
@@ -175,7 +122,7 @@ UPDATED = "updated"                  # ended, version bumped, generating again
 ROLLED_BACK = "rolled back"          # opening failed elsewhere before any write: ended without bump, generating
 RESUMED_GENERATION = "generating"    # paused but never opened: continued, nothing changed
 LEFT_PAUSED = "paused, session open" # writes may have landed: paused, session open, old version
-CONTINUED_UNFINISHED = "generating, session open"  # on_failure="continue": serving partly written weights
+CONTINUED_UNFINISHED = "generating, session open"  # CONTINUE_UNFINISHED: serving partly written weights
 FAILED = "failed"                    # a control call on this engine failed; see errors
 
 
@@ -210,9 +157,10 @@ class UpdateSession:
     failed ones.
 
     Failure inside the block (a write failed, a timeout, any exception): no engine is told to end
-    the update or bump its version (DESIGN invariant 3). What happens next is ``on_failure``:
+    the update or bump its version (DESIGN invariant 3). What happens next is ``on_failure``
+    (a :class:`FailurePolicy` or its value):
 
-    - ``"stay_paused"`` (default): every engine stays paused with its session open and its old
+    - ``"leave_paused"`` (default): every engine stays paused with its session open and its old
       version; a receiver is told the owner gave the session up (its weights are torn: it refuses
       to generate until a complete update, which any controller may start at once). Why: after
       ``begin`` an sglang engine's parameters may be partly overwritten and, for
@@ -223,7 +171,10 @@ class UpdateSession:
       healed by the next update (which takes the session over and rewrites every byte), or by hand
       (``begin`` to take it over, ``end_weight_update`` + ``continue_generation``) if you accept the
       torn weights.
-    - ``"continue"``: ``continue_generation`` without ending or bumping: the engine serves again
+    - ``"resume_if_unwritten"``: as ``"leave_paused"``, unless the caller says nothing was written
+      (``abort(reason, written=False)``): then as :meth:`roll_back` (the block's exit cannot see the
+      writes, so it assumes they may have landed).
+    - ``"continue_unfinished"``: ``continue_generation`` without ending or bumping: the engine serves again
       right away, on partly written weights, under the old version label, with its session open.
       Only for trainers that tolerate that (unquantized models, off-policy-tolerant RL).
 
@@ -235,22 +186,20 @@ class UpdateSession:
     """
 
     def __init__(self, engines: SglangEngine | Iterable[SglangEngine], version: str | int, *,
-                 pause_mode: str = "abort", selector: str = "all", on_failure: str = "stay_paused",
+                 pause_mode: str = "abort", selector: str = "all", on_failure: str | FailurePolicy = FailurePolicy.LEAVE_PAUSED,
                  torch_empty_cache: bool = True, owner: str | None = None, lease: float | None = None):
         self.engines = [engines] if isinstance(engines, SglangEngine) else list(engines)
         if not self.engines:
             raise ValueError("UpdateSession needs at least one engine")
-        _check_unique_names(self.engines)
+        check_unique_names(self.engines)
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if selector not in SELECTORS:
             raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got {selector!r}")
-        if on_failure not in ("stay_paused", "continue"):
-            raise ValueError(f"on_failure must be 'stay_paused' or 'continue', got {on_failure!r}")
         self.version = str(version)
         self.pause_mode = pause_mode
         self.selector = selector
-        self.on_failure = on_failure
+        self.on_failure = FailurePolicy.parse(on_failure)
         self.torch_empty_cache = torch_empty_cache
         self.outcome: dict[str, str] = {}
         self.errors: dict[str, BaseException] = {}
@@ -337,7 +286,7 @@ class UpdateSession:
         self._done()
         if owned_elsewhere:  # an EnginesFailed that is also a SessionConflict
             raise UpdateRefused(dict(self.errors), what="opening the weight update")
-        raise _engines_failed("opening the weight update", self.errors)
+        raise engines_failed("opening the weight update", self.errors)
 
     def check_in_soon(self) -> None:
         """Start the last lease check-in now, on a thread, so that it overlaps the last writes (the
@@ -392,7 +341,7 @@ class UpdateSession:
 
         finished = call_engines([e for e in self.engines if e.name not in stalled], end_version_continue)
         self._renewer.stop()
-        log = _verb_log.get()
+        log = verb_log.get()
         if log is not None:  # per verb, as if each had run on every engine at once
             log[:] = [x for x in log if x[0] != "end_version_continue"]
             log += [(verb, seconds, len(self.engines)) for verb, seconds in steps.items()]
@@ -413,19 +362,23 @@ class UpdateSession:
         self._renewer.release([e for e in self.engines if e.name in not_ended])  # torn until healed
         self._done()
         if self.errors:
-            raise _engines_failed(f"finishing weight update {self.version}", self.errors)
+            raise engines_failed(f"finishing weight update {self.version}", self.errors)
 
-    def abort(self, reason: str = "") -> None:
+    def abort(self, reason: str = "", *, written: bool = True) -> None:
         """The update failed: no end, no version bump; then ``on_failure`` (see the class doc).
-        Never raises for the engines' sake (the caller is already handling the real error)."""
+        ``written``: whether any write of this update may have landed (only ``resume_if_unwritten``
+        asks). Never raises for the engines' sake (the caller is already handling the real error)."""
+        if not written and self.on_failure is FailurePolicy.RESUME_IF_UNWRITTEN:
+            self.roll_back(reason)
+            return
         self._require_open("abort")
         self._state = "aborted"
         self._settle_check_in()
         if reason:
             logger.warning("weight update %s failed (%s): engines %s", self.version, reason,
-                           "stay paused with their session open" if self.on_failure == "stay_paused"
-                           else "continue without ending the update")
-        if self.on_failure == "continue":
+                           "continue without ending the update" if self.on_failure is FailurePolicy.CONTINUE_UNFINISHED
+                           else "stay paused with their session open")
+        if self.on_failure is FailurePolicy.CONTINUE_UNFINISHED:
             continued = call_engines(self.engines, "continue_generation", self.torch_empty_cache)
             self.errors.update(continued.errors)
             for e in self.engines:

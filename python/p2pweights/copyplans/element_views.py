@@ -1,13 +1,17 @@
-"""Replay of a recorded copy plan as element views: the path GPU slots take where the native CUDA
-copies (replica/native_copies.py) are off (replica/copy_plan.py).
+"""Replay of a recorded copy plan as element views: the last path of every replay order (replay.py),
+for slots the native copies cannot take (inputs on another device, native copies off).
 
 Each op becomes a view of its region's element size (no widening, no folding) and the whole group
 goes to one ``torch._foreach_copy_`` (plus one ``torch._foreach_zero_``): on the H200 that beat the
 wide copies, whose per-op dispatch bounds a GPU slot (benchmarks/RESULTS.md).
+
+:func:`int_dtype` is the one map from an element size to the integer dtype that views it.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
+
+from .group_plan import NotACopy
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +22,10 @@ _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 def int_dtype(size: int) -> "torch.dtype":
     import torch
 
-    return getattr(torch, _INT_OF_SIZE[size])
+    try:
+        return getattr(torch, _INT_OF_SIZE[size])
+    except KeyError:
+        raise NotACopy("", f"element size {size} has no integer view") from None
 
 
 def run_element_ops(ops: Sequence[Any], regions: Sequence[Any], itemsizes: Sequence[int],

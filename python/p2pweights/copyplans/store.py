@@ -1,25 +1,32 @@
-"""Copy plans on disk, next to their replica's cached loader mapping (``P2PW_REPLICA_CACHE_DIR``).
+"""Where copy plans are kept: with their replica in this process (:class:`ReplicaPlans`, one per
+replica: verified plans, unverified ones, refusals) and on disk next to the replica's cached loader
+mapping (``P2PW_REPLICA_CACHE_DIR``).
 
 Recording a replica's plans costs seconds (the loaders run on index-encoded inputs, once or twice
 per group); a process that finds them on disk skips that. One file per replica, named and stamped
 with the replica key's digest (model config hash, layout, rank, role, sglang and package versions)
 and :data:`PLAN_FORMAT`. A file is untrusted: an entry whose format, key, group (HF names, regions,
-element sizes) or op bounds do not match is dropped and recorded again, and a plan that passes
-still has its first replay checked byte for byte against the loaders (sender/replay.py) before
-any slot gets its bytes from it.
+element sizes) or native check (program.py: bounds and overlaps) do not match is dropped and
+recorded again, and a plan that passes still has its first replay checked byte for byte against the
+loaders (sender/slot_producer.py) before any slot gets its bytes from it.
 """
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .copy_plan import GroupPlan
-from .groups import ParameterGroup, SlotRegion
+from ..replica.groups import ParameterGroup, SlotRegion
+from .group_plan import GroupPlan
+from .program import program_of
 
 if TYPE_CHECKING:
-    from .replica import ModelReplica
+    from ..replica.replica import ModelReplica
+
+logger = logging.getLogger("p2pweights.copyplans")
 
 PLAN_FORMAT = 1  # bump when GroupPlan's ops or this file's layout change
 
@@ -55,15 +62,6 @@ def save_plans(path: str, digest: str, plans: Mapping[int, GroupPlan], refused: 
     os.replace(tmp, path)
 
 
-def _input_nbytes(shape: Sequence[int], dtype: str) -> int:
-    import torch
-
-    kind = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(kind, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype}")
-    return math.prod(shape) * kind.itemsize
-
-
 def _plan_of(group: ParameterGroup, itemsizes: Sequence[int], body: Mapping[str, Any]) -> GroupPlan:
     """The stored plan of ``group``, or ValueError/KeyError/TypeError if it is not the group's."""
     regions = tuple(SlotRegion(str(n), int(o), int(b)) for n, o, b in body["regions"])
@@ -75,7 +73,7 @@ def _plan_of(group: ParameterGroup, itemsizes: Sequence[int], body: Mapping[str,
     ops = [(int(i), int(r), int(d), int(s), tuple(int(x) for x in n), tuple(int(x) for x in ds),
             tuple(int(x) for x in ss)) for i, r, d, s, n, ds, ss in body["ops"]]
     plan = GroupPlan(group.index, tuple(group.hf_names), specs, regions, tuple(itemsizes), ops)
-    plan.check_bounds([_input_nbytes(shape, dtype) for shape, dtype in specs])
+    program_of(plan)  # the native check (bounds, overlaps): PlanRefused, a ValueError
     return plan
 
 
@@ -106,3 +104,67 @@ def load_plans(path: str, digest: str, replica: "ModelReplica") -> tuple[dict[in
     refused = {int(k): str(v) for k, v in refused_in.items()
                if str(k).isdigit() and int(k) < len(groups) and int(k) not in plans}
     return plans, refused
+
+
+class ReplicaPlans:
+    """The copy plans of one replica: group index -> verified plan, or the reason it has none."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, GroupPlan] = {}
+        self.refused: dict[int, str] = {}  # group index -> why it stays on the loader path
+        self.unverified: dict[int, GroupPlan] = {}  # read from disk, not yet checked against the loaders
+        self.lock = threading.Lock()  # guards the dicts above
+        self.loaders = threading.Lock()  # held while the replica's loaders run (update or recorder)
+        self.path: str | None = None  # the disk file, if the replica has a cache
+        self.digest = ""
+        self.loaded = 0  # plans read from disk
+        self.dropped = 0  # plans read from disk whose first replay differed from the loaders
+        self.background = 0  # plans recorded by the background recorder (background_recorder.py)
+
+    def known(self, index: int) -> bool:
+        return index in self.plans or index in self.refused
+
+    def save(self) -> None:
+        """Write the verified and the still unverified plans to disk (if the replica has a cache)."""
+        if self.path:
+            with self.lock:
+                plans, refused = {**self.unverified, **self.plans}, dict(self.refused)
+            try:
+                save_plans(self.path, self.digest, plans, refused)
+            except OSError as e:  # the cache only saves time
+                logger.warning("could not save copy plans to %s: %s", self.path, e)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.plans.values())
+
+
+_PLANS: "weakref.WeakKeyDictionary[Any, ReplicaPlans]" = weakref.WeakKeyDictionary()
+_PLANS_LOCK = threading.Lock()
+
+
+def plans_of(replica: Any) -> ReplicaPlans:
+    """The process's plans of one replica (created empty; dropped with the replica): plans belong to
+    the replica as its loader mapping does (one replica per shard layout per process)."""
+    with _PLANS_LOCK:
+        plans = _PLANS.get(replica)
+        if plans is None:
+            plans = _PLANS[replica] = ReplicaPlans()
+            plans.path = plan_path(replica)
+            if plans.path:
+                plans.digest = replica.key.digest()
+                plans.unverified, plans.refused = load_plans(plans.path, plans.digest, replica)
+                plans.loaded = len(plans.unverified)
+        return plans
+
+
+def background_recorded(replicas: Sequence[Any]) -> int:
+    """Plans of these replicas (each once) that the background recorder recorded."""
+    seen: dict[int, Any] = {id(r): r for r in replicas}
+    return sum(plans_of(r).background for r in seen.values())
+
+
+def plan_memory(replicas: Sequence[Any]) -> int:
+    """Bytes the recorded plans of these replicas hold (each replica once)."""
+    seen: dict[int, Any] = {id(r): r for r in replicas}
+    return sum(plans_of(r).nbytes for r in seen.values())

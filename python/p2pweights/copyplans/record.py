@@ -21,137 +21,28 @@ Compression: per parameter, runs of consecutive ids become contiguous copies; ru
 length with constant strides in source and destination merge into strided blocks (a column
 shard of a row-parallel weight is one 2-D copy); blocks merge again into up to 4-D copies.
 
-A plan is applied by :meth:`GroupPlan.replay`: where the native core can, as one call of 2-D byte
-copies (native_copies.py: memcpy threads on a host, CUDA driver copies on a GPU); else as torch
-views — element views in one multi-tensor copy on a GPU (element_ops.py), wide byte copies on a
-host (byte_copies.py). Plans on disk: plan_store.py.
+A recorded plan is compiled and checked by the native core before it is returned (program.py): a
+plan the check refuses, or one too fragmented to compile, is :class:`NotACopy` like a computing
+loader, and its group stays on the loader path.
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..errors import LayoutMismatch
-from .byte_copies import _WIDTHS, Op, WideOp, byte_ops, run_wide_ops, widen_ops  # noqa: F401 - re-exported
-from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion
+from ..replica.groups import ParameterGroup, SlotRegion
+from .element_views import int_dtype as _int_dtype
+from .group_plan import MAX_DIMS, GroupPlan, NotACopy, Op
+from .program import PlanRefused, program_of
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from .replica import ModelReplica
+    from ..replica.replica import ModelReplica
+    from .replay import ReplayOrder
 
-MAX_DIMS = 4  # a copy op has at most this many dimensions
 _CHUNK = 1 << 24  # elements encoded or decoded at a time (bounds the int64 temporaries)
-_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-# one op (byte_copies.Op): (input index or -1 for a zero fill, region index, dst offset, src offset,
-# sizes, dst strides, src strides); offsets and strides in elements of the region's dtype size
-
-
-class NotACopy(Exception):
-    """The loaders' bytes for a parameter are not a pure copy of input bytes (why, parameter)."""
-
-    def __init__(self, parameter: str, why: str):
-        super().__init__(f"{parameter}: {why}")
-        self.parameter = parameter
-        self.why = why
-
-
-def _int_dtype(size: int) -> "torch.dtype":
-    import torch
-
-    try:
-        return getattr(torch, _INT_OF_SIZE[size])
-    except KeyError:
-        raise NotACopy("", f"element size {size} has no integer view") from None
-
-
-@dataclass
-class GroupPlan:
-    """How to produce one group's slot bytes from its HF inputs without the loaders."""
-
-    group_index: int
-    inputs: tuple[str, ...]  # HF names, in the order ops index them
-    input_specs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) per input, as recorded
-    regions: tuple[SlotRegion, ...]  # the group's parameters, offsets from the group's start
-    itemsizes: tuple[int, ...]  # element size of each region
-    ops: list[Op] = field(default_factory=list)
-    _wide: list["WideOp"] | None = field(default=None, repr=False, compare=False)
-    _program: Any = field(default=None, repr=False, compare=False)  # native_copies.program_of's cache
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the plan holds (its op tuples), for the report."""
-        total = sys.getsizeof(self.ops)
-        for op in self.ops:
-            total += sys.getsizeof(op) + sum(sys.getsizeof(t) for t in op[4:])
-        return total
-
-    def accepts(self, tensors: Mapping[str, "torch.Tensor"]) -> bool:
-        """The inputs have the shapes and dtypes the plan was recorded with."""
-        for name, (shape, dtype) in zip(self.inputs, self.input_specs):
-            t = tensors.get(name)
-            if t is None or tuple(t.shape) != shape or str(t.dtype) != dtype:
-                return False
-        return True
-
-    @property
-    def wide_ops(self) -> list["WideOp"]:
-        """The ops as byte copies of the widest integer elements they allow (compiled once)."""
-        if self._wide is None:
-            self._wide = widen_ops(self.ops, self.regions, self.itemsizes)
-        return self._wide
-
-    def check_bounds(self, input_nbytes: Sequence[int]) -> None:
-        """Raise ValueError unless every op stays inside its region and its input (a plan read from
-        disk is untrusted: an op reaching past its region could write another parameter's bytes)."""
-        if len(input_nbytes) != len(self.inputs) or len(self.itemsizes) != len(self.regions):
-            raise ValueError("plan inputs or regions do not match its group")
-        for inp, reg, d_off, s_off, sizes, d_str, s_str in self.ops:
-            if not (-1 <= inp < len(self.inputs) and 0 <= reg < len(self.regions)) or not sizes:
-                raise ValueError("op names no input or region of its group")
-            if len(sizes) != len(d_str) or len(sizes) != len(s_str) or min(sizes) < 1:
-                raise ValueError("op has a malformed shape")
-            size = self.itemsizes[reg]
-            for off, strides, limit in ((d_off, d_str, self.regions[reg].nbytes // size),
-                                        (s_off, s_str, input_nbytes[inp] // size if inp >= 0 else 1)):
-                if inp < 0 and strides is s_str:
-                    continue
-                if off < 0 or min(strides) < 0 or off + sum((n - 1) * st for n, st in zip(sizes, strides)) >= limit:
-                    raise ValueError("op reaches outside its region or input")
-
-    def replay(self, tensors: Mapping[str, "torch.Tensor"], slot: "torch.Tensor", offset: int) -> list[SlotRegion]:
-        """Write the group's bytes into ``slot`` from ``offset`` (as ``materialize_group`` would)."""
-        if offset % SLOT_ALIGNMENT or slot.numel() < offset + self.regions[-1].offset + self.regions[-1].nbytes:
-            raise LayoutMismatch(f"group {self.group_index} does not fit in a slot of {slot.numel()} bytes at {offset}")
-        # every path reads an input as laid out contiguously from its first element (the torch
-        # views index its storage): a strided input is copied contiguous first
-        inputs = [t if t.is_contiguous() else t.contiguous() for t in (tensors[n] for n in self.inputs)]
-        from .native_copies import replay_natively
-
-        if replay_natively(self, inputs, slot, offset):  # the native core's batched copies (see there)
-            pass
-        elif slot.device.type == "cuda":
-            # measured on the H200 in one run (benchmarks/bench_replay.py): one multi-tensor copy of
-            # element views per group beat the wide copies 1.7x (Qwen3-4B TP2) and 2.2x (Qwen3-30B
-            # EP8): a GPU slot is bound by the per-op launch and dispatch cost, not by element width
-            from .element_ops import run_element_ops
-
-            run_element_ops(self.ops, self.regions, self.itemsizes, inputs, slot[offset:])
-        else:
-            run_wide_ops(self.wide_ops, inputs, slot, slot.storage_offset() * slot.element_size() + offset)
-        return self.regions_at(offset)
-
-    def regions_at(self, offset: int) -> list[SlotRegion]:
-        """The group's parameters as regions of a slot it was written into from ``offset``."""
-        return [SlotRegion(r.param_name, offset + r.offset, r.nbytes) for r in self.regions]
-
-    @property
-    def group_bytes(self) -> int:
-        """The group's bytes in a slot (its last region's end)."""
-        return self.regions[-1].offset + self.regions[-1].nbytes
+_WIDTHS = (8, 4, 2, 1)
 
 
 # -- recording ------------------------------------------------------------------------------------
@@ -413,8 +304,13 @@ def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapp
             ids = _decode(passes, region, itemsize, start, n, total_ids)
             first, inp, src, lengths = _runs(ids, starts_a, items_a, itemsize, total_ids, region.param_name)
             ops += _region_ops(index, (first + start, inp, src, lengths))
-    return GroupPlan(group.index, names, tuple((tuple(like[n].shape), str(like[n].dtype)) for n in names),
+    plan = GroupPlan(group.index, names, tuple((tuple(like[n].shape), str(like[n].dtype)) for n in names),
                      tuple(group.regions), tuple(region_sizes), _merge_chunk_seams(ops))
+    try:
+        program_of(plan)  # compiled and checked by the native core once, here
+    except PlanRefused as e:
+        raise NotACopy(plan.first_parameter, str(e)) from None
+    return plan
 
 
 def _merge_chunk_seams(ops: list[Op]) -> list[Op]:
@@ -432,14 +328,14 @@ def _merge_chunk_seams(ops: list[Op]) -> list[Op]:
 
 
 def differing_parameters(plan: GroupPlan, expected: "torch.Tensor", expected_offset: int,
-                         tensors: Mapping[str, "torch.Tensor"]) -> list[str]:
-    """Replay ``plan`` into scratch memory and name the parameters whose bytes differ from
-    ``expected`` (the loaders' output, at ``expected_offset``): the first replay's check."""
+                         tensors: Mapping[str, "torch.Tensor"], order: "ReplayOrder") -> list[str]:
+    """Replay ``plan`` (by ``order``) into scratch memory and name the parameters whose bytes differ
+    from ``expected`` (the loaders' output, at ``expected_offset``): the first replay's check."""
     import torch
 
     scratch = torch.empty(plan.regions[-1].offset + plan.regions[-1].nbytes, dtype=torch.uint8,
                           device=expected.device)
-    plan.replay(tensors, scratch, 0)
+    order.replay(plan, tensors, scratch, 0)
     if scratch.device.type == "cuda":
         torch.cuda.current_stream(scratch.device).synchronize()
     return [r.param_name for r in plan.regions

@@ -1,15 +1,15 @@
 """Recording copy plans in the background, off the update's critical path (``P2PW_COPY_PLANS=background``).
 
-Recording a group's plan runs its loaders on index-encoded inputs (replica/copy_plan.py): it needs
+Recording a group's plan runs its loaders on index-encoded inputs (record.py): it needs
 the HF inputs' shapes and dtypes, never their values. So right after ``WeightSender.connect`` a
 daemon thread walks the prepared ranks' groups and records each from the replica's HF specs — the
 engine checkpoint's shapes and dtypes, which is what the stager admits and, for an FP8 engine,
 what QuantizeOnSend produces — into scratch memory on the slots' device. Each plan is kept
 *unverified*, exactly like a plan read from ``P2PW_REPLICA_CACHE_DIR``: the group's next load runs
-the loaders and keeps the plan only if its replay equals their bytes (sender/replay.py).
+the loaders and keeps the plan only if its replay equals their bytes (sender/slot_producer.py).
 
 Sharing the replica: its loaders re-point the replica's parameters, so the recorder holds the
-replica's :attr:`~p2pweights.sender.replay.ReplicaPlans.loaders` lock for one group at a time, and
+replica's :attr:`~p2pweights.copyplans.store.ReplicaPlans.loaders` lock for one group at a time, and
 between groups it yields: it sleeps briefly, and waits while an update of its sender is in flight,
 so an update waits for one group's recording at most. The thread runs at the lowest CPU priority,
 records one group at a time (memory: one group's scratch), stops on ``close()`` or a reconnect, and
@@ -22,10 +22,11 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-from ..replica.copy_plan import NotACopy, record_group_plan
-from .replay import plans_of
+from .group_plan import NotACopy
+from .record import record_group_plan
+from .store import plans_of
 
-logger = logging.getLogger("p2pweights.sender")
+logger = logging.getLogger("p2pweights.copyplans")
 
 PAUSE_SECONDS = 0.002  # between groups: the trainer's threads get the GIL and the cores
 BUSY_POLL_SECONDS = 0.05  # while an update is in flight

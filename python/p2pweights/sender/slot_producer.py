@@ -1,99 +1,46 @@
 """Producing a slot's bytes: replayed copy plans where a group has a verified one, else the loaders.
 
 The first time a replica's group is loaded, its loaders run (the loader path) and its copy plan is
-recorded (replica/copy_plan.py) and replayed once into scratch memory with the same inputs: only
+recorded (p2pweights.copyplans) and replayed once into scratch memory with the same inputs: only
 a plan whose bytes equal the loaders' byte for byte is kept. From then on the group is produced
 by replaying its plan, without calling a Python loader. A group whose loaders compute (a dtype
 change, arithmetic, a derived tensor) or whose first replay differed stays on the loader path
-for good (its reason is kept in :attr:`ReplicaPlans.refused`).
+for good (its reason is kept in :attr:`~p2pweights.copyplans.ReplicaPlans.refused`).
 
 Plans live with their replica, in this process, and in ``P2PW_REPLICA_CACHE_DIR`` next to the
-replica's loader mapping (replica/plan_store.py): a process that finds them there does not record
+replica's loader mapping (copyplans/store.py): a process that finds them there does not record
 again, but treats each as unverified — the group's first load runs the loaders and the plan's
 replay must equal their bytes, or the plan is dropped and recorded afresh. A new shard layout or a
 rebuilt replica has another key, so a changed layout drops them.
 
 ``P2PW_COPY_PLANS`` (``copy_plans=``): ``on`` records on the update path as above; ``background``
-(the default) records off it, in the sender's :class:`~p2pweights.sender.plan_recorder.PlanRecorder`
+(the default) records off it, in the sender's :class:`~p2pweights.copyplans.PlanRecorder`
 thread after ``connect``, from the HF specs alone: its plans start unverified, like plans from disk,
 and a group without a plan yet only runs its loaders (nothing is recorded on the update path);
 ``off`` keeps every group on the loader path. The recorder and an update never run one replica's
 loaders at once (they re-point its parameters): :attr:`ReplicaPlans.loaders` is held per group by
-the recorder and per loader batch by the update.
+the recorder and per loader batch by the update. Replayed groups go to the sender's
+:class:`~p2pweights.copyplans.ReplayOrder` (one native call per slot; its fallbacks are its own).
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
 from typing import Any, Mapping, Sequence
 
-from ..replica.copy_plan import GroupPlan, NotACopy, differing_parameters, record_group_plan
+from ..copyplans import GroupPlan, NotACopy, ReplayOrder, ReplicaPlans, differing_parameters, plans_of, record_group_plan
 from ..replica.groups import ParameterGroup, SlotRegion
-from ..replica.native_copies import replay_slot
-from ..replica.plan_store import load_plans, plan_path, save_plans
 from .report import UpdateTimes
 
 logger = logging.getLogger("p2pweights.sender")
 
 
-class ReplicaPlans:
-    """The copy plans of one replica: group index -> verified plan, or the reason it has none."""
-
-    def __init__(self) -> None:
-        self.plans: dict[int, GroupPlan] = {}
-        self.refused: dict[int, str] = {}  # group index -> why it stays on the loader path
-        self.unverified: dict[int, GroupPlan] = {}  # read from disk, not yet checked against the loaders
-        self.lock = threading.Lock()  # guards the dicts above
-        self.loaders = threading.Lock()  # held while the replica's loaders run (update or recorder)
-        self.path: str | None = None  # the disk file (replica/plan_store.py), if the replica has a cache
-        self.digest = ""
-        self.loaded = 0  # plans read from disk
-        self.dropped = 0  # plans read from disk whose first replay differed from the loaders
-        self.background = 0  # plans recorded by the background recorder (plan_recorder.py)
-
-    def known(self, index: int) -> bool:
-        return index in self.plans or index in self.refused
-
-    def save(self) -> None:
-        """Write the verified and the still unverified plans to disk (if the replica has a cache)."""
-        if self.path:
-            with self.lock:
-                plans, refused = {**self.unverified, **self.plans}, dict(self.refused)
-            try:
-                save_plans(self.path, self.digest, plans, refused)
-            except OSError as e:  # the cache only saves time
-                logger.warning("could not save copy plans to %s: %s", self.path, e)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.plans.values())
-
-
-_PLANS: "weakref.WeakKeyDictionary[Any, ReplicaPlans]" = weakref.WeakKeyDictionary()
-_PLANS_LOCK = threading.Lock()
-
-
-def plans_of(replica: Any) -> ReplicaPlans:
-    """The process's plans of one replica (created empty; dropped with the replica)."""
-    with _PLANS_LOCK:
-        plans = _PLANS.get(replica)
-        if plans is None:
-            plans = _PLANS[replica] = ReplicaPlans()
-            plans.path = plan_path(replica)
-            if plans.path:
-                plans.digest = replica.key.digest()
-                plans.unverified, plans.refused = load_plans(plans.path, plans.digest, replica)
-                plans.loaded = len(plans.unverified)
-        return plans
-
-
 class SlotProducer:
     """Fills one engine rank's placed groups into a slot: replay or loaders (see the module)."""
 
-    def __init__(self, times: UpdateTimes, enabled: bool = True, mode: str = "on"):
+    def __init__(self, times: UpdateTimes, order: ReplayOrder | None = None, enabled: bool = True, mode: str = "on"):
         self.times = times  # counts: replayed, loader_groups, recorded, record_seconds
+        self.order = order if order is not None else ReplayOrder()
         self.mode = mode if enabled else "off"  # P2PW_COPY_PLANS: on | background | off
         self.enabled = self.mode != "off"
 
@@ -145,13 +92,11 @@ class SlotProducer:
             if self.times.recorded != recorded:
                 plans.save()
         # the slot's replayed groups in one native call (per-group calls cost ~15 us of Python
-        # each, the bound of a GPU slot); group by group where the native copies cannot
-        if replay and replay_slot([(plan, offset) for _, offset, plan in replay], tensors, target):
+        # each, the bound of a GPU slot)
+        if replay:
+            self.order.replay_slot([(plan, offset) for _, offset, plan in replay], tensors, target)
             for group, offset, plan in replay:
                 by_group[group.index] = plan.regions_at(offset)
-        else:
-            for group, offset, plan in replay:
-                by_group[group.index] = plan.replay(tensors, target, offset)
         self.times.replayed += len(replay)
         return [r for group, _ in placed for r in by_group[group.index]]
 
@@ -161,7 +106,7 @@ class SlotProducer:
         t0 = time.perf_counter()
         inputs = {n: tensors[n] for n in group.hf_names}
         try:
-            ok = not differing_parameters(plan, target, offset, inputs)
+            ok = not differing_parameters(plan, target, offset, inputs, self.order)
         except Exception:  # noqa: BLE001 - a damaged plan (bounds, shapes): record it again
             ok = False
         with plans.lock:
@@ -183,7 +128,7 @@ class SlotProducer:
         inputs = {n: tensors[n] for n in group.hf_names}
         try:
             plan = record_group_plan(replica, group, inputs, device=target.device)
-            differ = differing_parameters(plan, target, offset, inputs)
+            differ = differing_parameters(plan, target, offset, inputs, self.order)
             why = f"the first replay differs from the loaders in {', '.join(differ[:4])}" if differ else ""
         except NotACopy as e:
             plan, why = None, str(e)
@@ -197,15 +142,3 @@ class SlotProducer:
                 plans.plans[group.index] = plan
                 self.times.recorded += 1
         self.times.record_seconds += time.perf_counter() - t0
-
-
-def background_recorded(replicas: Sequence[Any]) -> int:
-    """Plans of these replicas (each once) that the background recorder recorded."""
-    seen: dict[int, Any] = {id(r): r for r in replicas}
-    return sum(plans_of(r).background for r in seen.values())
-
-
-def plan_memory(replicas: Sequence[Any]) -> int:
-    """Bytes the recorded plans of these replicas hold (each replica once)."""
-    seen: dict[int, Any] = {id(r): r for r in replicas}
-    return sum(plans_of(r).nbytes for r in seen.values())

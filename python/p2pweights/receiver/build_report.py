@@ -1,6 +1,6 @@
 """What a receiver says of its own build: the sglang version its ranks run and the GPU architecture
 each rank holds its parameters on. Senders compare both with their replica environment at connect
-(``replica/identity.py``): each rank publishes ``device_arch`` and ``sglang_version`` next to its
+(``replica/build_check.py``): each rank publishes ``device_arch`` and ``sglang_version`` next to its
 weights table, and the engine's ``/server_info`` reports ``version`` (as sglang's does) and
 ``p2pw_device_archs`` (rank -> architecture, from what the ranks registered).
 
@@ -10,19 +10,9 @@ engine (``device: cpu``, AMX repacking) by the ``device`` the engine reports (``
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Mapping
 
-
-@lru_cache(maxsize=1)
-def sglang_version() -> str | None:
-    """The sglang installed in this process's environment (None when there is none)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return None
+from ..models.sglang_version import sglang_version
 
 
 def device_arch(device: str) -> str:

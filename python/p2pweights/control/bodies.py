@@ -1,0 +1,266 @@
+"""The control plane's request and answer bodies: sglang 0.5.23's io_struct classes, field for
+field (``SGLANG`` names each one's class), p2pweights' own, and their JSON form: :func:`encode`
+and :func:`decode` (sglang's defaults for missing fields, every field's type and choices checked,
+InvalidRequest naming the field).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+from ..errors import InvalidRequest
+from .protocol import END_THEN, PAUSE_MODES, SELECTORS
+
+# ---- request bodies ------------------------------------------------------------------------------
+
+
+def _choices(options: tuple[str, ...]) -> Any:
+    return {"choices": options}
+
+
+class Body:
+    """A request or answer body. ``SGLANG`` names sglang's class of the same fields."""
+
+    SGLANG: ClassVar[str | None] = None
+
+
+@dataclass
+class PauseGenerationReq(Body):
+    SGLANG: ClassVar[str | None] = "PauseGenerationReqInput"
+    mode: str = field(default="abort", metadata=_choices(PAUSE_MODES))
+
+
+@dataclass
+class ContinueGenerationReq(Body):
+    SGLANG: ClassVar[str | None] = "ContinueGenerationReqInput"
+    torch_empty_cache: bool = True
+
+
+@dataclass
+class BeginWeightUpdateReq(Body):
+    SGLANG: ClassVar[str | None] = "BeginWeightUpdateReqInput"
+    selector: str = field(default="all", metadata=_choices(SELECTORS))
+
+
+@dataclass
+class EndWeightUpdateReq(Body):
+    """sglang's body is empty. ``extra`` carries p2pweights' ``p2pw_then`` (:data:`END_THEN`), sent
+    only to an engine whose begin answered :data:`END_FOLDS` (a receiver; never to sglang)."""
+
+    SGLANG: ClassVar[str | None] = "EndWeightUpdateReqInput"
+    extra: dict = field(default_factory=dict, metadata={"extra": True})
+
+
+@dataclass
+class UpdateWeightVersionReq(Body):
+    """sglang aborts running requests by default; p2pweights' client always sends false (the
+    engine was paused before the writes)."""
+
+    SGLANG: ClassVar[str | None] = "UpdateWeightVersionReqInput"
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass
+class CheckWeightsReq(Body):
+    """``extra``: fields sglang does not define (a receiver reads ``hf_seed`` for ``p2pw_compare``);
+    sent and received flat, next to sglang's fields."""
+
+    SGLANG: ClassVar[str | None] = "CheckWeightsReqInput"
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list | None = None
+    selector: str = field(default="all", metadata=_choices(SELECTORS))
+    extra: dict = field(default_factory=dict, metadata={"extra": True})
+
+
+@dataclass
+class GetWeightsByNameReq(Body):
+    SGLANG: ClassVar[str | None] = "GetWeightsByNameReqInput"
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class InitWeightsUpdateGroupReq(Body):
+    SGLANG: ClassVar[str | None] = "InitWeightsUpdateGroupReqInput"
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReq(Body):
+    SGLANG: ClassVar[str | None] = "UpdateWeightsFromDistributedReqInput"
+    names: list
+    dtypes: list
+    shapes: list
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: str = field(default="all", metadata=_choices(SELECTORS))
+    torch_empty_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise InvalidRequest("names, dtypes and shapes must have the same length")
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReq(Body):
+    SGLANG: ClassVar[str | None] = "DestroyWeightsUpdateGroupReqInput"
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class RegisterTransferEngineInfoReq(Body):
+    """The bootstrap server's ``PUT /register_transfer_engine_info`` (sglang parses it by hand):
+    ``transfer_engine_info`` is ``{"session_id", "weights_info_dict", <extra publication keys>}``."""
+
+    tp_rank: int
+    transfer_engine_info: dict
+
+    def __post_init__(self) -> None:
+        if self.tp_rank < 0:
+            raise InvalidRequest(f"field 'tp_rank' must be >= 0, got {self.tp_rank}")
+        missing = [k for k in ("session_id", "weights_info_dict") if k not in self.transfer_engine_info]
+        if missing:
+            raise InvalidRequest(f"field 'transfer_engine_info' needs {', '.join(map(repr, missing))}")
+
+
+@dataclass
+class RenewWeightUpdateReq(Body):
+    """p2pweights' ``POST /renew_weight_update`` (no sglang counterpart): the session's owner renews
+    its lease; ``release``: the owner gives the session up (the engine is then torn until a complete
+    update)."""
+
+    release: bool = False
+
+
+@dataclass
+class WeightsDigestReq(Body):
+    """p2pweights' ``POST /p2pw_weights_digest`` (no sglang counterpart; ``update(verify=True)``):
+    ``names`` maps an engine rank (as a string) to the parameters whose bytes it digests. The answer:
+    ``{"success": true, "algorithm": ..., "ranks": {"<rank>": {param: digest}}}`` (control.weights_digest)."""
+
+    names: dict = field(default_factory=dict)
+
+
+# ---- answer bodies ---------------------------------------------------------------------------
+
+
+@dataclass
+class Ack(Body):
+    """sglang's answer to the update verbs and the broadcast routes."""
+
+    success: bool = True
+    message: str = "Success"
+
+
+@dataclass
+class GenerationAck(Body):
+    """sglang's answer to pause_generation / continue_generation."""
+
+    message: str
+    status: str = "ok"
+
+
+@dataclass
+class WeightVersionAck(Body):
+    message: str
+    new_version: str
+    success: bool = True
+
+
+@dataclass
+class TransferEngineInfo(Body):
+    """One engine rank's publication: sglang's ``[session_id, {param: [ptr, numel, elem_size]}]``
+    (or the NIXL form), plus extra publication keys served flat next to it."""
+
+    rank: int
+    remote_instance_transfer_engine_info: Any
+    extra: dict = field(default_factory=dict, metadata={"extra": True})
+
+
+def encode(body: Body) -> dict:
+    """The JSON object of a body: its fields (``None`` left out: sglang's default for each is
+    None), ``extra`` flattened. Checks the fields first, as :func:`decode` does on the other side."""
+    _check(body)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(body):
+        v = getattr(body, f.name)
+        if f.metadata.get("extra"):
+            out = {**v, **out}
+        elif v is not None:
+            out[f.name] = v
+    return out
+
+
+def decode(cls: type, obj: Mapping[str, Any]) -> Any:
+    """A body of class ``cls`` from a JSON object: sglang's defaults for missing (or null) fields,
+    unknown fields ignored (or kept in ``extra``). Raises InvalidRequest naming the field."""
+    if not isinstance(obj, Mapping):
+        raise InvalidRequest("the body must be a JSON object")
+    kwargs: dict[str, Any] = {}
+    known = {f.name for f in dataclasses.fields(cls)}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("extra"):
+            kwargs[f.name] = {k: v for k, v in obj.items() if k not in known}
+        elif obj.get(f.name) is not None:
+            kwargs[f.name] = obj[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise InvalidRequest(f"field {f.name!r} is required")
+    for name, v in kwargs.items():
+        _check_field(cls, name, v)
+    return cls(**kwargs)
+
+
+def _check(body: Body) -> None:
+    for f in dataclasses.fields(body):
+        v = getattr(body, f.name)
+        if v is not None and not f.metadata.get("extra"):
+            _check_field(type(body), f.name, v)
+
+
+def _check_field(cls: type, name: str, v: Any) -> None:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.metadata.get("extra"):
+        return
+    kind = _kind(typing.get_type_hints(cls)[name])
+    if kind is not None and ((kind is int and isinstance(v, bool)) or not isinstance(v, kind)):
+        raise InvalidRequest(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
+    choices = f.metadata.get("choices")
+    if choices is not None and v not in choices:
+        raise InvalidRequest(f"field {name!r} must be one of {', '.join(choices)}, got {v!r}")
+
+
+def _kind(hint: Any) -> type | None:
+    """The JSON type a field's annotation asks for (``str | None`` -> str); None: anything."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _kind(inner[0]) if len(inner) == 1 else None
+    origin = typing.get_origin(hint) or hint
+    return origin if origin in (str, bool, int, float, list, dict) else None
+
+
+def end_then(req: EndWeightUpdateReq) -> dict | None:
+    """The checked :data:`END_THEN` of an end_weight_update body (``new_version``, ``continue``,
+    ``torch_empty_cache``; the flags default to true), or None when the body has none."""
+    then = req.extra.get(END_THEN)
+    if then is None:
+        return None
+    if not isinstance(then, dict) or not isinstance(then.get("new_version"), str):
+        raise InvalidRequest(f"field {END_THEN!r} must be an object with 'new_version' (a string), "
+                             f"'continue' and 'torch_empty_cache' (booleans)")
+    flags = {k: then.get(k, True) for k in ("continue", "torch_empty_cache")}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise InvalidRequest(f"fields 'continue' and 'torch_empty_cache' of {END_THEN!r} must be booleans")
+    return {"new_version": then["new_version"], **flags}
