@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from p2pweights.bench.table import emit, machine  # noqa: E402
+from p2pweights.benchmarking.table import emit, machine  # noqa: E402
 
 # (name, model: a built-in name or a config folder, engine spec, engine rank)
 CASES = [

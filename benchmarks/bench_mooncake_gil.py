@@ -15,8 +15,8 @@ import argparse
 import threading
 import time
 
-from p2pweights.bench.python_loop import PythonLoop
-from p2pweights.bench.table import emit
+from p2pweights.benchmarking.python_loop import PythonLoop
+from p2pweights.benchmarking.table import emit
 from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.settings import format_size, parse_size
 from p2pweights.transport.mooncake import new_engine

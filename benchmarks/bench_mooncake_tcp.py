@@ -140,7 +140,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    from p2pweights.bench.table import emit
+    from p2pweights.benchmarking.table import emit
     from p2pweights.settings import format_size, parse_size
 
     size = parse_size(args.size)

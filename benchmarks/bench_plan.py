@@ -15,7 +15,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
-from p2pweights.bench.table import emit  # noqa: E402
+from p2pweights.benchmarking.table import emit  # noqa: E402
 from p2pweights.models import load_config  # noqa: E402
 from p2pweights.models.engine_layout import EngineLayout  # noqa: E402
 from p2pweights.models.shapes import model_shape  # noqa: E402

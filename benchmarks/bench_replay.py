@@ -230,7 +230,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the rows as JSON to this file")
     a = p.parse_args()
-    from p2pweights.bench.table import emit
+    from p2pweights.benchmarking.table import emit
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from p2pweights.bench.table import emit
+from p2pweights.benchmarking.table import emit
 from p2pweights.commands.demo_run import results_json, run_demo
 from p2pweights.models import resolve_model
 

@@ -9,7 +9,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from p2pweights.bench import transport_vs_vendor as bench
+from p2pweights.benchmarking import transport_vs_vendor as bench
 from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.sender.writer import PipelinedWriter
 from p2pweights.transport import attach_engine, make_sender_transport

@@ -102,7 +102,7 @@ def test_check_layout_is_byte_exact_on_fp8_layouts_comparing_weights_and_scales(
 
 def test_ignored_layers_stay_bf16_in_both_paths(tmp_path):
     from p2pweights.replica.check import check_rank
-    from p2pweights.replica.replica import ModelReplicas
+    from p2pweights.replica.model_replica import ModelReplicas
 
     config = write(tmp_path, QWEN3_TINY)
     assert "model.layers.1.mlp.down_proj.weight_scale_inv" not in checkpoint_tensors(config)
@@ -117,7 +117,7 @@ def test_ignored_layers_stay_bf16_in_both_paths(tmp_path):
 
 
 def test_a_weight_and_its_scale_are_one_parameter_group():
-    from p2pweights.replica.replica import ModelReplicas
+    from p2pweights.replica.model_replica import ModelReplicas
 
     replica = ModelReplicas(cache_dir="").get(resolve_model(TINY), EngineLayout.parse("tp=2,ep=2"), 1)
     scales = [n for n in replica.hf_specs if n.endswith(".weight_scale_inv") and replica.group_of(n) is not None]
@@ -128,8 +128,8 @@ def test_a_weight_and_its_scale_are_one_parameter_group():
 
 def test_a_flipped_byte_in_a_scale_makes_the_check_unequal():
     from p2pweights.replica.check import compare_with_reference
+    from p2pweights.replica.model_replica import ModelReplicas
     from p2pweights.replica.reference import reference_model
-    from p2pweights.replica.replica import ModelReplicas
 
     config, engine = resolve_model(TINY), EngineLayout.parse("tp=2,ep=2")
     replica = ModelReplicas(cache_dir="").get(config, engine, 0)
@@ -146,7 +146,7 @@ def _live_rank(config, engine, rank, seed):
     """An engine rank as the receiver holds it: every group written from the replica path's slot,
     then the update session's hooks (restore, post_load_weights, process_weights_after_loading)."""
     from p2pweights.replica import sglang_env
-    from p2pweights.replica.replica import ModelReplicas
+    from p2pweights.replica.model_replica import ModelReplicas
 
     replica = ModelReplicas(cache_dir="").get(config, engine, rank)
     live = sglang_env.materialize(sglang_env.build_model(config, engine, rank), "cpu")
@@ -154,7 +154,7 @@ def _live_rank(config, engine, rank, seed):
     source = RandomCheckpoint(replica.hf_specs, seed, quant_scheme(load_config(config)))
     slot = torch.zeros(replica.largest_group_nbytes, dtype=torch.uint8)
     for group in replica.groups:
-        for r in replica.materialize_group(group, {n: source.tensor(n) for n in group.hf_names}, slot):
+        for r in replica.load_group(group, {n: source.tensor(n) for n in group.hf_names}, slot):
             params[r.param_name].data.reshape(-1).view(torch.uint8).copy_(slot[r.offset:r.offset + r.nbytes])
     sglang_env.run_update_session_hooks(live)
     return live
@@ -197,7 +197,7 @@ def test_post_processing_keeps_every_fp8_weight_and_scale_byte():
 
 # -- refusals -------------------------------------------------------------------------------------------
 def test_a_block_that_does_not_divide_a_tp_shard_is_refused_naming_the_parameter(capsys):
-    from p2pweights.replica.replica import ModelReplicas
+    from p2pweights.replica.model_replica import ModelReplicas
 
     with pytest.raises(UnsupportedLayout) as caught:  # q_b_proj: 4 heads x 192 rows over tp=4 = 192 rows
         ModelReplicas(cache_dir="").get(resolve_model(TINY), EngineLayout.parse("tp=4"), 1)
@@ -209,7 +209,7 @@ def test_a_block_that_does_not_divide_a_tp_shard_is_refused_naming_the_parameter
 
 
 def test_a_block_that_does_not_divide_an_expert_shard_is_refused_naming_the_parameter(tmp_path):
-    from p2pweights.replica.replica import ModelReplicas
+    from p2pweights.replica.model_replica import ModelReplicas
 
     config = write(tmp_path, {**KIMI_TINY, "moe_intermediate_size": 128})  # 64 rows per expert at moe_tp 2
     with pytest.raises(UnsupportedLayout) as caught:

@@ -18,14 +18,13 @@ torch = pytest.importorskip("torch")
 
 from p2pweights.cli import main  # noqa: E402
 from p2pweights.errors import LayoutMismatch, MissingTensors, UnknownParameter, UnsupportedLayout  # noqa: E402
+from p2pweights.models.checkpoint import checkpoint_tensors, random_tensor  # noqa: E402
 from p2pweights.replica import (  # noqa: E402
     SLOT_ALIGNMENT,
     EngineLayout,
     ModelReplica,
     ModelReplicas,
-    checkpoint_tensors,
     parse_engine_spec,
-    random_tensor,
     sglang_env,
 )
 from p2pweights.replica.check import check_byte_exact, compare_with_reference  # noqa: E402
@@ -174,12 +173,12 @@ def test_two_groups_share_a_slot_at_their_offsets(configs):
     regions = []
     for group, offset in ((a, 0), (b, second)):
         inputs = {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}
-        regions += replica.materialize_group(group, inputs, slot, offset)
+        regions += replica.load_group(group, inputs, slot, offset)
     for r in regions:
         want = reference[r.param_name].detach().reshape(-1).view(torch.uint8)
         assert torch.equal(slot[r.offset:r.offset + r.nbytes], want), r.param_name
     with pytest.raises(LayoutMismatch, match="multiple of 256"):
-        replica.materialize_group(a, {n: random_tensor(n, replica.hf_specs[n]) for n in a.hf_names}, slot, 8)
+        replica.load_group(a, {n: random_tensor(n, replica.hf_specs[n]) for n in a.hf_names}, slot, 8)
 
 
 def test_stale_slot_bytes_never_leak_and_bytes_between_groups_stay_untouched(configs):
@@ -239,7 +238,7 @@ def test_a_partly_written_parameter_is_zeroed_before_each_load(configs):
     slot = torch.full((group.nbytes,), 0xAB, dtype=torch.uint8)
     empty = {n: torch.zeros(replica.hf_specs[n].shape, dtype=torch.bfloat16)[:0] for n in group.hf_names}
     with pytest.raises((RuntimeError, AssertionError, ValueError)):
-        replica.materialize_group(group, empty, slot)  # wrong shapes fail in the loader...
+        replica.load_group(group, empty, slot)  # wrong shapes fail in the loader...
     assert bool((slot[:group.regions[0].nbytes] == 0).all())  # ...after the parameter was zeroed
 
 
@@ -252,7 +251,7 @@ def test_parameters_keep_class_and_loader_and_go_back_to_meta(configs):
     slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
     for _ in range(2):  # the first load learns which modules get derived tensors, the second uses that
         for group in replica.groups:
-            replica.materialize_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
+            replica.load_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
     after = dict(model.named_parameters())
     assert all(p.device.type == "meta" for p in after.values())
     assert {n: (type(p), p.__dict__.get("weight_loader")) for n, p in after.items()} == before
@@ -281,11 +280,11 @@ def test_derived_tensors_a_loader_hangs_on_modules_never_outlive_the_load(config
         slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
         before = vars(attn).get("w_kc")
         for _ in range(2):  # the first load learns that self_attn gets derived tensors, the second uses it
-            replica.materialize_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
+            replica.load_group(group, {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}, slot)
             assert vars(attn).get("w_kc") is before
         assert attn in replica._derived_modules[group.index]
         other = replica.group_of("model.layers.1.self_attn.o_proj.weight")
-        replica.materialize_group(other, {n: random_tensor(n, replica.hf_specs[n]) for n in other.hf_names}, slot)
+        replica.load_group(other, {n: random_tensor(n, replica.hf_specs[n]) for n in other.hf_names}, slot)
         assert replica._derived_modules[other.index] == []  # o_proj's loads hang nothing on self_attn
     finally:
         del model.load_weights
@@ -293,7 +292,7 @@ def test_derived_tensors_a_loader_hangs_on_modules_never_outlive_the_load(config
 
 @pytest.mark.parametrize("model", ["qwen2_tied", "deepseek_v3", "qwen3_moe"])
 def test_loaders_see_the_same_named_parameters_as_torchs_walk(configs, model):
-    from p2pweights.replica.replica import _first_sites, _named_parameters_from_sites
+    from p2pweights.replica.model_replica import _first_sites, _named_parameters_from_sites
 
     replica = ModelReplicas(cache_dir="").get(configs(model), EngineLayout.parse("tp=2"), 1)
     m = replica.model
@@ -321,11 +320,11 @@ def test_incomplete_or_foreign_group_inputs_are_refused(configs):
     slot = torch.empty(replica.largest_group_nbytes, dtype=torch.uint8)
     some = {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names[:2]}
     with pytest.raises(MissingTensors, match="v_proj"):
-        replica.materialize_group(group, some, slot)
+        replica.load_group(group, some, slot)
     full = {n: random_tensor(n, replica.hf_specs[n]) for n in group.hf_names}
     full["model.norm.weight"] = random_tensor("model.norm.weight", replica.hf_specs["model.norm.weight"])
     with pytest.raises(UnknownParameter, match="model.norm.weight"):
-        replica.materialize_group(group, full, slot)
+        replica.load_group(group, full, slot)
 
 
 # -- rejections ---------------------------------------------------------------------------------
@@ -426,7 +425,7 @@ def test_check_layout_cli_text_one_rank(configs, capsys):
 
 
 def test_check_layout_cli_reports_mismatches_with_a_failing_exit_code(configs, capsys, monkeypatch):
-    real = ModelReplica.materialize_group
+    real = ModelReplica.load_group
 
     def corrupt(self, group, hf_tensors, slot, offset=0):
         regions = real(self, group, hf_tensors, slot, offset)
@@ -434,7 +433,7 @@ def test_check_layout_cli_reports_mismatches_with_a_failing_exit_code(configs, c
             slot[regions[0].offset] ^= 0xFF
         return regions
 
-    monkeypatch.setattr(ModelReplica, "materialize_group", corrupt)
+    monkeypatch.setattr(ModelReplica, "load_group", corrupt)
     rc = main(["check-layout", "--model", configs("qwen3"), "--engine", "tp=2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc != 0 and out["equal"] is False

@@ -325,7 +325,7 @@ def test_bench_transport_measures_both_nixl_paths_with_a_python_loop_beside_the_
     import io
     from contextlib import redirect_stdout
 
-    from p2pweights.bench import transport_vs_vendor as bench
+    from p2pweights.benchmarking import transport_vs_vendor as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

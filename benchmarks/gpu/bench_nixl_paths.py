@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from p2pweights.bench.python_loop import PythonLoop
-from p2pweights.bench.table import emit
+from p2pweights.benchmarking.python_loop import PythonLoop
+from p2pweights.benchmarking.table import emit
 from p2pweights.sender.buffers import TransferBuffers
 from p2pweights.sender.writer import PipelinedWriter
 from p2pweights.settings import format_size, parse_size

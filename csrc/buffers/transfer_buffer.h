@@ -27,7 +27,9 @@ class TransferBuffer {
   static constexpr size_t kAlignment = 2 * 1024 * 1024;  // huge-page friendly, and a NIC MR unit
 
   // Allocates num_slots × round_up(slot_bytes, kAlignment) of host memory and pins it.
-  // pin: "auto" (cuda, then mlock), "cuda", "mlock" or "none".
+  // pin: "auto" (cuda, then mlock), "cuda", "mlock" or "none". Pinning that cannot be had leaves the
+  // memory unpinned with a warning (pin_warning), except "cuda" refused by a runtime that has a
+  // device: kDeviceError.
   static Status allocate_host(size_t slot_bytes, int num_slots, const std::string& pin,
                               std::unique_ptr<TransferBuffer>* out);
   // Wraps memory owned by someone else (GPU slots from a torch allocation, a receiver's region).

@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from .errors import P2PWeightsError
+
 # verb -> module under p2pweights.commands exposing add_arguments(parser) and run(args) -> int
 VERBS = {
     "doctor": ("doctor", "check the native module, pinning, CUDA, transports and sglang"),
@@ -33,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verb", None):
         parser.print_help()
         return 2
-    from .errors import P2PWeightsError
 
     try:
         return int(args._run(args) or 0)

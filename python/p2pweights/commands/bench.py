@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# kind -> (module under p2pweights.bench, help)
+# kind -> (module under p2pweights.benchmarking, help)
 KINDS = {
     "writer": ("writer_overlap", "the pipelined writer over the loopback transport: fill, write, overlap"),
     "transport": ("transport_vs_vendor", "our pipelined writer vs the vendor's own API over Mooncake or NIXL"),
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for kind, (module, help_text) in KINDS.items():
         p = sub.add_parser(kind, help=help_text, description=help_text)
         try:
-            mod = importlib.import_module(f"p2pweights.bench.{module}")
+            mod = importlib.import_module(f"p2pweights.benchmarking.{module}")
         except ImportError as e:  # a benchmark whose optional dependency is missing still lists
             p.set_defaults(_bench=None, _why=str(e))
             continue

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from ..replica.check import merged_dtypes
-    from ..replica.replica import ModelReplicas
+    from ..replica.model_replica import ModelReplicas
     from ..replica.role_check import check_rank_roles, role_mismatches, roles_json
 
     ranks = range(engine.world_size) if args.rank is None else [args.rank]

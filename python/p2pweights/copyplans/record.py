@@ -4,7 +4,7 @@ sglang's loaders produce a group's bytes with hundreds of small Python-driven co
 chunk, cat, copy_). For almost every parameter the result is a pure selection of input elements,
 so it can be recorded once per (replica, group) and replayed as a few large copies.
 
-Recording (:func:`record_group_plan`) runs the group's own loaders (``materialize_group``) on
+Recording (:func:`record_group_plan`) runs the group's own loaders (``load_group``) on
 inputs whose bytes encode their own element index: element j of input i carries the id
 ``base_i + j`` (ids start at 1; 0 is "zero", the bytes the slot has before the loaders ran).
 Each element of size s bytes holds 8·s bits of its id per pass; a group whose ids need more bits
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ..replica.replica import ModelReplica
+    from ..replica.model_replica import ModelReplica
     from .replay import ReplayOrder
 
 _CHUNK = 1 << 24  # elements encoded or decoded at a time (bounds the int64 temporaries)
@@ -292,7 +292,7 @@ def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapp
         for i, n in enumerate(names):
             _encode(templates[n], starts[i], p, total_ids)
         scratch = torch.zeros(group.nbytes, dtype=torch.uint8, device=device)
-        replica.materialize_group(group, templates, scratch, 0)
+        replica.load_group(group, templates, scratch, 0)
         passes.append(scratch)
     del templates
     starts_a, items_a = np.array(starts), np.array(itemsizes)

@@ -24,7 +24,7 @@ from .group_plan import GroupPlan
 from .program import program_of
 
 if TYPE_CHECKING:
-    from ..replica.replica import ModelReplica
+    from ..replica.model_replica import ModelReplica
 
 logger = logging.getLogger("p2pweights.copyplans")
 

@@ -11,7 +11,7 @@ import logging
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..control import bodies, error_answers, routes
@@ -20,9 +20,6 @@ from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeigh
 from . import build_report, http_guard, phases
 from . import session_keeper as sessions
 from .http_guard import send_json
-
-if TYPE_CHECKING:
-    from .server import ReceiverServer
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ def error_answer(e: BaseException, message: str) -> dict:
 
 
 class RequestHandler(BaseHTTPRequestHandler):
-    receiver: ReceiverServer  # set on the bound subclass
+    receiver: Any  # the ReceiverServer (server.py imports this module), set on the bound subclass
     server_version = "p2pweights-receiver"
     protocol_version = "HTTP/1.1"  # keep-alive: a client's next verb reuses the connection (control.http)
     disable_nagle_algorithm = True  # an answer's headers and body are two writes: no 40 ms delayed-ACK stall

@@ -7,7 +7,7 @@ Public API (imports of torch and sglang stay lazy until first use)::
     parse_engine_spec("tp=2,ep=2,dp_attention=2")                           # -> server args dict
     model_replicas().get(config_dir, engine, rank) -> ModelReplica           # one per shard layout
     ModelReplica.groups / group_of(hf_name) / largest_group_nbytes / param_nbytes(name)
-    ModelReplica.materialize_group(group, hf_tensors, slot) -> [SlotRegion]   # load_groups: several at once
+    ModelReplica.load_group(group, hf_tensors, slot) -> [SlotRegion]   # load_groups: several at once
     check_byte_exact(config_dir, engine, ranks=None) -> LayoutCheck          # check-layout's engine
     sglang_env.prepare() / build_model(...) / activate(model) / materialize(model)
 """
@@ -18,10 +18,10 @@ from typing import Any
 from ..models.engine_layout import LAYOUT_ARGS, REPLICA_KEYS, EngineLayout, LayoutSpecError, parse_engine_spec, parse_layout_spec
 
 _LAZY = {
-    "ModelReplica": ".replica",
-    "ModelReplicas": ".replica",
-    "ReplicaKey": ".replica",
-    "model_replicas": ".replica",
+    "ModelReplica": ".model_replica",
+    "ModelReplicas": ".model_replica",
+    "ReplicaKey": ".model_replica",
+    "model_replicas": ".model_replica",
     "ParameterGroup": ".groups",
     "SlotRegion": ".groups",
     "SLOT_ALIGNMENT": ".groups",

@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from ..errors import EngineMismatch
+from ..models.quant import quant_scheme
 from ..models.sglang_version import sglang_version
 
 #: architectures whose post-processing keeps an FP8 block-quantized checkpoint's bytes
@@ -168,7 +169,6 @@ def engine_identity(engine: str, server_info: Mapping[str, Any], config: Mapping
                     gpu_arch: Any = None, env: ReplicaEnvironment | None = None) -> EngineIdentity:
     """Judge one engine from its ``/server_info`` (and the client's ``gpu_arch`` override) against
     the sender's replica environment; raise :class:`EngineMismatch` naming both sides."""
-    from ..models.quant import quant_scheme
 
     env = env or replica_environment()
     scheme = quant_scheme(config)

@@ -22,7 +22,7 @@ from ..models.checkpoint import RandomCheckpoint, checkpoint_tensors
 from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
 from . import reference
-from .replica import ModelReplica, ModelReplicas
+from .model_replica import ModelReplica, ModelReplicas
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +128,7 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
     covered: set[str] = set()
     for group in replica.groups:
         inputs = {n: source.tensor(n) for n in group.hf_names}
-        for region in replica.materialize_group(group, inputs, slot):
+        for region in replica.load_group(group, inputs, slot):
             covered.add(region.param_name)
             want = expected.get(region.param_name)
             if want is None:

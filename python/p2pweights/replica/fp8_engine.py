@@ -18,7 +18,9 @@ import os
 from typing import Any, Iterator
 
 from ..errors import UnsupportedLayout
+from ..models import load_config
 from ..models.engine_layout import EngineLayout
+from ..models.quant import quant_scheme
 
 
 def post_load_as_on_hopper() -> None:
@@ -39,8 +41,6 @@ def check_quantization(config: Any, engine: EngineLayout) -> None:
     ``quantization_config``), or ``fp8`` for an FP8 block-quantized config. ``fp8`` over a BF16
     checkpoint quantizes online at load (per-channel, not the checkpoint's blocks): refused. A
     config's quantization p2pweights cannot write is refused by ``quant_scheme``."""
-    from ..models import load_config
-    from ..models.quant import quant_scheme
 
     cfg = load_config(config if isinstance(config, (str, os.PathLike, dict)) else config.to_dict())
     scheme = quant_scheme(cfg)

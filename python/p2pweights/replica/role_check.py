@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from .check import RankCheck
-    from .replica import ModelReplicas
+    from .model_replica import ModelReplicas
 
 
 def _random_inputs(config: Any, seed: int) -> Any:
@@ -63,7 +63,7 @@ def check_rank_roles(config: Any, engine: EngineLayout, rank: int, *, seed: int 
     """check-layout of one engine rank, per role: the replica path against sglang's own loader of
     that role (``{"target": RankCheck, "draft": RankCheck}``; only the target without a draft)."""
     from .check import check_rank, compare_with_reference
-    from .replica import ModelReplicas
+    from .model_replica import ModelReplicas
 
     replicas = replicas or ModelReplicas(cache_dir="")
     out = {"target": check_rank(config, engine, rank, seed=seed, replicas=replicas)}

@@ -34,7 +34,7 @@ from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion
 if TYPE_CHECKING:
     import torch
 
-    from .replica import ModelReplica, ModelReplicas
+    from .model_replica import ModelReplica, ModelReplicas
 
 #: prefix of the draft role's parameter names in publications, slots and checks
 DRAFT_PREFIX = "draft."
@@ -133,7 +133,7 @@ class RankRoles:
                 regions.append(SlotRegion(qualified(role, r.param_name), r.offset, r.nbytes))
         return regions
 
-    def materialize_group(self, group: ParameterGroup, hf_tensors: Mapping[str, "torch.Tensor"],
+    def load_group(self, group: ParameterGroup, hf_tensors: Mapping[str, "torch.Tensor"],
                           slot: "torch.Tensor", offset: int = 0) -> list[SlotRegion]:
         return self.load_groups([(group, offset)], hf_tensors, slot)
 

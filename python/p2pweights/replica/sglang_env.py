@@ -32,6 +32,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import UnsupportedLayout
+from ..models import load_config
 from ..models.engine_layout import EngineLayout
 from ..settings import value as setting
 from . import fp8_engine
@@ -169,7 +170,6 @@ def import_model_modules(config: Any) -> None:
     """:func:`prepare`, then import the sglang model module(s) of ``config``'s architectures (a
     built-in name, a folder, a config.json path, a dict or a transformers config): what a first
     build imports, done ahead of it (sender/warmup.py). Idempotent."""
-    from ..models import load_config
 
     architectures = load_config(config).get("architectures")
     prepare()

@@ -27,6 +27,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..settings import parse_size
+from .publication import EnginePublication
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -48,7 +51,6 @@ def layout(size: int, params: int, gap: int) -> list[tuple[str, int, int]]:
 
 # -- the receiver process ------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    from ..settings import parse_size
     from . import make_receiver_endpoint
 
     # The protocol owns the real stdout; whatever the libraries print goes to stderr.
@@ -113,7 +115,6 @@ class PeerProcess:
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full_env)
         hello = self._read(start_timeout)
-        from .publication import EnginePublication
 
         self.publication = EnginePublication.from_json(hello["publication"])
         self.publication_json = json.dumps(hello["publication"])

@@ -2,7 +2,7 @@
 
 ``ModelReplicas.get(config, engine, rank)`` returns the process's one :class:`ModelReplica` of
 that shard layout (invariant 7): built on the meta device, probed once, and cached in memory and
-(optionally) on disk. ``ModelReplica.materialize_group`` runs the replica's own loaders on one
+(optionally) on disk. ``ModelReplica.load_group`` runs the replica's own loaders on one
 complete parameter group, writing straight into a transfer slot. There is never a full copy of
 the model: only meta parameters, the slot, and the group's HF inputs.
 """
@@ -147,7 +147,7 @@ class ModelReplica:
         return group
 
     # -- update time ----------------------------------------------------------------------------
-    def materialize_group(
+    def load_group(
         self, group: ParameterGroup, hf_tensors: Mapping[str, "torch.Tensor"], slot: "torch.Tensor",
         offset: int = 0,
     ) -> list[SlotRegion]:
@@ -165,7 +165,7 @@ class ModelReplica:
         self, placed: Sequence[tuple[ParameterGroup, int]], hf_tensors: Mapping[str, "torch.Tensor"],
         slot: "torch.Tensor",
     ) -> list[SlotRegion]:
-        """:meth:`materialize_group` for several complete groups at (group, offset) in one slot,
+        """:meth:`load_group` for several complete groups at (group, offset) in one slot,
         with ONE call of the model's ``load_weights``: sglang's loaders pay a fixed cost per call
         (they rebuild the parameter table), which dominates when a GPU does the copies."""
         import torch
