@@ -260,7 +260,7 @@ def test_the_sglang_version_is_read_in_one_place_for_the_sender_and_the_receiver
 
     assert replica_environment().sglang_version == sglang_version()  # what the sender's replicas are built with
     assert server_identity({})["version"] == sglang_version()        # what a receiver reports without ranks
-    pkg = pathlib.Path(sglang_version.__code__.co_filename).parents[1]
+    pkg = pathlib.Path(sglang_version.__wrapped__.__code__.co_filename).parents[1]
     readers = {str(f.relative_to(pkg)) for f in pkg.rglob("*.py")
                if re.search(r'(?<!\w)version\(\s*"sglang"\s*\)|sglang\.__version__', f.read_text())}
     assert readers == {"models/sglang_version.py"}

@@ -406,6 +406,6 @@ def test_transport_options_and_engine_timeouts_come_from_the_sender_settings(cfg
     with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20, hostname="127.0.0.1",
                       mooncake_protocol="tcp", engine_timeout=7, engine_connect_timeout=2) as sender:
         sender.connect([engines()])
-        assert seen == {"name": "mooncake", "hostname": "127.0.0.1", "protocol": "tcp"}
+        assert seen == {"name": "mooncake", "hostname": "127.0.0.1", "protocol": "tcp", "nixl_api": "auto"}
         client = sender._client("http://127.0.0.1:30000")
         assert (client.timeout, client.connect_timeout) == (7, 2)
