@@ -63,7 +63,7 @@ py::dict report_to_dict(const EngineReport& r) {
   d["peak_inflight"] = r.peak_inflight;
   d["seconds"] = r.seconds;
   d["gbps"] = r.gbps;
-  d["state"] = r.state;
+  d["state"] = engine_state_name(r.state);
   d["code"] = static_cast<int>(r.code);
   d["error"] = r.error;
   return d;
@@ -86,7 +86,8 @@ PYBIND11_MODULE(_native, m) {
       .value("NOT_FOUND", Code::kNotFound)
       .value("BUSY", Code::kBusy)
       .value("OUT_OF_REGION", Code::kOutOfRegion)
-      .value("DEVICE_ERROR", Code::kDeviceError);
+      .value("DEVICE_ERROR", Code::kDeviceError)
+      .value("FENCED", Code::kFenced);
 
   py::tuple nixl_versions(std::size(nixl_capi::kCheckedVersions));
   for (size_t i = 0; i < std::size(nixl_capi::kCheckedVersions); ++i) nixl_versions[i] = nixl_capi::kCheckedVersions[i];
@@ -331,6 +332,8 @@ PYBIND11_MODULE(_native, m) {
         for (auto& [a, n] : regions) r.push_back(Region{a, n});
         check(w.add_engine(engine, name, std::move(r)));
       }, py::arg("engine"), py::arg("name"), py::arg("regions"))
+      .def("fence", [](PipelinedWriter& w, int engine, double seconds) { check(w.fence(engine, seconds)); },
+           py::arg("engine"), py::arg("seconds"))
       .def("remove_engine", [](PipelinedWriter& w, int engine) {
         Status s;
         { py::gil_scoped_release nogil; s = w.remove_engine(engine); }

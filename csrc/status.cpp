@@ -15,6 +15,7 @@ const char* code_name(Code c) {
     case Code::kBusy: return "BUSY";
     case Code::kOutOfRegion: return "OUT_OF_REGION";
     case Code::kDeviceError: return "DEVICE_ERROR";
+    case Code::kFenced: return "FENCED";
   }
   return "UNKNOWN";
 }

@@ -20,9 +20,10 @@ enum class Code : int {
   kBusy = -7,              // refused because something is still in flight
   kOutOfRegion = -8,       // a write outside every region the peer published (or a copy outside its slot)
   kDeviceError = -9,       // a CUDA driver or runtime call failed (copy programs, the copy kernel, pinning)
+  kFenced = -10,           // refused before posting: the session's lease no longer covers this engine's writes
 };
 // Every error code lies in [kLowestCode, -1]: keep the lowest code here when adding one.
-constexpr Code kLowestCode = Code::kDeviceError;
+constexpr Code kLowestCode = Code::kFenced;
 inline bool is_error_code(long c) { return c < 0 && c >= static_cast<long>(kLowestCode); }
 
 const char* code_name(Code c);

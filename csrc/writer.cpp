@@ -1,6 +1,11 @@
 #include "writer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <cstdio>
+
+#include "checked_math.h"
 
 namespace p2pw {
 
@@ -10,6 +15,15 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 }  // namespace
+
+const char* engine_state_name(EngineState s) {
+  switch (s) {
+    case EngineState::kIdle: return "idle";
+    case EngineState::kOk: return "ok";
+    case EngineState::kFailed: return "failed";
+  }
+  return "unknown";
+}
 
 PipelinedWriter::PipelinedWriter(Transport* transport, TransferBuffer* buffer, WriterOptions options)
     : transport_(transport), buffer_(buffer), options_(options) {
@@ -36,6 +50,14 @@ Status PipelinedWriter::add_engine(int engine, const std::string& name, std::vec
   if (closed_) return Status(Code::kClosed, "writer is closed");
   if (engines_.count(engine)) return Status(Code::kInvalidArgument, "engine " + std::to_string(engine) + " already added");
   if (regions.empty()) return Status(Code::kInvalidArgument, "engine '" + name + "' published no memory regions");
+  for (const Region& r : regions) {
+    if (!range_fits(r.addr, r.length)) {
+      char b[32];
+      snprintf(b, sizeof b, "%llx", static_cast<unsigned long long>(r.addr));
+      return Status(Code::kInvalidArgument, "engine '" + name + "' published a region of " + std::to_string(r.length) +
+                                                " bytes at 0x" + b + " that runs past the end of the address space");
+    }
+  }
   std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) { return a.addr < b.addr; });
   auto e = std::make_unique<Engine>();
   e->id = engine;
@@ -46,6 +68,20 @@ Status PipelinedWriter::add_engine(int engine, const std::string& name, std::vec
   Engine* raw = e.get();
   engines_[engine] = std::move(e);
   raw->thread = std::thread([this, raw] { run_engine(raw); });
+  return Status::Ok();
+}
+
+Status PipelinedWriter::fence(int engine, double seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = engines_.find(engine);
+  if (it == engines_.end()) return Status(Code::kNotFound, "engine " + std::to_string(engine) + " is not attached");
+  if (std::isnan(seconds)) return Status(Code::kInvalidArgument, "a fence of NaN seconds");
+  if (seconds == std::numeric_limits<double>::infinity() || seconds > 1e9) {
+    it->second->post_until = Clock::time_point::max();
+  } else {
+    it->second->post_until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(std::max(seconds, -1.0)));
+  }
   return Status::Ok();
 }
 
@@ -153,7 +189,11 @@ Status PipelinedWriter::submit(int slot, const std::vector<Write>& writes) {
   if (closed_) return Status(Code::kClosed, "writer is closed");
   if (slot < 0 || slot >= static_cast<int>(slot_acquired_.size()))
     return Status(Code::kInvalidArgument, "slot " + std::to_string(slot) + " does not exist");
-  if (!slot_acquired_[slot]) return Status(Code::kInvalidArgument, "slot " + std::to_string(slot) + " was not acquired");
+  // Only from a slot the caller holds: one never acquired, released, or already submitted may be
+  // refilled by another fill or still be read by its writes.
+  if (!slot_acquired_[slot])
+    return Status(Code::kInvalidArgument, "slot " + std::to_string(slot) + " was not acquired (acquire() it first; " +
+                                              "a released or already submitted slot is not the caller's)");
   for (const Write& w : writes) {
     Status s = check_write(w);
     if (!s.ok()) return s;  // nothing posted; the slot stays acquired for the caller to release
@@ -189,9 +229,9 @@ void PipelinedWriter::record(Engine* e, const Batch& b, const Status& s) {
   if (s.ok()) {
     r.bytes += b.bytes;
     r.writes += b.writes.size();
-    if (r.state != "failed") r.state = "ok";
-  } else if (r.state != "failed") {
-    r.state = "failed";
+    if (r.state != EngineState::kFailed) r.state = EngineState::kOk;
+  } else if (r.state != EngineState::kFailed) {
+    r.state = EngineState::kFailed;
     r.code = s.code();
     r.error = s.message().empty() ? code_name(s.code()) : s.message();
   }
@@ -251,8 +291,8 @@ void PipelinedWriter::engine_threw(Engine* e, ThreadState& st, const std::string
     record(e, b, failed);
     slot_read_ended(b.slot);
   }
-  if (st.inflight.empty() && st.posting.empty() && e->report.state != "failed") {
-    e->report.state = "failed";
+  if (st.inflight.empty() && st.posting.empty() && e->report.state != EngineState::kFailed) {
+    e->report.state = EngineState::kFailed;
     e->report.code = failed.code();
     e->report.error = failed.message();
   }
@@ -284,7 +324,7 @@ void PipelinedWriter::post_ready(Engine* e, ThreadState& st, std::unique_lock<st
     st.posting.push_back(std::move(e->queue.front()));
     e->queue.pop_front();
     Batch& b = st.posting.back();
-    if (e->report.state == "failed" || e->stop) {
+    if (e->report.state == EngineState::kFailed || e->stop) {
       skip(e, b);
       st.posting.clear();
       continue;
@@ -298,7 +338,13 @@ void PipelinedWriter::post_ready(Engine* e, ThreadState& st, std::unique_lock<st
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(options_.transfer_timeout_s));
     RequestId req = 0;
-    Status s = guarded("post", [&] { return transport_->post(e->id, b.writes, &req); });
+    const auto until = e->post_until;  // read under the lock; fence() writes it under the lock
+    Status s = guarded("post", [&] {
+      if (Clock::now() >= until)  // checked at the last moment before the transport sees the batch
+        return Status(Code::kFenced, "engine " + e->name + ": not posted: the session's lease ended before this write "
+                                     "(the sender was stopped or cut off longer than its lease; another controller may own the engine now)");
+      return transport_->post(e->id, b.writes, &req);
+    });
     lk.lock();
     e->in_post = false;
     if (s.ok()) {
@@ -420,8 +466,8 @@ Status PipelinedWriter::finish(std::vector<EngineReport>* report) {
         const auto due = e->post_started + limit;
         if (now >= due) {
           EngineReport& r = e->report;
-          if (r.state != "failed") {
-            r.state = "failed";
+          if (r.state != EngineState::kFailed) {
+            r.state = EngineState::kFailed;
             r.code = Code::kTimeout;
             r.error = "a post to engine '" + e->name + "' had not returned after " +
                       std::to_string(options_.transfer_timeout_s) +

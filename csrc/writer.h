@@ -48,7 +48,9 @@ struct WriterOptions {
   int max_inflight_batches = 2;
 };
 
+// An engine's state in one update: idle (nothing written yet), ok, or failed (its first error kept).
 enum class EngineState { kIdle, kOk, kFailed };
+const char* engine_state_name(EngineState s);  // "idle" | "ok" | "failed": the Python EngineState values
 
 struct EngineReport {
   int engine = 0;
@@ -60,7 +62,7 @@ struct EngineReport {
   uint64_t peak_inflight = 0;    // most batches posted and not yet returned at once
   double seconds = 0.0;          // first post to last completion in this update
   double gbps = 0.0;
-  std::string state = "idle";    // idle | ok | failed
+  EngineState state = EngineState::kIdle;
   Code code = Code::kOk;
   std::string error;
 };
@@ -76,6 +78,12 @@ class PipelinedWriter {
   Status add_engine(int engine, const std::string& name, std::vector<Region> regions);
   // Refused while the engine has writes in flight.
   Status remove_engine(int engine);
+  // The data plane obeys the session: from `seconds` from now on (the owner's lease, less a margin,
+  // as the sender last renewed it) no batch is posted to `engine`; a batch due later fails the
+  // engine with kFenced. Checked right before each post, on the write thread's own clock, so a
+  // sender that was stopped (SIGSTOP, a GC pause, a partition) and resumes past its lease posts
+  // nothing more. A negative value fences at once; +inf lifts the fence (engines without a lease).
+  Status fence(int engine, double seconds);
 
   // Blocks until a slot has no writes reading it; timeout_s < 0 waits without a limit, except
   // that once every slot has been held past the transfer timeout by writes the transport could
@@ -112,6 +120,7 @@ class PipelinedWriter {
     bool busy = false;
     bool stop = false;
     bool in_post = false;  // inside transport->post since post_started (finish bounds it)
+    std::chrono::steady_clock::time_point post_until = std::chrono::steady_clock::time_point::max();  // fence()
     std::chrono::steady_clock::time_point post_started;
     std::condition_variable cv;
     std::thread thread;

@@ -119,6 +119,21 @@ def test_closing_under_a_live_slot_tensor_defers_the_free_until_the_view_dies():
     assert b.native.released and b.native.users == 0
 
 
+@pytest.mark.parametrize("slot_bytes, num_slots", [
+    ((1 << 62) + ALIGN, 4),      # wrapped to 8 MiB: the allocation succeeded and a view's write segfaulted
+    ((1 << 64) - 1, 1),          # the rounding up to the alignment itself wraps to 0
+    (1 << 63, 2),
+])
+def test_a_buffer_whose_size_does_not_fit_in_64_bits_is_refused_never_wrapped(slot_bytes, num_slots):
+    with pytest.raises(InvalidWrite, match="do not fit in a 64-bit size"):
+        _native.TransferBuffer.allocate(slot_bytes, num_slots, "none")
+    # wrapped memory too: slots that would run past 2^64 (or whose total wraps) are refused
+    with pytest.raises(InvalidWrite, match="past the end of the address space"):
+        _native.TransferBuffer.wrap((1 << 64) - ALIGN, ALIGN, 2, "cpu")
+    with pytest.raises(InvalidWrite, match="past the end of the address space"):
+        _native.TransferBuffer.wrap(1 << 40, slot_bytes, num_slots, "cpu")
+
+
 def test_closed_buffer_refuses_views():
     b = TransferBuffers(ALIGN, 1, pin="none")
     b.close()

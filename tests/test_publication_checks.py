@@ -56,6 +56,19 @@ def test_entries_outside_the_registered_memory_are_refused_and_sglangs_tables_ge
     _pub({**TABLE, "a": [0x1000, 1024, 2]}).check_regions(engine="e0")
 
 
+@pytest.mark.parametrize("registered, why", [
+    ([(0, 1 << 63)], "bytes registered in all"),                 # "everything": any entry would be inside
+    ([(BASE, 8192), (BASE + (1 << 30), 4096)], "holds no published parameter"),  # memory beside the parameters
+    ([(BASE, 8192), (-4096, 4096)], r"\[-4096"),
+    ([(BASE, 8192), ((1 << 64) - 4096, 8192)], "18446744073709547520"),     # runs past 2^64
+])
+def test_registered_memory_that_is_not_the_parameters_allocation_is_refused(registered, why):
+    _pub(registered=[(BASE, 8192)]).check_regions(engine="e0")  # the parameters' allocation: fine
+    with pytest.raises(LayoutMismatch, match=rf"not its parameters' allocation.*{why}") as info:
+        _pub(registered=registered, rank=2).check_regions(engine="e0")
+    assert (info.value.engine, info.value.rank) == ("e0", 2)
+
+
 def test_registered_memory_and_registration_address_round_trip_through_json():
     pub = _pub(registered=[(BASE, 8192)], registered_from="10.0.0.7")
     d = json.loads(pub.to_json())
@@ -212,5 +225,20 @@ def test_an_entry_outside_the_registered_memory_is_refused_at_connect_not_at_wri
     try:
         with pytest.raises(LayoutMismatch, match=rf"outside the memory it registered.*{last.replace('.', '[.]')}"):
             _connect(model, [("outside", server.url)])
+    finally:
+        server.close()
+
+
+def test_a_forged_registered_memory_does_not_let_an_entry_leave_the_ranks_memory(model, engines):
+    answer = _real(engines[0])
+    (base, size), = answer["registered_memory"]
+    table = answer["remote_instance_transfer_engine_info"][1]
+    last = max(table, key=lambda n: table[n][0])
+    table[last] = [base + size + (1 << 20), *table[last][1:]]  # someone else's memory...
+    answer["registered_memory"] = [[0, 1 << 63]]                # ...claimed "registered" with the rest of memory
+    server = _served(engines[0].url, answer)
+    try:
+        with pytest.raises(LayoutMismatch, match=r"rank 0 published registered memory that is not its parameters'"):
+            _connect(model, [("forged", server.url)])
     finally:
         server.close()

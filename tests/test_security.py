@@ -7,6 +7,12 @@
   require it too; the key never appears on a command line.
 - Hygiene: a body over the limit is 413 unread, a truncated or stalled body is refused (400/408)
   and never executed, malformed JSON and wrong types are 400, never 500.
+- HTTP that survives the internet: a health route never reads a body (large ones to a real
+  engine's leader leave its memory flat and its ranks up); a client that drips its request is cut
+  off at the request deadline; connections are capped in all and per client address (503);
+  Content-Length is plain digits, given once; every wrong-typed body, on the engine's routes and
+  the ranks' internal ones, is a 400 naming the field; a rank does not take a leader that holds its
+  GIL for seconds for gone.
 - Mooncake's listeners: where they bind, as docs/security.md says (the vendor binds the wildcard;
   MC_MIN_RPC_PORT/MC_MAX_RPC_PORT confine the ports a firewall rule names).
 """
@@ -15,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 
@@ -25,10 +33,10 @@ import pytest
 
 from p2pweights.control import SglangEngine, bodies, error_answers, routes
 from p2pweights.control import protocol as p
-from p2pweights.control.http import request
-from p2pweights.errors import EngineError, Unauthorized
+from p2pweights.control.http import POOL, request
+from p2pweights.errors import EngineError, P2PWeightsError, Unauthorized, UnknownParameter
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine
-from p2pweights.receiver.rank_server import call_rank
+from p2pweights.receiver.rank_server import LeaderWatch, call_rank, serve_rank_control
 from replica_configs import write_config
 
 KEY = "s3cret-key"
@@ -339,3 +347,336 @@ def test_mooncake_listeners_bind_the_wildcard_within_the_port_range_docs_securit
     assert rpc_port in listeners and len(listeners) == 2, found
     assert all(20100 <= port <= 20400 for port in listeners), found
     assert set(listeners.values()) <= {"0.0.0.0", "::"}, found
+
+
+# ---- HTTP that survives the internet -----------------------------------------------------------
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+class _PeakRss:
+    """The highest resident set of ``pid`` seen while the block runs (sampled every few ms)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+
+    def __enter__(self) -> "_PeakRss":
+        self.before = _rss(self.pid)
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.003):
+            self.peak = max(self.peak, _rss(self.pid))
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.2)
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+
+def _send_body(port: int, head: bytes, body: bytes) -> int | None:
+    """Send a request whose body the server may refuse unread: its status, or None if it hung up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            s.sendall(head)
+            s.sendall(body)
+        except OSError:  # refused unread: the server closed while the body was on its way
+            pass
+        try:
+            answer = s.recv(65536)
+        except OSError:
+            return None
+    return int(answer.split(b" ")[1]) if answer.startswith(b"HTTP/") else None
+
+
+def test_large_bodies_to_health_leave_the_leaders_memory_flat_and_the_engine_up(keyed_engine):
+    """Issue 23 item 4: three concurrent 32 MiB JSON bodies to /health, twice, took the leader to
+    1.2 GB and 7 s of GIL, and rank 1 then left. A health route now reads no body at all."""
+    _, engine = keyed_engine
+    leader = engine.pids[0]
+    port = int(engine.url.rsplit(":", 1)[1])
+    body = b'{"a": [' + b"0," * ((32 << 20) // 2 - 8) + b"0]}"   # just under the 32 MiB body limit
+    head = _post("/health", b"", length=str(len(body))).replace(b"POST", b"GET", 1)
+    with _PeakRss(leader) as rss:
+        for _ in range(2):
+            threads = [threading.Thread(target=_send_body, args=(port, head, body)) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    assert rss.growth < 16 << 20, f"the leader grew {rss.growth >> 20} MiB on bodies sent to /health"
+    assert raw_http(port, head)[0] == p.PAYLOAD_TOO_LARGE  # refused on its headers, the body never read
+    time.sleep(3)  # rank 1's watchdog would have given up on a leader that stopped answering
+    assert all(engine.alive().values()), engine.alive()
+    assert SglangEngine(engine.url, api_key=KEY).server_info()["p2pw_ranks_ready"] == [0, 1]
+
+
+def test_a_health_route_reads_no_body_and_parses_none(keyed_server):
+    server, hooks = keyed_server
+    small = _post("/health", b"[[[[not json", length=None).replace(b"POST", b"GET", 1)
+    assert raw_http(server.port, small)[0] == p.OK        # a small body is dropped unparsed
+    big = _post("/health", b"", length=str(1 << 20)).replace(b"POST", b"GET", 1)
+    status, answer = raw_http(server.port, big)
+    assert status == p.PAYLOAD_TOO_LARGE and b"Connection: close" in answer, answer
+
+
+def _drip(port: int, first: bytes, drip: bytes, every: float, longest: float) -> tuple[float, bytes]:
+    """Send ``first``, then ``drip`` one byte every ``every`` seconds until the server answers or
+    closes (or ``longest`` passes): (seconds from the first byte, what the server sent)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(first)
+        for i in range(len(drip)):
+            if time.monotonic() - t0 > longest:
+                break
+            readable, _, _ = select.select([s], [], [], every)
+            if readable:
+                break
+            try:
+                s.sendall(drip[i:i + 1])
+            except OSError:
+                break
+        try:
+            answer = s.recv(65536)
+        except OSError:
+            answer = b""
+        return time.monotonic() - t0, answer
+
+
+def test_a_client_that_drips_its_request_is_cut_off_at_the_request_deadline():
+    """Issue 23 item 5: a byte every 10-20 s held a thread for as long as the client liked (each
+    read was within the read timeout). Here a read may wait 1 s, the whole request 2 s; the client
+    sends a byte every 0.25 s, so only the deadline can cut it."""
+    hooks = RecordingHooks()
+    with ReceiverServer(hooks, api_key=KEY, read_timeout=1.0, request_deadline=2.0) as server:
+        # in the headers: the connection is closed
+        took, answer = _drip(server.port, b"POST /pause_generation HTTP/1.1\r\n", b"X-Drip: " + b"a" * 200,
+                             every=0.25, longest=10)
+        assert 1.9 < took < 2.0 + 1.5, f"a dripping client was cut after {took:.1f}s (deadline 2s)"
+        assert answer == b"", answer
+        # in the body: 408
+        took, answer = _drip(server.port, _post("/pause_generation", b"{", RIGHT, length="300"), b" " * 299,
+                             every=0.25, longest=10)
+        assert 1.9 < took < 2.0 + 1.5, f"a dripping client was cut after {took:.1f}s (deadline 2s)"
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert hooks.calls == [] and not server.paused
+        # a client that is not dripping is served, on a connection kept alive across requests
+        for _ in range(3):
+            assert request("POST", server.url, "/pause_generation", body={}, api_key=KEY)[0] == p.OK
+
+
+def _idle_connection(port: int, source: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_connections_are_capped_per_client_address_and_in_all_and_the_extra_one_gets_503_at_once():
+    """Issue 23 item 5: 1,469 threads held at once. Here at most 3 connections from one address
+    and 5 in all; one more is answered 503 by the accepting thread, without waiting for a request."""
+    with ReceiverServer(api_key=KEY, max_connections=5, max_connections_per_client=3) as server:
+        held = [_idle_connection(server.port, "127.0.0.2") for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while server._httpd.open_connections() < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        extra = _idle_connection(server.port, "127.0.0.2")
+        t0 = time.monotonic()
+        answer = extra.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 1.0, answer
+        assert b"127.0.0.2" in answer
+        # another address is served meanwhile (the per-client cap, not the total, refused the extra one)
+        assert request("GET", server.url, "/health")[0] == p.OK
+        POOL.clear()  # the kept-alive connection closed: 3 open, all from 127.0.0.2
+        held += [_idle_connection(server.port, "127.0.0.3") for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while server._httpd.open_connections() != 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server._httpd.open_connections() == 5
+        assert _idle_connection(server.port, "127.0.0.4").recv(65536).startswith(b"HTTP/1.1 503")  # the total cap
+        for s in held + [extra]:  # a closed connection frees its place
+            s.close()
+        deadline = time.monotonic() + 5
+        while server._httpd.open_connections() > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert request("GET", server.url, "/server_info", api_key=KEY)[0] == p.OK
+
+
+@pytest.mark.parametrize("header", [
+    "Content-Length: +2", "Content-Length: 0_2", "Content-Length: 2 ", "Content-Length: \x0b2",
+    "Content-Length:\r\n 2", "Content-Length: -2", "Content-Length: 2.0", "Content-Length: 0x2",
+    "Content-Length: \xb2", "Content-Length:", "Content-Length: 2\r\nContent-Length: 2",
+    "Content-Length: 2\r\nContent-Length: 9", "Content-Length : 2",
+])
+def test_content_length_is_plain_digits_given_once_else_400(keyed_server, header):
+    """Issue 23 item 6: ``+2``, ``0_2`` and whitespace passed ``int()``; of two headers the first won
+    (a proxy reading the other one would see another request in the body)."""
+    server, hooks = keyed_server
+    data = ("POST /pause_generation HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY + "\r\n"
+            + header + "\r\n\r\n{}").encode("latin-1")
+    status, answer = raw_http(server.port, data)
+    assert status == p.BAD_REQUEST, (header, answer)
+    assert hooks.calls == [] and not server.paused
+    assert raw_http(server.port, _post("/pause_generation", b"{}", RIGHT))[0] == p.OK  # plain digits pass
+
+
+class _DigestHooks(RecordingHooks):
+    """Digests as a rank does: a name it does not hold is an UnknownParameter."""
+
+    def weights_digest(self, names):
+        self.calls.append("weights_digest")
+        import torch
+
+        from p2pweights.control.weights_digest import parameter_digests
+
+        model = torch.nn.Linear(2, 2)
+        return {r: parameter_digests(model, ns, engine="e", rank=r) for r, ns in names.items()}
+
+
+#: (route, raw JSON body, the field its 400 must name): issue 23 item 6, and every other body field
+WRONG_BODIES = [
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": Infinity}', "hf_seed"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": NaN}', "hf_seed"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": 1e400}', "hf_seed"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": 1.5}', "hf_seed"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": "7"}', "hf_seed"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": 1, "skip_tensor_list": [1]}', "skip_tensor_list"),
+    ("/weights_checker", b'{"action": "p2pw_compare", "hf_seed": 1, "skip_tensor_list": "x"}', "skip_tensor_list"),
+    ("/weights_checker", b'{"allow_quant_error": 1}', "allow_quant_error"),
+    ("/weights_checker", b'{"selector": "both"}', "selector"),
+    ("/p2pw_weights_digest", b'{"names": [1, 2]}', "names"),
+    ("/p2pw_weights_digest", b'{"names": {"0": [1]}}', "names"),
+    ("/p2pw_weights_digest", b'{"names": {"0": "weight"}}', "names"),
+    ("/p2pw_weights_digest", b'{"names": {"0": ["no.such.param"]}}', "no.such.param"),
+    ("/get_weights_by_name", b'{"name": "w", "truncate_size": 1e999}', "truncate_size"),
+    ("/get_weights_by_name", b'{"name": "w", "truncate_size": 100000000000000000000000}', "truncate_size"),
+    ("/get_weights_by_name", b'{"name": ["w"]}', "name"),
+    ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["bf16"], "shapes": [[1, "2"]]}', "shapes"),
+    ("/update_weights_from_distributed", b'{"names": [1], "dtypes": ["bf16"], "shapes": [[1]]}', "names"),
+    ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": [null], "shapes": [[1]]}', "dtypes"),
+    ("/init_weights_update_group", b'{"master_address": "h", "master_port": "1", "rank_offset": 1, "world_size": 2}',
+     "master_port"),
+    ("/register_transfer_engine_info",
+     b'{"tp_rank": 1, "transfer_engine_info": {"session_id": 5, "weights_info_dict": {}}}', "session_id"),
+    ("/register_transfer_engine_info", b'{"tp_rank": 1.0, "transfer_engine_info": {}}', "tp_rank"),
+    ("/update_weight_version", b'{"new_version": 1.5}', "new_version"),
+    ("/continue_generation", b'{"torch_empty_cache": "yes"}', "torch_empty_cache"),
+    ("/pause_generation", b'{"mode": ["abort"]}', "mode"),
+    ("/renew_weight_update", b'{"release": 0}', "release"),
+]
+
+
+@pytest.mark.parametrize("path,raw,field", WRONG_BODIES)
+def test_a_wrong_typed_body_is_a_400_naming_the_field_and_runs_no_hook(path, raw, field):
+    hooks = _DigestHooks()
+    with ReceiverServer(hooks, api_key=KEY) as server:
+        route = routes.BY_PATH[path]
+        status, answer = raw_http(server.port, _post(path, raw, RIGHT).replace(b"POST", route.method.encode(), 1))
+        payload = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert status == p.BAD_REQUEST, (path, raw, answer)
+        assert field in payload["message"], payload
+        assert set(hooks.calls) <= {"weights_digest"}, hooks.calls  # only the digest runs: its name is the rank's to know
+
+
+class _FakeRank:
+    """A rank's verbs as the endpoint sees them: records what ran; a digest of an unknown name fails as a rank's."""
+
+    rank = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, verb, body):
+        self.calls.append(verb)
+        if verb == "digest":
+            raise UnknownParameter("engine e rank 1 holds no parameter 'no.such' to digest", rank=1, parameter="no.such")
+        return {"rank": 1}
+
+
+@pytest.mark.parametrize("verb,body,field", [
+    ("compare", {"hf_seed": "abc"}, "hf_seed"),
+    ("compare", {"hf_seed": 1, "skip": [1]}, "skip"),
+    ("compare", {}, "hf_seed"),
+    ("digest", {"names": [1, 2]}, "names"),
+    ("digest", {"names": {"1": "w"}}, "names"),
+    ("digest", {"names": {"1": ["no.such"]}}, "no.such"),
+    ("begin", {"selector": 5}, "selector"),
+    ("init_group", {"master_address": "h", "master_port": "x", "rank_offset": 0, "world_size": 2}, "master_port"),
+    ("update_from_distributed", {"names": [1, 2], "dtypes": ["a", "b"], "shapes": [[1], [1]]}, "names"),
+    ("destroy_group", {"group_name": 5}, "group_name"),
+])
+def test_a_rank_endpoint_answers_a_wrong_typed_body_400_naming_the_field(verb, body, field):
+    rank = _FakeRank()
+    httpd = serve_rank_control(rank, "127.0.0.1", 0, api_key=KEY)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        status, answer = request("POST", url, routes.RANK_ROUTE_PREFIX + verb, body=body, api_key=KEY)
+        assert status == p.BAD_REQUEST and field in answer["message"], (status, answer)
+        assert rank.calls == ([] if verb != "digest" or field != "no.such" else ["digest"])
+        with pytest.raises(P2PWeightsError, match=field.replace(".", r"\.")):
+            call_rank(url, 1, verb, body, timeout=5, api_key=KEY)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+_STAND_IN_LEADER = r"""
+import ctypes, sys
+from p2pweights.receiver import ReceiverHooks, ReceiverServer
+
+class Hooks(ReceiverHooks):
+    def server_info(self):
+        return {"p2pw_instance": sys.argv[1]}
+
+server = ReceiverServer(Hooks(), port=int(sys.argv[2])).start()
+print(server.port, flush=True)
+libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL: no thread of this process runs Python meanwhile
+for line in sys.stdin:
+    libc.sleep(int(line))
+    print("released", flush=True)
+"""
+
+
+def _stand_in_leader(instance: str, port: int = 0) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", _STAND_IN_LEADER, instance, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def test_a_leader_that_holds_its_gil_for_seconds_is_not_taken_for_gone_but_a_dead_or_replaced_one_is():
+    """Issue 23 item 4: rank 1 exited because its leader, busy parsing for 7 s, did not answer
+    /server_info within 2 s four times in a row. The rank's watchdog (LeaderWatch, as rank_process
+    runs it) now asks the kernel: a leader whose port accepts connections is alive, however busy."""
+    from p2pweights.receiver.rank_process import watch
+
+    proc, url = _stand_in_leader("first")
+    try:
+        leader = LeaderWatch(url, "first", answer_timeout=0.5, connect_timeout=1.0)
+        assert leader.check()
+        stop = threading.Event()
+        watch(leader.check, stop, interval=0.2, misses=3, why="test")
+        proc.stdin.write("6\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "released"  # 6 s without a Python thread running
+        assert not stop.is_set(), "a leader holding its GIL for 6 s was taken for gone"
+        assert leader.busy >= 3, leader.busy  # the checks during the hold: no answer, the port open
+        port = int(url.rsplit(":", 1)[1])
+        proc.kill()
+        proc.wait(10)
+        assert stop.wait(5), "a dead leader was not noticed"
+        # another instance on the same port (the engine restarted): the rank's leader is gone too
+        proc, url = _stand_in_leader("second", port)
+        assert not LeaderWatch(url, "first", answer_timeout=0.5).check()
+        assert LeaderWatch(url, "second", answer_timeout=0.5).check()
+    finally:
+        proc.kill()
+        proc.wait(10)

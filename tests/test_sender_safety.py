@@ -22,6 +22,7 @@ from p2pweights.errors import (
     P2PWeightsError,
     SenderGroupError,
     UnknownParameter,
+    UnsupportedTensor,
     VersionRefused,
 )
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
@@ -235,6 +236,43 @@ def test_nan_is_refused_naming_the_tensor_before_any_write_and_the_engines_resum
         assert check_weights_equal(engine.url, hf_seed=8)["success"]
     finally:
         sender.close()
+
+
+def _without_dense_bytes(kind: str, t: torch.Tensor) -> torch.Tensor:
+    if kind == "meta":
+        return torch.empty_like(t, device="meta")
+    if kind == "sparse_coo":
+        return t.to_sparse()
+    if kind == "sparse_csr":
+        return t.reshape(t.shape[0], -1).to_sparse_csr() if t.dim() > 1 else t.to_sparse()
+    if kind == "mkldnn":
+        return t.float().to_mkldnn()
+    return torch.nested.nested_tensor([t])  # nested
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr", "mkldnn", "nested"])
+def test_a_tensor_without_dense_bytes_is_refused_at_push_naming_it_first_or_last(sender, engine, cfg, kind):
+    if kind == "mkldnn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no MKL-DNN")
+    tensors = _tensors(cfg, 11)
+    before = _client(engine).weight_version()
+    first, x = tensors[0]
+    with pytest.raises(UnsupportedTensor, match=rf"{first.replace('.', '[.]')}.* is a .*nothing was staged") as info:
+        with sender.update(f"{kind}-first") as u:
+            u.push(first, _without_dense_bytes(kind, x))
+    assert info.value.parameter == first and info.value.hint
+    assert _state(engine) == GENERATING and _client(engine).weight_version() == before  # never paused
+    # last: the engines are paused and every other group written; the refusal leaves the update whole
+    with sender.update(f"{kind}-last") as u:
+        for n, t in tensors[:-1]:
+            u.push(n, t)
+        last, x = tensors[-1]
+        with pytest.raises(UnsupportedTensor, match=rf"{last.replace('.', '[.]')}.*(layout|device)") as info:
+            u.push(last, _without_dense_bytes(kind, x))
+        assert info.value.parameter == last
+        u.push(last, x)
+    assert _state(engine) == GENERATING and _client(engine).weight_version() == f"{kind}-last"
+    assert check_weights_equal(engine.url, hf_seed=11)["success"]
 
 
 def test_nan_passes_without_check_finite(sender, cfg):

@@ -1,4 +1,5 @@
-"""Sessions with an owner and a lease; stalled engines (issue 14, items 3 and 6).
+"""Sessions with an owner and a lease; stalled engines (issue 14, items 3 and 6); owners are
+secrets and the engine bounds the lease (issue 23, items 2 and 3).
 
 A session belongs to the controller that opened it: another controller's calls are refused (409,
 naming the owner) before they change anything; the owner renews a lease while it writes; a session
@@ -65,10 +66,15 @@ def server():
         yield s, hooks
 
 
-def _client(url: str, owner: str | None = None, name: str = "e0") -> SglangEngine:
+def _client(url: str, owner: str | None = None, name: str = "e0", label: str | None = None) -> SglangEngine:
     c = SglangEngine(url, name=name, timeout=10)
-    c.session_owner = owner
+    c.session_owner, c.session_label = owner, label
     return c
+
+
+def _token(word: str) -> str:
+    """A test's owner token: long enough for a receiver's begin (``OWNER_MIN_CHARS``)."""
+    return f"{word}-{'x' * 32}"
 
 
 def _weight_update(url: str) -> dict:
@@ -87,7 +93,7 @@ def _raw_health(url: str):
 def test_another_controllers_calls_answer_409_naming_the_owner_while_the_session_is_live(server):
     srv, hooks = server
     owner = _client(srv.url)
-    other = _client(srv.url, owner="trainer-b")
+    other = _client(srv.url, owner=_token("trainer-b"))
     with UpdateSession(owner, version=1, lease=30) as session:
         before = list(hooks.calls)
         refused = {
@@ -105,13 +111,14 @@ def test_another_controllers_calls_answer_409_naming_the_owner_while_the_session
             with pytest.raises(SessionConflict) as info:
                 call()
             text = str(info.value)
-            assert "HTTP 409" in text and repr(session.owner) in text and "opened" in text, (verb, text)
+            assert "HTTP 409" in text and f"owner #1 {session.owner_label}" in text and "opened" in text, (verb, text)
+            assert session.owner not in text  # the label, never the token
             assert info.value.engine == "e0"
         # an anonymous caller (sglang's own clients) is another controller too
         with pytest.raises(SessionConflict):
             _client(srv.url).continue_generation()
         assert hooks.calls == before  # nothing the others asked reached the engine
-        assert _weight_update(srv.url)["owner"] == session.owner
+        assert _weight_update(srv.url)["owner"] == f"#1 {session.owner_label}"
     # the owner's own end -> version -> continue went through
     assert session.outcome == {"e0": "updated"}
     assert hooks.calls == ["pause", "begin", "end", "version", "continue"]
@@ -126,7 +133,7 @@ def test_a_second_session_of_one_process_on_an_engine_is_refused_before_anything
     with pytest.raises(UpdateRefused) as info:
         UpdateSession(_client(srv.url, name="again"), version=2).open()
     assert isinstance(info.value, SessionConflict) and info.value.engine == "again"
-    assert repr(first.owner) in str(info.value)
+    assert "another update of this process" in str(info.value) and first.owner not in str(info.value)
     assert hooks.calls == ["pause", "begin"]  # the second sent nothing
     first.commit()
     UpdateSession(_client(srv.url), version=3).__enter__().commit()  # free again once the first ended
@@ -143,11 +150,11 @@ def test_the_owner_renews_its_lease_while_it_writes(server):
 
 def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_complete_update(server):
     srv, hooks = server
-    gone = _client(srv.url, owner="dead-trainer")
+    gone = _client(srv.url, owner=_token("dead"), label="dead-trainer")
     gone.pause_generation()
     gone.begin_weight_update(lease=0.5)  # and never a renewal
     with pytest.raises(SessionConflict, match="dead-trainer"):
-        _client(srv.url, owner="b").continue_generation()  # live: another's
+        _client(srv.url, owner=_token("b")).continue_generation()  # live: another's
     time.sleep(1.0)
     status, body = _raw_health(srv.url)
     assert status == p.OK and body["status"] == p.TORN and "dead-trainer" in body["message"]
@@ -156,7 +163,7 @@ def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_
     assert state["state"] == p.TORN and state["owner"] is None
     for call in (lambda c: c.continue_generation(), lambda c: c.update_weight_version(5),
                  lambda c: c.end_weight_update()):
-        for caller in (_client(srv.url), _client(srv.url, owner="dead-trainer")):
+        for caller in (_client(srv.url), _client(srv.url, owner=_token("dead"))):
             with pytest.raises(TornWeights) as info:
                 call(caller)
             assert "HTTP 409" in str(info.value) and "complete update heals" in str(info.value)
@@ -247,11 +254,189 @@ def test_a_session_an_sglang_server_says_is_open_is_resumed_only_by_its_own_owne
         assert session.resumed == {"e0"}
 
 
+# ---- owners are secrets (issue 23, item 2) ------------------------------------------------------------
+
+
+def _every_route_answer(url: str, headers: dict | None = None) -> list[str]:
+    """What every route answers, every method it takes, to a caller with ``headers`` (as text)."""
+    from p2pweights.control import http, routes
+
+    said = []
+    for route in routes.ROUTES:
+        for method in route.methods:
+            status, answer = http.request(method, url, route.path, body={} if method != "GET" else None,
+                                          params={"rank": 0}, timeout=10, headers=headers)
+            said.append(f"{method} {route.path} {status} {json.dumps(answer)}")
+    return said
+
+
+def test_the_owner_token_appears_in_no_answer_and_a_copied_label_is_refused_409(server, caplog):
+    import logging
+
+    from p2pweights.control.lease import new_owner_id
+
+    caplog.set_level(logging.DEBUG)
+    srv, hooks = server
+    session = UpdateSession(_client(srv.url), version=1, lease=30)
+    session.open()
+    token = session.owner
+    assert len(token) >= 43 and len({new_owner_id() for _ in range(64)}) == 64  # 256 random bits each
+    assert str(os.getpid()) not in token  # nothing of it is derived from what an attacker can see
+    shown = _weight_update(srv.url)["owner"]
+    assert shown == f"#1 {session.owner_label}" and str(os.getpid()) in shown
+    # a key holder copies everything it can read and tries it as the owner header
+    copied = [shown, session.owner_label, shown + "-" * 32, json.dumps(_raw_health(srv.url)[1])]
+    answers = _every_route_answer(srv.url) + _every_route_answer(srv.url, {p.SESSION_OWNER_HEADER: copied[2]})
+    for fake in copied:
+        attacker = _client(srv.url, owner=fake)
+        for call in (lambda: attacker.continue_generation(), lambda: attacker.update_weight_version(9),
+                     lambda: attacker.end_weight_update(), lambda: attacker.renew_weight_update(),
+                     lambda: attacker.renew_weight_update(release=True), lambda: attacker.begin_weight_update()):
+            with pytest.raises(SessionConflict) as info:
+                call()
+            assert "HTTP 409" in str(info.value)
+            answers.append(str(info.value))
+    answers += [json.dumps(_raw_health(srv.url)[1]), json.dumps(SglangEngine(srv.url).server_info())]
+    assert hooks.calls == ["pause", "begin"]  # nothing the copies asked reached the engine
+    assert _weight_update(srv.url)["state"] == "open"  # still the owner's (a copied release did nothing)
+    assert not [a for a in answers if token in a]
+    session.commit()  # the owner itself goes on
+    assert hooks.calls[-3:] == ["end", "version", "continue"]
+    assert token not in caplog.text
+
+
+def test_a_begin_with_a_guessable_owner_token_is_refused_400_without_repeating_it(server):
+    srv, hooks = server
+    weak = _client(srv.url, owner="trainer-b")
+    weak.pause_generation()  # no session to take: anyone's
+    with pytest.raises(P2PWeightsError) as info:
+        weak.begin_weight_update()
+    assert "HTTP 400" in str(info.value) and p.SESSION_OWNER_HEADER in str(info.value)
+    assert "trainer-b" not in str(info.value)
+    assert hooks.calls == ["pause"] and _weight_update(srv.url) == {"state": "none"}
+
+
+def test_a_label_that_carries_the_owner_token_is_never_shown():
+    from p2pweights.receiver.session_keeper import label_of
+
+    token = _token("t")
+    assert label_of({p.SESSION_LABEL_HEADER: f"host:1 {token}"}, token) == ""
+    assert label_of({p.SESSION_LABEL_HEADER: "host:1\x1b[2J" + "y" * 100}, token) == "host:1[2J" + "y" * 55
+
+
+# ---- the engine bounds the lease (issue 23, item 3) ------------------------------------------------------
+
+
+def test_the_keeper_caps_every_lease_to_the_engines_own_and_refuses_nonsense():
+    from p2pweights.errors import InvalidRequest
+    from p2pweights.receiver.session_keeper import lease_of
+
+    now = [0.0]
+    keeper = SessionKeeper("e0", lease=5.0, clock=lambda: now[0])
+    assert keeper.begin("trainer", 30.0) is False and keeper.lease == 5.0
+    assert keeper.renew(1e309) == 5.0 and keeper.renew(2.0) == 2.0 and keeper.renew(None) == 2.0
+    assert [keeper.grant(x) for x in (float("inf"), 100.0, 0.5, None)] == [5.0, 5.0, 0.5, 5.0]
+    for raw, granted in (("inf", 5.0), ("1e309", 5.0), ("Infinity", 5.0), ("30", 5.0), ("0.25", 0.25)):
+        assert keeper.grant(lease_of({p.SESSION_LEASE_HEADER: raw})) == granted, raw
+    for raw in ("nan", "-1", "0", "-inf", "abc", "", "1e309x"):
+        with pytest.raises(InvalidRequest, match=p.SESSION_LEASE_HEADER):
+            lease_of({p.SESSION_LEASE_HEADER: raw})
+    with pytest.raises(ValueError, match="finite"):
+        SessionKeeper("e0", lease=float("inf"))
+
+
+def test_an_engine_with_a_1s_lease_expires_a_sender_that_asked_for_30s_and_stopped_renewing():
+    hooks = Recording()
+    with ReceiverServer(hooks, session_lease=1.0) as srv:
+        gone = _client(srv.url, owner=_token("gone"))
+        gone.pause_generation()
+        answer = gone.begin_weight_update(lease=30)  # and never a renewal
+        assert answer["lease"] == 1.0 and answer["lease_max"] == 1.0
+        assert _weight_update(srv.url)["lease_s"] == 1.0
+        time.sleep(3.0)  # three of the engine's leases (the sender asked for 30 s)
+        assert _weight_update(srv.url)["state"] == p.TORN
+        assert "lease 1s" in _raw_health(srv.url)[1]["message"]
+
+
+def test_infinite_or_nonsense_lease_requests_never_hold_the_engine():
+    from p2pweights.control import http
+
+    capped, refused = ("inf", "1e309", "Infinity"), ("nan", "-1", "abc", "")
+    servers = [ReceiverServer(Recording(), session_lease=1.0).start() for _ in capped + refused]
+    try:
+        for raw, srv in zip(capped + refused, servers):
+            owner = {p.SESSION_OWNER_HEADER: _token(f"asks-{raw}")}
+            assert http.request("POST", srv.url, "/pause_generation", body={}, headers=owner, timeout=10)[0] == p.OK
+            status, answer = http.request("POST", srv.url, "/begin_weight_update", body={}, timeout=10,
+                                          headers={**owner, p.SESSION_LEASE_HEADER: raw})
+            if raw in capped:
+                assert (status, answer["lease"]) == (p.OK, 1.0), (raw, answer)
+            else:  # refused before anything ran: no session
+                assert status == p.BAD_REQUEST and p.SESSION_LEASE_HEADER in answer["message"], (raw, answer)
+                assert srv.hooks.calls == ["pause"] and _weight_update(srv.url) == {"state": "none"}
+        time.sleep(3.0)
+        for raw, srv in zip(capped, servers):
+            assert _weight_update(srv.url)["state"] == p.TORN, raw  # expired after the engine's 1 s
+    finally:
+        for srv in servers:
+            srv.close()
+
+
+def test_the_sender_renews_at_a_fraction_of_the_granted_lease_and_its_deadline_follows_the_renewals():
+    with ReceiverServer(Recording(), session_lease=2.0) as srv:
+        t0 = time.monotonic()
+        session, told = UpdateSession(_client(srv.url), version=1, lease=30), []
+        session.renewer.on_deadline = lambda name, deadline: told.append((name, deadline))
+        with session:
+            first = session.lease_deadline()
+            assert session.renewer.lease == 2.0 and session.renewer.granted == {"e0": 2.0}  # not the 30 s asked
+            assert t0 < first <= time.monotonic() + 2.0 * 0.9
+            assert session.lease_deadline("e0") == first and session.lease_deadline("not-an-engine") == float("inf")
+            time.sleep(5.0)  # two and a half of the engine's leases: only renewals keep it open
+            state = _weight_update(srv.url)
+            assert (state["state"], state["lease_s"]) == ("open", 2.0)
+            now = time.monotonic()
+            assert first < now < session.lease_deadline() <= now + 2.0  # moved on by the renewals
+        assert session.outcome == {"e0": "updated"}
+        assert told[0] == ("e0", first) and len(told) >= 4  # the begin, then each renewal (every ~0.67 s)
+        assert [d for _, d in told] == sorted(d for _, d in told)
+        assert session.lease_deadline() == float("-inf")  # over: no more posts
+
+
+def test_the_owners_deadline_passes_when_renewals_stop_and_is_minus_inf_once_the_engine_refused():
+    with ReceiverServer(Recording(), session_lease=1.0) as srv:
+        session = UpdateSession(_client(srv.url), version=1, lease=30)
+        session.open()
+        assert session.lease_deadline() > time.monotonic()
+        session._renewer._stop.set()  # the renewal thread stops (a paused or partitioned sender)
+        time.sleep(2.5)
+        assert session.lease_deadline() < time.monotonic()  # past, by the sender's own clock
+        assert _weight_update(srv.url)["state"] == p.TORN  # and the engine agrees
+        session._renewer._stop.clear()  # renewing again after the pause: the engine refuses it
+        told = []
+        session.renewer.on_deadline = lambda name, deadline: told.append((name, deadline))
+        errors = session._renewer.check_in(session.engines)
+        assert isinstance(errors["e0"], TornWeights)
+        assert session.lease_deadline() == float("-inf") and told == [("e0", float("-inf"))]
+        session.abort("the sender lost its session")
+
+
+def test_a_session_given_up_ends_the_owners_deadline_at_once():
+    with ReceiverServer(Recording(), session_lease=30.0) as srv:
+        session = UpdateSession(_client(srv.url), version=1)
+        session.open()
+        assert session.lease_deadline() > time.monotonic() + 20
+        session._renewer.release(session.engines)
+        assert session.lease_deadline() == float("-inf")
+        assert _weight_update(srv.url)["state"] == p.TORN
+        session.abort("given up")
+
+
 # ---- real engines, real transports, real sender processes ----------------------------------------------
 
 CHILD = textwrap.dedent('''
     import json, os, sys, time
-    from p2pweights.errors import SessionConflict
+    from p2pweights.errors import P2PWeightsError, SessionConflict
     from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
     from p2pweights.sender import WeightSender
 
@@ -270,13 +455,18 @@ CHILD = textwrap.dedent('''
                 update.push(name, t)
                 if mode == "slow" and i == 0:
                     time.sleep(2.0)  # holds its session: the other controller certainly meets it
-                if mode == "hold" and i == len(items) * 3 // 4:
+                if mode in ("hold", "late") and i == len(items) * 3 // 4:
                     update.pipeline.drain()  # what is placed goes out now: its writes begin
                     say(event="writing", slots=update.times.slots)
-                    time.sleep(600)  # until killed
+                    if mode == "hold":
+                        time.sleep(600)  # until killed
+                    while not os.path.exists(go + ".resume"):  # stopped here (SIGSTOP), then resumed
+                        time.sleep(0.005)
         say(event="done")
     except SessionConflict as e:
         say(event="refused", error=str(e), engine=e.engine)
+    except P2PWeightsError as e:
+        say(event="failed", error=str(e))
     sys.stdout.flush()
     os._exit(0)
 ''')
@@ -338,7 +528,7 @@ def test_concurrent_controllers_exactly_one_wins_and_the_weights_are_all_the_win
         winner = next(seed for seed, r in results.items() if r["event"] == "done")
         refused = next(r for r in results.values() if r["event"] == "refused")
         assert refused["engine"] and refused["engine"] in refused["error"]
-        assert "owner '" in refused["error"] and "HTTP 409" in refused["error"]
+        assert "owner #" in refused["error"] and "HTTP 409" in refused["error"]
         result = check_weights_equal(engine.url, hf_seed=winner)
         assert result["success"], result["message"]  # every byte of every rank is the winner's
         assert SglangEngine(engine.url).weight_version() == f"seed{winner}"
@@ -402,6 +592,43 @@ def test_a_sender_killed_mid_update_leaves_the_engine_torn_after_its_lease_then_
         assert client.weight_version() == "seed42"
         client.pause_generation()
         client.continue_generation()  # generating again, as any healthy engine
+    finally:
+        child.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_a_sender_stopped_past_its_lease_lands_no_byte_after_another_controller_committed(cfg, tmp_path, transport):
+    """Issue 23's silent corruption: a sender is stopped (SIGSTOP: a GC pause, a partition) half
+    way through its update; its lease expires; another controller runs a complete update; the first
+    sender resumes and keeps pushing. Its writer is fenced at its lease (less a margin): it posts
+    nothing more, its update fails naming the lease, and every byte of the engine stays the second
+    controller's, under the second controller's version."""
+    engine = start_engine(cfg, "tp=2", transport=transport, name="fenced")
+    go = str(tmp_path / "go")
+    open(go, "w").close()
+    child = SenderProcess(cfg, engine.url, 51, "late", go, transport, env={"P2PW_SESSION_LEASE": "2"})
+    try:
+        assert child.next_event()["event"] == "ready"
+        assert child.next_event(120)["event"] == "writing"
+        child.proc.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while _weight_update(engine.url)["state"] == "open" and time.monotonic() - stopped_at < 20:
+            time.sleep(0.2)
+        assert _weight_update(engine.url)["state"] == p.TORN  # its lease expired: torn, not served
+        _update(cfg, [engine.url], 52, transport)  # another controller: a complete update
+        assert check_weights_equal(engine.url, hf_seed=52)["success"]
+        open(go + ".resume", "w").close()
+        child.proc.send_signal(signal.SIGCONT)  # the late sender pushes the rest of its update
+        result = child.next_event(120)
+        assert result["event"] in ("failed", "refused"), result
+        assert "lease" in result["error"], result["error"]
+        child.proc.wait(30)
+        time.sleep(1.0)  # anything still on the wire has landed by now
+        after = check_weights_equal(engine.url, hf_seed=52)
+        assert after["success"], after["message"]  # not one byte of the late sender's
+        assert SglangEngine(engine.url).weight_version() == "seed52"
+        assert _weight_update(engine.url) == {"state": "none"}
     finally:
         child.close()
         engine.close()

@@ -197,12 +197,47 @@ def test_bad_writes_raise_clear_errors_before_anything_is_posted(rig, write, err
     assert r.writer.finish().engines[0].bytes == 0
 
 
-def test_close_twice_is_safe(rig):
+def test_a_write_only_goes_out_from_a_slot_the_caller_acquired(rig):
+    r = rig(n_engines=1, slots=2)
+    write = [(0, 4096, 0, r.addr(0))]
+    with pytest.raises(InvalidWrite, match="slot 1 was not acquired"):
+        r.writer.submit(1, write)  # never acquired
+    s = r.writer.acquire()
+    r.writer.release_slot(s)
+    with pytest.raises(InvalidWrite, match=f"slot {s} was not acquired"):
+        r.writer.submit(s, write)  # given back unused
+    s = r.writer.acquire()
+    r.writer.submit(s, write)
+    with pytest.raises(InvalidWrite, match=f"slot {s} was not acquired"):
+        r.writer.submit(s, write)  # already submitted: its writes may still read it
+    with pytest.raises(InvalidWrite, match="slot 7 does not exist"):
+        r.writer.submit(7, write)
+    report = r.writer.finish()
+    assert report.engines[0].bytes == 4096 and r.transport.bytes_copied(0) == 4096  # the one legal write only
+
+
+def test_a_region_that_wraps_past_the_address_space_is_refused_at_add_engine(rig):
+    r = rig(n_engines=1)
+    top = (1 << 64) - 4096
+    with pytest.raises(InvalidWrite, match="runs past the end of the address space"):
+        r.writer.add_engine(5, "wraps", [(r.addr(0), 4096), (top, 8192)])
+    with pytest.raises(NotFound, match="unknown engine 5"):  # nothing of it was added
+        r.writer.submit(r.writer.acquire(), [(0, 16, 5, top + 16)])
+    r.writer.add_engine(5, "at-the-top", [(top, 4096)])  # up to the last byte is fine
+    with pytest.raises(InvalidWrite, match="runs past the end of the address space"):
+        r.transport.register_memory(top, 8192)
+
+
+def test_close_twice_is_safe_and_a_closed_writer_refuses_work(rig):
     r = rig(n_engines=1)
     for _ in range(2):
         r.writer.close()
         r.transport.close()
         r.buffers.close()
+    with pytest.raises(Closed):
+        r.writer.acquire(timeout=1.0)
+    with pytest.raises(Closed):
+        r.buffers.slot_array(0)
 
 
 def test_acquire_releases_the_gil(rig):
@@ -429,3 +464,37 @@ def test_closing_the_buffers_with_a_write_in_flight_frees_them_when_it_returns(r
     assert r.buffers.native.released
     with pytest.raises(Closed):
         r.writer.submit(r.writer.acquire(timeout=1.0), [(0, 16, 0, r.addr(0))])
+
+
+def test_a_fenced_engine_gets_no_post_after_its_lease_and_the_others_are_untouched(rig):
+    """The data plane obeys the session: after fence(engine, t) no batch is posted to that engine
+    once t has passed (a sender stopped past its lease resumes and posts nothing); the batch fails
+    the engine with FENCED and not one byte of it lands; another engine's writes go on; a fence of
+    +inf (a renewed lease, or an engine without one) lets it post again in the next update."""
+    import math
+
+    r = rig(n_engines=2)
+    r.writer.fence(0, 0.05)
+    time.sleep(0.2)  # the lease ran out while the sender "was stopped"
+    s = r.writer.acquire()
+    r.fill(s, 7)
+    r.writer.submit(s, [(0, SLOT, 0, r.addr(0)), (0, SLOT, 1, r.addr(1))])
+    report = r.writer.finish(raise_on_failure=False)
+    fenced = report.engine("engine-0")
+    assert fenced.state is EngineState.FAILED and fenced.code == int(_native.Code.FENCED)
+    assert "lease ended" in fenced.error and fenced.bytes == 0
+    assert not r.regions[0].any()  # nothing of the fenced batch landed
+    assert report.engine("engine-1").state is EngineState.OK and (r.regions[1][:SLOT] == 7).all()
+    r.writer.fence(0, math.inf)
+    s = r.writer.acquire()
+    r.fill(s, 7)
+    r.writer.submit(s, [(0, SLOT, 0, r.addr(0))])
+    assert r.writer.finish().engine("engine-0").state is EngineState.OK and (r.regions[0][:SLOT] == 7).all()
+
+
+def test_fencing_an_unknown_engine_or_nan_is_refused(rig):
+    r = rig(n_engines=1)
+    with pytest.raises(NotFound):
+        r.writer.fence(9, 1.0)
+    with pytest.raises(InvalidWrite):
+        r.writer.fence(0, float("nan"))

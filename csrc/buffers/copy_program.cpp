@@ -19,6 +19,8 @@
 #include <system_error>
 #include <thread>
 
+#include "checked_math.h"
+
 namespace p2pw {
 
 namespace {
@@ -81,6 +83,9 @@ Status check_program(const int64_t* program, size_t count, uint64_t slot_bytes, 
   std::vector<uint64_t> nbytes(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
     if (inputs[k].address == 0 && inputs[k].nbytes > 0) return Status(Code::kInvalidArgument, "a copy input has no address");
+    if (!range_fits(inputs[k].address, inputs[k].nbytes))
+      return Status(Code::kInvalidArgument, "copy input " + std::to_string(k) + " of " + std::to_string(inputs[k].nbytes) +
+                                                " bytes runs past the end of the address space");
     nbytes[k] = inputs[k].nbytes;
   }
   return check_descriptors(program, count, slot_bytes, nbytes.data(), nbytes.size());
@@ -333,6 +338,8 @@ class CopyPool {
 Status run_host_program(const int64_t* program, size_t count, uint64_t slot, uint64_t slot_bytes,
                         const std::vector<CopyInput>& inputs, int threads) {
   if (slot == 0 && count > 0) return Status(Code::kInvalidArgument, "copy program has no slot");
+  if (!range_fits(slot, slot_bytes))
+    return Status(Code::kInvalidArgument, "a slot of " + std::to_string(slot_bytes) + " bytes runs past the end of the address space");
   Status s = check_program(program, count, slot_bytes, inputs);
   if (!s.ok()) return s;
   uint8_t* dst = reinterpret_cast<uint8_t*>(slot);
@@ -671,6 +678,8 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
   Driver& d = driver();
   if (!d.info.loaded) return Status(Code::kNotFound, d.info.error);
   if (slot == 0 && count > 0) return Status(Code::kInvalidArgument, "copy program has no slot");
+  if (!range_fits(slot, slot_bytes))
+    return Status(Code::kInvalidArgument, "a slot of " + std::to_string(slot_bytes) + " bytes runs past the end of the address space");
   Status s = check_program(program, count, slot_bytes, inputs);
   if (!s.ok() || count == 0) return s;
   ContextScope context(d, slot);

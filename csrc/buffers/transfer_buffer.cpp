@@ -3,9 +3,11 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "buffers/cuda_runtime.h"
+#include "checked_math.h"
 
 namespace p2pw {
 
@@ -25,8 +27,10 @@ Status TransferBuffer::allocate_host(size_t slot_bytes, int num_slots, const std
   if (num_slots < 1) return Status(Code::kInvalidArgument, "need at least one slot");
   if (pin != "auto" && pin != "cuda" && pin != "mlock" && pin != "none")
     return Status(Code::kInvalidArgument, "pin must be auto, cuda, mlock or none, not '" + pin + "'");
-  const size_t slot = round_up(slot_bytes);
-  const size_t total = slot * static_cast<size_t>(num_slots);
+  uint64_t slot = 0, total = 0;
+  if (!checked_round_up(slot_bytes, kAlignment, &slot) || !checked_mul<uint64_t>(slot, num_slots, &total))
+    return Status(Code::kInvalidArgument, std::to_string(num_slots) + " slots of " + std::to_string(slot_bytes) +
+                                              " bytes do not fit in a 64-bit size; refusing to allocate");
   // mmap gives page-aligned, zero-filled memory and lets the kernel back it lazily.
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
@@ -80,6 +84,14 @@ Status TransferBuffer::wrap(uint64_t addr, size_t slot_bytes, int num_slots, con
   if (addr == 0) return Status(Code::kInvalidArgument, "cannot wrap a null address");
   if (slot_bytes == 0 || num_slots < 1)
     return Status(Code::kInvalidArgument, "slot size and slot count must be positive");
+  uint64_t total = 0;
+  if (!checked_mul<uint64_t>(slot_bytes, num_slots, &total) || !range_fits(addr, total))
+    return Status(Code::kInvalidArgument, std::to_string(num_slots) + " slots of " + std::to_string(slot_bytes) +
+                                              " bytes at 0x" + [&] {
+                                                char b[32];
+                                                snprintf(b, sizeof b, "%llx", static_cast<unsigned long long>(addr));
+                                                return std::string(b);
+                                              }() + " run past the end of the address space; refusing to wrap them");
   std::unique_ptr<TransferBuffer> b(new TransferBuffer());  // the constructor is private
   b->base_ = reinterpret_cast<uint8_t*>(addr);
   b->slot_bytes_ = slot_bytes;

@@ -26,13 +26,15 @@ class TransferBuffer {
  public:
   static constexpr size_t kAlignment = 2 * 1024 * 1024;  // huge-page friendly, and a NIC MR unit
 
-  // Allocates num_slots × round_up(slot_bytes, kAlignment) of host memory and pins it.
+  // Allocates num_slots × slot_bytes rounded up to kAlignment of host memory and pins it; a size
+  // that does not fit in 64 bits is kInvalidArgument (never a wrapped, smaller allocation).
   // pin: "auto" (cuda, then mlock), "cuda", "mlock" or "none". Pinning that cannot be had leaves the
   // memory unpinned with a warning (pin_warning), except "cuda" refused by a runtime that has a
   // device: kDeviceError.
   static Status allocate_host(size_t slot_bytes, int num_slots, const std::string& pin,
                               std::unique_ptr<TransferBuffer>* out);
-  // Wraps memory owned by someone else (GPU slots from a torch allocation, a receiver's region).
+  // Wraps memory owned by someone else (GPU slots from a torch allocation, a receiver's region);
+  // slots that would run past 2^64 are kInvalidArgument.
   static Status wrap(uint64_t addr, size_t slot_bytes, int num_slots, const std::string& location,
                      std::unique_ptr<TransferBuffer>* out);
 
@@ -59,8 +61,6 @@ class TransferBuffer {
   const std::string& location() const { return location_; }  // "cpu" or "cuda:N"
   const std::string& pin_warning() const { return pin_warning_; }
   bool owns_memory() const { return owned_; }
-
-  static size_t round_up(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
  private:
   TransferBuffer() = default;

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "checked_math.h"
+
 namespace p2pw {
 
 namespace {
@@ -36,6 +38,7 @@ Status LoopbackTransport::register_memory(uint64_t addr, uint64_t length, const 
   std::lock_guard<std::mutex> lk(mu_);
   if (closed_) return Status(Code::kClosed, "loopback transport is closed");
   if (addr == 0 || length == 0) return Status(Code::kInvalidArgument, "empty memory region");
+  if (!range_fits(addr, length)) return Status(Code::kInvalidArgument, "memory region runs past the end of the address space");
   registered_[addr] = length;
   return Status::Ok();
 }
@@ -94,7 +97,8 @@ Status LoopbackTransport::post(int engine, const std::vector<WriteDesc>& writes,
     return Status(Code::kRemoteDisconnected, "engine " + std::to_string(engine) + " disconnected");
   for (const auto& w : writes) {
     auto r = registered_.upper_bound(w.local_addr);
-    bool inside = r != registered_.begin() && (--r, w.local_addr + w.length <= r->first + r->second);
+    bool inside = r != registered_.begin() && (--r, w.local_addr - r->first <= r->second &&
+                                               w.length <= r->second - (w.local_addr - r->first));
     if (!inside) return Status(Code::kInvalidArgument, "local memory of a write is not registered");
   }
   auto req = std::make_shared<Request>();

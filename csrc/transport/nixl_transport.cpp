@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "checked_math.h"
+
 namespace p2pw {
 
 namespace api = nixl_capi;
@@ -109,6 +111,9 @@ NixlTransport::~NixlTransport() {
 Status NixlTransport::register_memory(uint64_t addr, uint64_t length, const std::string& location) {
   std::shared_lock<std::shared_mutex> life(life_);
   if (closed_) return Status(Code::kClosed, "nixl transport is closed");
+  if (!range_fits(addr, length))
+    return Status(Code::kInvalidArgument, "memory region of " + std::to_string(length) +
+                                              " bytes runs past the end of the address space");
   Registration reg{length, 0, 0, nullptr};
   if (!parse_location(location, &reg.mem, &reg.dev))
     return Status(Code::kInvalidArgument, "unknown memory location '" + location + "'; expected cpu or cuda:N");
@@ -149,7 +154,7 @@ bool NixlTransport::local_memory(uint64_t addr, uint64_t length, int* mem, uint6
   auto it = registered_.upper_bound(addr);
   if (it == registered_.begin()) return false;
   --it;
-  if (addr + length > it->first + it->second.length) return false;
+  if (addr - it->first > it->second.length || length > it->second.length - (addr - it->first)) return false;
   *mem = it->second.mem;
   *dev = it->second.dev;
   return true;

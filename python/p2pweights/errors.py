@@ -109,6 +109,11 @@ class DeviceError(P2PWeightsError):
     CUDA host registration asked for by name (``pin="cuda"``). Not a transport failure."""
 
 
+class Fenced(P2PWeightsError):
+    """A write was not posted: the session's lease no longer covered it (the sender was stopped or cut
+    off longer than its lease; the engine may belong to another controller now). Nothing of it landed."""
+
+
 class LayoutMismatch(P2PWeightsError):
     """Sender and engine disagree on a parameter's shape, dtype or byte count."""
 
@@ -217,6 +222,7 @@ CLASS_OF_CODE: dict[str, type[P2PWeightsError]] = {
     "BUSY": Busy,
     "OUT_OF_REGION": OutOfRegion,
     "DEVICE_ERROR": DeviceError,
+    "FENCED": Fenced,
 }
 
 

@@ -232,7 +232,8 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "health; senders send it (`Authorization: Bearer KEY`), as sglang's `--api-key`", secret=True,
             default_text="unset"),
     Setting("P2PW_SESSION_LEASE", _float, 30.0, "seconds an update session lives without its owner renewing it; "
-            "then it expires (torn if it received writes)", _positive, default_text="30"),
+            "then it expires (torn if it received writes). On an engine: the longest lease it grants (a longer "
+            "or infinite ask is capped); on a sender: the lease it asks for", _positive, default_text="30"),
     Setting("P2PW_OPEN_BESIDE_SLOTS", parse_bool, False, "`1`: a sender alone pauses the engines at its first push, "
             "then opens their session (begin) on a thread while it fills the first slots; the first write waits "
             "for every session", default_text="0"),

@@ -1,11 +1,17 @@
 """The control plane's request and answer bodies: sglang 0.5.23's io_struct classes, field for
-field (``SGLANG`` names each one's class), p2pweights' own, and their JSON form: :func:`encode`
-and :func:`decode` (sglang's defaults for missing fields, every field's type and choices checked,
-InvalidRequest naming the field).
+field (``SGLANG`` names each one's class), p2pweights' own, the bodies of a leader's calls to its
+other ranks (:data:`RANK_BODIES`), and their JSON form: :func:`encode` and :func:`decode`.
+
+The one place a body is checked: every field's annotation is its JSON type, checked all the way
+down (``list[str]``: a list of strings; ``int``: a JSON integer, never a bool, within int64;
+``float``: finite), with its choices; the p2pweights fields that ride in an ``extra`` field
+(``hf_seed``) are typed by the ``extra`` field's metadata. A body that fails is an
+InvalidRequest naming the field (a 400 on every server), never a crash in a hook.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +25,11 @@ from .protocol import END_THEN, PAUSE_MODES, SELECTORS
 
 def _choices(options: tuple[str, ...]) -> Any:
     return {"choices": options}
+
+
+def _extra(**typed: Any) -> Any:
+    """An ``extra`` field (unknown keys kept, sent flat); ``typed``: the known ones and their types."""
+    return field(default_factory=dict, metadata={"extra": True, "typed": typed})
 
 
 class Body:
@@ -72,9 +83,9 @@ class CheckWeightsReq(Body):
     SGLANG: ClassVar[str | None] = "CheckWeightsReqInput"
     action: str = "checksum"
     allow_quant_error: bool = False
-    skip_tensor_list: list | None = None
+    skip_tensor_list: list[str] | None = None
     selector: str = field(default="all", metadata=_choices(SELECTORS))
-    extra: dict = field(default_factory=dict, metadata={"extra": True})
+    extra: dict = _extra(hf_seed=int)
 
 
 @dataclass
@@ -98,9 +109,9 @@ class InitWeightsUpdateGroupReq(Body):
 @dataclass
 class UpdateWeightsFromDistributedReq(Body):
     SGLANG: ClassVar[str | None] = "UpdateWeightsFromDistributedReqInput"
-    names: list
-    dtypes: list
-    shapes: list
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -134,6 +145,7 @@ class RegisterTransferEngineInfoReq(Body):
         missing = [k for k in ("session_id", "weights_info_dict") if k not in self.transfer_engine_info]
         if missing:
             raise InvalidRequest(f"field 'transfer_engine_info' needs {', '.join(map(repr, missing))}")
+        _check_value("transfer_engine_info.session_id", str, self.transfer_engine_info["session_id"])
 
 
 @dataclass
@@ -151,7 +163,36 @@ class WeightsDigestReq(Body):
     ``names`` maps an engine rank (as a string) to the parameters whose bytes it digests. The answer:
     ``{"success": true, "algorithm": ..., "ranks": {"<rank>": {param: digest}}}`` (control.weights_digest)."""
 
-    names: dict = field(default_factory=dict)
+    names: dict[str, list[str]] = field(default_factory=dict)
+
+
+# ---- the bodies of a leader's calls to its other ranks (receiver.rank_server, EngineRank.call) -----
+
+@dataclass
+class RankBeginReq(Body):
+    selector: str = field(default="all", metadata=_choices(SELECTORS))
+
+
+@dataclass
+class RankCompareReq(Body):
+    """The equality check on one rank: the update's ``random_checkpoint`` seed, names to skip."""
+
+    hf_seed: int
+    skip: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NoBody(Body):
+    """A verb without arguments (what is sent anyway is ignored)."""
+
+
+#: each rank verb -> its body class (checked by the rank's endpoint before the verb runs)
+RANK_BODIES: dict[str, type] = {
+    "begin": RankBeginReq, "end": NoBody, "compare": RankCompareReq, "checksum": NoBody,
+    "digest": WeightsDigestReq, "init_group": InitWeightsUpdateGroupReq,
+    "update_from_distributed": UpdateWeightsFromDistributedReq, "destroy_group": DestroyWeightsUpdateGroupReq,
+    "ping": NoBody,
+}
 
 
 # ---- answer bodies ---------------------------------------------------------------------------
@@ -226,20 +267,63 @@ def decode(cls: type, obj: Mapping[str, Any]) -> Any:
 def _check(body: Body) -> None:
     for f in dataclasses.fields(body):
         v = getattr(body, f.name)
-        if v is not None and not f.metadata.get("extra"):
+        if v is not None:
             _check_field(type(body), f.name, v)
 
 
 def _check_field(cls: type, name: str, v: Any) -> None:
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.metadata.get("extra"):
+    if f.metadata.get("extra"):  # unknown keys pass as they came; the known ones are typed
+        for key, hint in f.metadata.get("typed", {}).items():
+            if v.get(key) is not None:
+                _check_value(key, hint, v[key])
         return
-    kind = _kind(typing.get_type_hints(cls)[name])
-    if kind is not None and ((kind is int and isinstance(v, bool)) or not isinstance(v, kind)):
-        raise InvalidRequest(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
+    _check_value(name, typing.get_type_hints(cls)[name], v)
     choices = f.metadata.get("choices")
     if choices is not None and v not in choices:
-        raise InvalidRequest(f"field {name!r} must be one of {', '.join(choices)}, got {v!r}")
+        raise InvalidRequest(f"field {name!r} must be one of {', '.join(choices)}, got {str(v)[:100]!r}")
+
+
+_INT64 = 1 << 63
+_JSON_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+               dict: "an object"}
+
+
+def _check_value(name: str, hint: Any, v: Any) -> None:
+    """``v`` is the JSON value ``hint`` asks for, all the way down; InvalidRequest naming the field
+    (``names[3]``, ``names[0][1]``) otherwise."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if v is None:
+            return
+        if len(args) == 1:
+            return _check_value(name, args[0], v)
+        return  # a union of several types: anything (none in use)
+    kind = typing.get_origin(hint) or hint
+    if kind not in _JSON_NAMES:
+        return  # Any
+    ok = isinstance(v, kind) and not (kind in (int, float) and isinstance(v, bool))
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        ok = True
+    if not ok:
+        raise InvalidRequest(f"field {name!r} must be {_JSON_NAMES[kind]}, got {_json_name(v)}")
+    if kind is int and not -_INT64 <= v < _INT64:
+        raise InvalidRequest(f"field {name!r} must be a 64-bit integer, got {str(v)[:40]}")
+    if kind is float and not math.isfinite(v):
+        raise InvalidRequest(f"field {name!r} must be a finite number, got {v}")
+    if kind is list and args:
+        for i, item in enumerate(v):
+            _check_value(f"{name}[{i}]", args[0], item)
+    if kind is dict and len(args) == 2:
+        for key, item in v.items():
+            _check_value(f"{name} key", args[0], key)
+            _check_value(f"{name}[{key}]"[:200], args[1], item)
+
+
+def _json_name(v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return next((name for kind, name in _JSON_NAMES.items() if type(v) is kind), type(v).__name__)
 
 
 def _kind(hint: Any) -> type | None:

@@ -41,9 +41,11 @@ NO_SESSION = "no weight-update session"
 SEED_FLAG = "--remote-instance-weight-loader-start-seed-via-transfer-engine"
 
 #: sessions with an owner (docs/protocol.md, "Sessions: owner and lease"): every call an update's
-#: controller makes carries its owner id; begin and renew carry the lease it asks for, in seconds.
-#: sglang ignores both headers.
+#: controller makes carries its owner token (a secret: never shown) and a non-secret label
+#: (``host:pid``, what the engine shows of the owner); begin and renew carry the lease it asks for,
+#: in seconds (capped by the engine's own). sglang ignores all three headers.
 SESSION_OWNER_HEADER = "X-P2PW-Session-Owner"
+SESSION_LABEL_HEADER = "X-P2PW-Session-Label"
 SESSION_LEASE_HEADER = "X-P2PW-Session-Lease"
 TORN = "torn"                                   # what /health and /server_info say of torn weights
 

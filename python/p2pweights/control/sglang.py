@@ -53,9 +53,11 @@ class SglangEngine:
         self.connect_timeout = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
         self.api_key: str | None = value("P2PW_API_KEY", api_key)
         self.gpu_arch = gpu_arch
-        #: the owner id of the update session this client's calls belong to (UpdateSession sets it
-        #: while it owns a session on this engine): sent on every call, see protocol.SESSION_OWNER_HEADER
+        #: the owner token of the update session this client's calls belong to (UpdateSession sets it
+        #: while it owns a session on this engine): a secret, sent on every call (protocol.SESSION_OWNER_HEADER)
+        #: with ``session_label``, what the engine shows of its owner (protocol.SESSION_LABEL_HEADER)
         self.session_owner: str | None = None
+        self.session_label: str | None = None
 
     def __repr__(self) -> str:
         return f"SglangEngine(name={self.name!r}, base_url={self.base_url!r})"
@@ -199,7 +201,8 @@ class SglangEngine:
         base = base or self.base_url
         target = route.path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        headers = {**(headers or {}), **_owner_header(self.session_owner), **(extra_headers or {})} or None
+        headers = {**(headers or {}), **_owner_header(self.session_owner, self.session_label),
+                   **(extra_headers or {})} or None
         try:
             status, answer = http.request(route.method, base, route.path,
                                           body=bodies.encode(body) if body is not None else None, params=params,
@@ -224,8 +227,10 @@ class SglangEngine:
         return status, answer
 
 
-def _owner_header(owner: str | None) -> dict[str, str]:
-    return {p.SESSION_OWNER_HEADER: owner} if owner else {}
+def _owner_header(owner: str | None, label: str | None = None) -> dict[str, str]:
+    if not owner:
+        return {}
+    return {p.SESSION_OWNER_HEADER: owner, **({p.SESSION_LABEL_HEADER: label} if label else {})}
 
 
 def _lease_header(lease: float | None) -> dict[str, str] | None:

@@ -13,9 +13,11 @@ succeeded (DESIGN invariant 3). What happens to an engine whose update failed is
 ``EngineError``) naming each failed engine; ``.engine`` / ``.rank`` name the first.
 
 A session has an owner (docs/protocol.md, "Sessions: owner and lease"): every ``UpdateSession`` is
-a controller with its own owner id (``control.lease``), sent on every call; a receiver refuses
-other controllers' calls while the session is live (``SessionConflict``), and the owner renews
-its lease while it writes. The engine's side of it is ``receiver/session_keeper.py``.
+a controller with its own owner token (``control.lease``: a secret, never logged) and label
+(``host:pid``), sent on every call; a receiver refuses other controllers' calls while the session
+is live (``SessionConflict``), and the owner renews the lease the engine granted while it writes
+(:meth:`UpdateSession.lease_deadline`: until when it may still post). The engine's side of it is
+``receiver/session_keeper.py``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..settings import value as setting
 from . import error_answers
 from . import protocol as p
 from .engine_calls import EngineCalls, call_engines, check_unique_names, engines_failed, verb_log
-from .lease import CLAIMS, LeaseRenewer, new_owner_id
+from .lease import CLAIMS, LeaseRenewer, new_owner_id, owner_label
 from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
 from .sglang import SglangEngine
 
@@ -134,8 +136,9 @@ class UpdateSession:
         # here: every engine ended the update, bumped its version, and generates again
 
     Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``,
-    as ``owner`` (default: a new id, :func:`control.lease.new_owner_id`) with a lease of ``lease``
-    seconds (``P2PW_SESSION_LEASE``), renewed every third of it while the session is open. Before
+    as ``owner`` (a secret token; default: a new one, :func:`control.lease.new_owner_id`) asking for a
+    lease of ``lease`` seconds (``P2PW_SESSION_LEASE``; each engine grants at most its own), renewed
+    every third of the shortest granted while the session is open. Before
     anything is sent, an engine that another session of this process holds is refused
     (``SessionConflict``); a receiver refuses an engine whose session another controller owns
     (HTTP 409, ``SessionConflict`` naming the owner and its session's age). Either way no engine of
@@ -204,8 +207,9 @@ class UpdateSession:
         self.outcome: dict[str, str] = {}
         self.errors: dict[str, BaseException] = {}
         self.resumed: set[str] = set()   # engines whose session a previous update had left open
-        self.owner = owner or new_owner_id()  # this controller, on every call (protocol.SESSION_OWNER_HEADER)
+        self.owner = owner or new_owner_id()  # this controller's secret, on every call (protocol.SESSION_OWNER_HEADER)
         self.owner_given = owner is not None
+        self.owner_label = owner_label()  # what engines, logs and errors show of it (protocol.SESSION_LABEL_HEADER)
         self.lease = float(setting("P2PW_SESSION_LEASE", lease))
         self._renewer = LeaseRenewer(self.lease, call_engines)
         self._state = "new"              # new -> open -> committed | aborted
@@ -246,7 +250,7 @@ class UpdateSession:
             self.outcome = {n.name: RESUMED_GENERATION if n.name != e.engine else FAILED for n in self.engines}
             raise UpdateRefused(dict(self.errors), what="opening the weight update") from None
         for e in self.engines:
-            e.session_owner = self.owner
+            e.session_owner, e.session_label = self.owner, self.owner_label
         paused = call_engines(self.engines, "pause_generation", self.pause_mode)
         self.paused_at = time.perf_counter()  # the update's measured time starts here
         if self.on_paused is not None:
@@ -287,6 +291,19 @@ class UpdateSession:
         if owned_elsewhere:  # an EnginesFailed that is also a SessionConflict
             raise UpdateRefused(dict(self.errors), what="opening the weight update")
         raise engines_failed("opening the weight update", self.errors)
+
+    def lease_deadline(self, engine: str | None = None) -> float:
+        """Until when (``time.monotonic()`` seconds) this owner may still post writes to ``engine`` (a
+        name; default: the earliest of its engines): the send time of the last successful begin or
+        renewal + the granted lease - a margin; ``-inf`` once the engine refused a renewal, the session
+        was given up or is over; ``inf`` for an engine that keeps no lease
+        (:meth:`control.lease.LeaseRenewer.deadline`; ``self.renewer.on_deadline`` hears each change)."""
+        return self._renewer.deadline(engine)
+
+    @property
+    def renewer(self) -> LeaseRenewer:
+        """The lease renewal of this session (granted leases, last renewals, deadlines)."""
+        return self._renewer
 
     def check_in_soon(self) -> None:
         """Start the last lease check-in now, on a thread, so that it overlaps the last writes (the
@@ -416,6 +433,7 @@ class UpdateSession:
 
     def _begin(self, engine: SglangEngine) -> dict:
         try:
+            sent_at = time.monotonic()  # the engine's lease starts no earlier (lease_deadline)
             answer = engine.begin_weight_update(self.selector, lease=self.lease)
         except EngineError as e:
             if not (SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e)):
@@ -427,16 +445,17 @@ class UpdateSession:
                     engine=engine.name, hint="if a failed update of yours left it open, end it by hand "
                     "(end_weight_update, continue_generation: its weights may be torn), or open the update "
                     "with the owner= that opened it") from e
-            logger.warning("engine %s: owner %s resumes its own weight-update session", engine.name, self.owner)
+            logger.warning("engine %s: owner %s resumes its own weight-update session", engine.name, self.owner_label)
             with self._lock:
                 self.resumed.add(engine.name)
             try:  # a receiver keeps a lease on it (sglang has no renew route)
-                self._renewer.keep(engine, float(engine.renew_weight_update(lease=self.lease)["lease"]))
+                sent_at = time.monotonic()
+                self._renewer.keep(engine, engine.renew_weight_update(lease=self.lease)["lease"], sent_at)
             except (EngineError, KeyError, TypeError, ValueError):
                 pass
             return {"success": True, "message": "resumed this owner's open weight-update session"}
         if isinstance(answer, dict) and answer.get("lease") is not None:
-            self._renewer.keep(engine, float(answer["lease"]))
+            self._renewer.keep(engine, answer["lease"], sent_at)  # the lease the engine granted
         if isinstance(answer, dict) and answer.get(p.END_FOLDS) is True:
             with self._lock:
                 self.folds.add(engine.name)
@@ -456,11 +475,11 @@ class UpdateSession:
                 pass
 
     def _done(self) -> None:
-        """The session is over for this controller: no more owner id on its calls, no claim."""
+        """The session is over for this controller: no more owner token on its calls, no claim."""
         self._renewer.stop()
         for e in self.engines:
             if e.session_owner == self.owner:
-                e.session_owner = None
+                e.session_owner = e.session_label = None
         CLAIMS.release(self.engines, self.owner)
 
     def _require_open(self, what: str) -> None:

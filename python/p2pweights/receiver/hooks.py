@@ -16,6 +16,7 @@ from ..errors import EngineError, P2PWeightsError, error_named
 from ..models.checkpoint import load_config
 from .phases import record_phase
 from .rank_server import call_rank, ping_timeout
+from .registration import RankEndpoints, check_claim
 
 if TYPE_CHECKING:
     from .rank import EngineRank
@@ -108,12 +109,15 @@ class ReceiverHooks:
 class LeaderHooks(ReceiverHooks):
     """The leader's hooks: the verbs run on rank 0 here and on every other rank over HTTP, at once."""
 
-    def __init__(self, local: "EngineRank", instance: str, api_key: str | None = None):
+    def __init__(self, local: "EngineRank", instance: str, api_key: str | None = None,
+                 endpoints: RankEndpoints | None = None):
         self.local = local
         self.instance = instance
         self.api_key = api_key  # the engine's key: its ranks' internal endpoints require it too
         self.world = local.engine.world_size
         self.rank_urls: dict[int, str] = {}
+        # the only control URLs the key is ever sent to (registration.py): the launcher's, else first-registered
+        self.endpoints = endpoints or RankEndpoints()
         self._lock = threading.Lock()
         # the threads that call the other ranks, kept across verbs; room for every rank of each verb
         # that may run at once (one control verb, a lease renewal, a group join or leave) and more,
@@ -146,10 +150,17 @@ class LeaderHooks(ReceiverHooks):
                 "architectures": cfg.get("architectures"), "model_type": cfg.get("model_type")}
 
     def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
-        url = info.get("p2pw_control_url")
-        if url and rank != 0:
-            with self._lock:
-                self.rank_urls[int(rank)] = str(url)
+        """Rank >= 1: its control URL must be the one its launcher gave it (nothing is sent to any
+        other), and what it registered must be what the rank process publishes there (asked with
+        the key, at that URL): else InvalidRequest (400), and the registration changes nothing."""
+        if rank == 0:
+            return
+        url = self.endpoints.admit(rank, info.get("p2pw_control_url"))
+        own = call_rank(url, rank, "publication", {}, timeout=ping_timeout() + 30.0, api_key=self.api_key)
+        check_claim(rank, info, own)
+        with self._lock:
+            self.endpoints.bind(rank, url)
+            self.rank_urls[int(rank)] = url
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> Any:
         return self.local.weights_by_name(name, truncate_size)

@@ -65,6 +65,9 @@ class LocalEngine:
         self.api_key: str | None = setting("P2PW_API_KEY", api_key)
         self.procs: dict[int, Any] = {}
         self.ready: dict[int, dict] = {}
+        # the control port of each rank >= 1, picked here and given to it and to the leader, which
+        # calls (and sends the key to) no other URL (registration.RankEndpoints); kept across restarts
+        self.rank_ports: dict[int, int] = {}
         self._ready_events: dict[int, threading.Event] = {}
 
     @property
@@ -83,8 +86,10 @@ class LocalEngine:
                 "--transport", self.transport, "--host", self.host]
         if rank == 0:
             args += ["--port", str(self.port)]
+            if self.rank_ports:
+                args += ["--rank-ports", ",".join(str(self.rank_ports[r]) for r in range(1, self.world))]
         else:
-            args += ["--leader", self.url]
+            args += ["--leader", self.url, "--port", str(self.rank_ports[rank])]
         if self.broadcast_receiver is not None:
             args += ["--broadcast-receiver", self.broadcast_receiver]
         event = self._ready_events[rank] = threading.Event()
@@ -124,10 +129,13 @@ class LocalEngine:
 
     def start(self, wait: bool = True) -> "LocalEngine":
         """Spawn every rank at once (ranks >= 1 register with the leader when it is up)."""
-        pick_port = self.port == 0
+        pick_port, pick_ranks = self.port == 0, not self.rank_ports
         for attempt in range(3):
             if pick_port:
                 self.port = free_port(self.host)
+            if pick_ranks:
+                local = self.host if self.host not in ("", "::") else "127.0.0.1"  # a wildcard: free here
+                self.rank_ports = {r: free_port(local) for r in range(1, self.world)}
             for rank in range(self.world):
                 self._spawn(rank)
             if not wait:
@@ -137,9 +145,8 @@ class LocalEngine:
             except EngineError as e:
                 # a port picked here is free when picked, not when the leader binds it: another
                 # process may take it in between; pick again (a port the caller chose is kept)
-                if not pick_port or attempt == 2 or not lost_its_port(e):
+                if not (pick_port or pick_ranks) or attempt == 2 or not lost_its_port(e):
                     raise
-                self.port = 0
         return self
 
     def wait_ready(self, timeout: float | None = None) -> "LocalEngine":
@@ -227,7 +234,8 @@ def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_pref
             except EngineError as err:
                 if not (pick and lost_its_port(err)):
                     raise
-                e.port = 0  # another process took the picked port before the leader bound it
+                e.port = 0  # another process took a picked port before the leader (or a rank) bound it
+                e.rank_ports = {}
                 e.procs.clear()
                 e.start()  # picks again, with start's own retries
     except BaseException:

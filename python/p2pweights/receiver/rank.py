@@ -239,6 +239,9 @@ class EngineRank:
             return self.destroy_group(body["group_name"])
         if verb == "ping":
             return {"rank": self.rank, "pid": os.getpid()}
+        if verb == "publication":  # the leader checks a registration against it (registration.check_claim)
+            peer, table, extra = self.published()
+            return {"peer": peer, "table": table, "extra": extra}
         raise KeyError(f"unknown rank verb {verb!r}")
 
 

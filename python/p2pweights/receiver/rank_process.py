@@ -4,7 +4,7 @@ serve until told to stop.
 Run one engine rank::
 
     python -m p2pweights.receiver.rank_process --model CONFIG_DIR --engine tp=2[,ep=..,dp_attention=..] \\
-        --rank R --name ENGINE --transport {mooncake,nixl} [--port P] [--leader URL]
+        --rank R --name ENGINE --transport {mooncake,nixl} [--port P] [--leader URL] [--rank-ports P1,P2]
 
 Rank 0 is the leader: it runs the engine's one ``ReceiverServer`` (the engine's URL, sglang's
 routes) with :class:`LeaderHooks`, which fan the control verbs out to every rank. Ranks >= 1 serve
@@ -43,8 +43,9 @@ from ..settings import TRANSPORTS
 from ..settings import value as setting
 from .hooks import LeaderHooks
 from .rank import BroadcastReceiver, EngineRank
-from .rank_server import get_json, serve_rank_control
-from .registration import register_transfer_engine_info
+from .rank_server import LeaderWatch, get_json, serve_rank_control
+from .registration import RankEndpoints, parse_rank_ports, register_transfer_engine_info
+from .registration import control_url as registration_control_url
 from .server import ReceiverServer
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,11 @@ def watch(check: Callable[[], bool], stop: threading.Event, interval: float = 0.
 def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str, host: str = "127.0.0.1",
                port: int = 0, leader: str | None = None, parent_pid: int | None = None,
                startup_timeout: float = 120.0, broadcast: BroadcastReceiver | None = None,
-               api_key: str | None = None) -> int:
+               api_key: str | None = None, rank_ports: str | None = None) -> int:
     """The body of one rank process: build, register, publish, serve until told to stop.
     ``broadcast``: the rank's BroadcastReceiver (None: no broadcast path); ``api_key``: the
-    engine's key (default ``P2PW_API_KEY``)."""
+    engine's key (default ``P2PW_API_KEY``); ``rank_ports`` (rank 0): the control ports the launcher
+    gave ranks 1, 2, ... ("P1,P2"): the leader accepts no other control URL (registration.py)."""
     api_key = setting("P2PW_API_KEY", api_key)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,8 +101,9 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
             if leader:
                 raise SystemExit("--leader is for ranks >= 1; rank 0 is the leader")
             instance = uuid.uuid4().hex
-            server = ReceiverServer(LeaderHooks(er, instance, api_key=api_key), host=host, port=port,
-                                    api_key=api_key).start()
+            endpoints = RankEndpoints(parse_rank_ports(rank_ports, host), host)
+            server = ReceiverServer(LeaderHooks(er, instance, api_key=api_key, endpoints=endpoints), host=host,
+                                    port=port, api_key=api_key).start()
             closers.append(server.close)
             server.register_transfer_engine_info(0, peer, table, extra)
             url = control_url = server.url
@@ -109,7 +112,7 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
                 raise SystemExit("ranks >= 1 need --leader URL (rank 0's URL)")
             httpd = serve_rank_control(er, host, port, api_key=api_key)
             closers.append(lambda: (httpd.shutdown(), httpd.server_close()))
-            control_url = f"http://{host}:{httpd.server_address[1]}"
+            control_url = registration_control_url(host, httpd.server_address[1])
             deadline = time.monotonic() + startup_timeout
             while True:  # the leader may still be starting
                 try:
@@ -122,8 +125,8 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
                         raise SystemExit(f"rank {rank}: cannot register with the leader {leader}: {e}") from e
                     time.sleep(0.2)
             url = leader.rstrip("/")
-            watch(lambda: get_json(leader, SERVER_INFO, timeout=2.0, api_key=api_key).get("p2pw_instance") == instance,
-                  stop,
+            # gone = its port closed or another instance answering; busy (no answer, port open) is alive
+            watch(LeaderWatch(leader, instance, api_key=api_key).check, stop,
                   why=f"the leader {leader} is gone or was replaced")
         print_ready(url=url, control_url=control_url, pid=os.getpid(), rank=rank, engine=name,
                     transport=transport, peer=peer, region=[er.region.address, er.region.nbytes],
@@ -150,6 +153,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     p.add_argument("--port", type=int, default=0, help="rank 0: the engine's HTTP port; ranks >= 1: the rank's "
                                                        "control port (0: any free port)")
     p.add_argument("--leader", default=None, help="ranks >= 1: rank 0's URL")
+    p.add_argument("--rank-ports", default=None, help="rank 0: the control ports given to ranks 1, 2, ... (P1,P2,...); "
+                                                      "the leader accepts no other control URL")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     p.add_argument("--log-level", default=setting("P2PW_LOG_LEVEL"))
     p.add_argument("--broadcast-receiver", default="baseline", choices=sorted(BROADCAST_RECEIVERS),
@@ -161,7 +166,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     chosen = BROADCAST_RECEIVERS[args.broadcast_receiver]
     broadcast = chosen() if chosen is not None else None
     code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=args.transport, host=args.host,
-                      port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast)
+                      port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast,
+                      rank_ports=args.rank_ports)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: transports' destructors can hang at exit

@@ -4,21 +4,31 @@ Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``routes.RANK_R
 the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500 with
 the control plane's one error payload (``error_answers.error_payload``), so a typed error raised on a
 rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
-The verbs are :meth:`EngineRank.call`'s. The leader calls them with :func:`call_rank`; every call
-goes through the one control-plane client (``control.http.request``). With an API key the endpoint
-answers 401 to a call without it, and refuses bodies as the engine's server does (:mod:`.http_guard`).
+The verbs are :meth:`EngineRank.call`'s; each one's body is checked against its class in
+``bodies.RANK_BODIES`` before it runs (a wrong type is a 400 naming the field, as is a parameter
+the rank does not hold). The leader calls them with :func:`call_rank`; every call goes through the
+one control-plane client (``control.http.request``). With an API key the endpoint answers 401 to a
+call without it, and refuses connections and bodies as the engine's server does (:mod:`.http_guard`).
+
+The other way round, a rank >= 1 watches its leader (:class:`LeaderWatch`) and exits once the
+leader is gone or was replaced; "gone" is decided by the kernel, not by the leader's Python: a
+leader too busy to answer (its GIL held for seconds, a long parse) still accepts connections on its
+listening socket, and only a leader whose socket is closed (its process exited) or that answers as
+another instance counts as a miss.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from ..control import error_answers, protocol, routes
+from ..control import bodies, error_answers, protocol, routes
 from ..control.http import request
-from ..errors import EngineError, EngineUnreachable, P2PWeightsError
+from ..errors import EngineError, EngineUnreachable, InvalidRequest, P2PWeightsError, UnknownParameter
 from ..settings import value as setting
 from . import http_guard
 from .http_guard import send_json
@@ -44,12 +54,9 @@ def ping_timeout() -> float:
     return float(setting("P2PW_ENGINE_CONNECT_TIMEOUT"))
 
 
-class _RankHandler(BaseHTTPRequestHandler):
+class _RankHandler(http_guard.GuardedHandler):
     rank: "EngineRank"
     api_key: str | None = None
-    protocol_version = "HTTP/1.1"  # keep-alive: a client's next verb reuses the connection (control.http)
-    disable_nagle_algorithm = True  # an answer's headers and body are two writes: no 40 ms delayed-ACK stall
-    timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
         logger.debug(format, *args)
@@ -66,11 +73,15 @@ class _RankHandler(BaseHTTPRequestHandler):
                 f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
         t0 = time.perf_counter()
         try:
+            if verb in bodies.RANK_BODIES:  # the verb's body checked before it runs (unknown verbs: call's KeyError)
+                bodies.decode(bodies.RANK_BODIES[verb], body)
             result = self.rank.call(verb, body)
             status, payload = protocol.OK, {"ok": True, "result": result, "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported to the leader
-            # a plain KeyError is the caller's: EngineRank.call's "unknown rank verb", or a missing argument
-            bad_input = isinstance(e, KeyError) and not isinstance(e, P2PWeightsError)
+            # the caller's: a wrong body, a parameter the rank does not hold, a plain KeyError
+            # (EngineRank.call's "unknown rank verb", or a missing argument)
+            bad_input = isinstance(e, (InvalidRequest, UnknownParameter)) or (
+                isinstance(e, KeyError) and not isinstance(e, P2PWeightsError))
             if not bad_input:
                 logger.exception("rank %d: %s failed", self.rank.rank, verb)
             error = e if isinstance(e, P2PWeightsError) else f"{type(e).__name__}: {e}"
@@ -83,8 +94,7 @@ def serve_rank_control(rank: "EngineRank", host: str, port: int, api_key: str | 
     """Start rank ``rank``'s control endpoint on ``host:port`` (0: a free port), in a daemon thread;
     with ``api_key``, only calls that carry it are run."""
     handler = type("_BoundRankHandler", (_RankHandler,), {"rank": rank, "api_key": api_key or None})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
+    httpd = http_guard.GuardedHTTPServer((host, port), handler)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="p2pw-rank-control",
                      daemon=True).start()
     return httpd
@@ -116,3 +126,42 @@ def get_json(url: str, path: str, timeout: float = CONNECT_TIMEOUT, *, api_key: 
     if status != protocol.OK:
         raise EngineError(f"GET {url}{path}: HTTP {status}: {str(payload)[:300]}")
     return payload
+
+
+class LeaderWatch:
+    """How a rank >= 1 tells that its leader (``leader``, the engine's URL; ``instance``, the
+    ``p2pw_instance`` it registered with) is gone: :meth:`check` is False only when the leader's
+    port refuses connections (its process exited and the kernel closed the socket) or the server
+    there answers as another instance (replaced). A leader that does not answer ``/server_info``
+    within ``answer_timeout`` but whose port still accepts a TCP connection is alive and busy: the
+    kernel completes the handshake on a listening socket without the process, so neither a held GIL
+    nor a long request makes the leader look dead; nor does a 503 (its server at its connection cap).
+    Any other answer is not this leader's (a miss)."""
+
+    def __init__(self, leader: str, instance: str, api_key: str | None = None, *, answer_timeout: float = 2.0,
+                 connect_timeout: float = CONNECT_TIMEOUT):
+        self.leader, self.instance, self.api_key = leader, instance, api_key
+        self.answer_timeout, self.connect_timeout = answer_timeout, connect_timeout
+        parts = urlsplit(leader if "://" in leader else "http://" + leader)
+        self._address = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.busy = 0  # checks answered by the kernel alone (the leader alive, too busy to answer)
+
+    def check(self) -> bool:
+        try:
+            status, payload = request("GET", self.leader, routes.route("server_info").path, timeout=self.answer_timeout,
+                                      connect_timeout=self.connect_timeout, api_key=self.api_key)
+        except EngineUnreachable:
+            alive = self.listening()
+            self.busy += alive
+            return alive
+        if status == protocol.SERVICE_UNAVAILABLE:  # its own server, at its connection cap: alive
+            return True
+        return status == protocol.OK and isinstance(payload, dict) and payload.get("p2pw_instance") == self.instance
+
+    def listening(self) -> bool:
+        """Whether the leader's port accepts a TCP connection (the kernel's answer, not the leader's)."""
+        try:
+            with socket.create_connection(self._address, timeout=self.connect_timeout):
+                return True
+        except OSError:
+            return False

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..control import bodies, error_answers, routes
 from ..control import protocol as p
-from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeights
+from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeights, UnknownParameter
 from . import build_report, http_guard, phases
 from . import session_keeper as sessions
 from .http_guard import send_json
@@ -43,12 +42,11 @@ def error_answer(e: BaseException, message: str) -> dict:
                            **fields)
 
 
-class RequestHandler(BaseHTTPRequestHandler):
+class RequestHandler(http_guard.GuardedHandler):
+    """Keep-alive HTTP/1.1, every read under a timeout and each request under a deadline (http_guard)."""
+
     receiver: Any  # the ReceiverServer (server.py imports this module), set on the bound subclass
     server_version = "p2pweights-receiver"
-    protocol_version = "HTTP/1.1"  # keep-alive: a client's next verb reuses the connection (control.http)
-    disable_nagle_algorithm = True  # an answer's headers and body are two writes: no 40 ms delayed-ACK stall
-    timeout = http_guard.READ_TIMEOUT  # every read of a request: a stalled client cannot hold a thread
 
     def setup(self) -> None:
         super().setup()
@@ -76,13 +74,16 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         parts = urlsplit(self.path)
-        try:  # before any route is looked at: the key, then a whole, well-formed body (http_guard)
+        route, body = routes.BY_PATH.get(parts.path), {}
+        try:  # before any route runs: the key, then a whole, well-formed body (http_guard)
             if parts.path not in routes.HEALTH_PATHS:
-                http_guard.check_key(self, self.receiver.api_key, limit=self.receiver.max_body)
-            body = http_guard.read_json_object(self, self.receiver.max_body)
+                http_guard.check_key(self, self.receiver.api_key)
+            if route is not None and route.body is not None:
+                body = http_guard.read_json_object(self, self.receiver.max_body)
+            else:  # a route that takes no body (health among them) never reads, let alone parses, one
+                http_guard.skip_body(self)
         except http_guard.RequestRefused as e:
             return self._send(e.status, e.payload())
-        route = routes.BY_PATH.get(parts.path)
         if route is None:
             return self._send(p.NOT_FOUND, error_answers.error_payload(f"Not Found: {parts.path}"))
         if method not in route.methods:
@@ -99,7 +100,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 payload = {**payload, p.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
         except (SessionConflict, TornWeights) as e:
             status, payload = p.CONFLICT, error_answers.error_payload(e)
-        except InvalidRequest as e:
+        except (InvalidRequest, UnknownParameter) as e:  # the caller's input (a digest of a name it does not hold)
             status, payload = p.BAD_REQUEST, error_answers.error_payload(e)
         except OutOfOrder as e:
             status, payload = p.BAD_REQUEST, error_answers.error_payload(str(e))

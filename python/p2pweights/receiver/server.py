@@ -66,23 +66,33 @@ class ReceiverServer:
     ``api_key`` (default ``P2PW_API_KEY``): every route but the health routes answers 401 without
     ``Authorization: Bearer KEY`` (sglang's ``--api-key``). ``max_body``: bytes a request body may
     have (413 above it); ``read_timeout``: seconds a client may stall while sending a request
-    (408, connection closed); see :mod:`.http_guard`.
+    (408, connection closed); ``request_deadline``: seconds a whole request (headers and body) may
+    take from its first byte; ``max_connections`` / ``max_connections_per_client``: open connections
+    at once, in all and from one client address (503 over either); see :mod:`.http_guard`. ``session_lease`` (default
+    ``P2PW_SESSION_LEASE``): the longest lease this engine grants a weight-update session's owner
+    (:mod:`.session_keeper`).
     """
 
     def __init__(self, hooks: ReceiverHooks | None = None, host: str = "127.0.0.1", port: int = 0, *,
                  weight_version: str = "default", api_key: str | None = None,
-                 max_body: int = http_guard.MAX_BODY_BYTES, read_timeout: float = http_guard.READ_TIMEOUT):
+                 max_body: int = http_guard.MAX_BODY_BYTES, read_timeout: float = http_guard.READ_TIMEOUT,
+                 request_deadline: float = http_guard.REQUEST_DEADLINE, max_connections: int = http_guard.MAX_CONNECTIONS,
+                 max_connections_per_client: int = http_guard.MAX_CONNECTIONS_PER_CLIENT,
+                 session_lease: float | None = None):
         self.hooks = hooks if hooks is not None else ReceiverHooks()
         self.api_key: str | None = setting("P2PW_API_KEY", api_key)
         self.max_body = int(max_body)
         self.read_timeout = float(read_timeout)
+        self.request_deadline = float(request_deadline)  # a whole request, headers and body (http_guard)
+        self.max_connections, self.max_connections_per_client = int(max_connections), int(max_connections_per_client)
         self.host = host
         self._requested_port = int(port)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._state_lock = threading.Lock()      # guards the fields below; held only briefly
         self._control_lock = threading.RLock()   # one control hook at a time (re-taken inside sessions.gated)
-        self.session = sessions.SessionKeeper()  # the session's owner, lease and torn mark (receiver.session_keeper)
+        # the session's owner, lease (at most session_lease: P2PW_SESSION_LEASE) and torn mark (receiver.session_keeper)
+        self.session = sessions.SessionKeeper(lease=session_lease)
         self.weight_version = str(weight_version)
         self.paused = False
         self.updating = False
@@ -99,9 +109,11 @@ class ReceiverServer:
             raise RuntimeError("ReceiverServer was closed; create a new one")
         if self._httpd is not None:
             return self
-        handler = type("_BoundHandler", (RequestHandler,), {"receiver": self, "timeout": self.read_timeout})
-        self._httpd = ThreadingHTTPServer((self.host, self._requested_port), handler)
-        self._httpd.daemon_threads = True
+        handler = type("_BoundHandler", (RequestHandler,), {"receiver": self, "timeout": self.read_timeout,
+                                                            "request_deadline": self.request_deadline})
+        self._httpd = http_guard.GuardedHTTPServer((self.host, self._requested_port), handler,
+                                                   max_connections=self.max_connections,
+                                                   max_per_client=self.max_connections_per_client)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"p2pw-receiver-{self.port}", daemon=True)
         self._thread.start()
@@ -205,7 +217,7 @@ class ReceiverServer:
             if not self.paused:
                 raise OutOfOrder("generation is running; call pause_generation() before begin_weight_update() "
                                 "(p2pweights writes land in live parameter memory)")
-            if self.updating and self.session.owner is None:  # torn: taken over, not begun again
+            if self.updating and not self.session.held:  # torn: taken over, not begun again
                 return bodies.encode(bodies.Ack(
                     message=f"took over a {p.TORN} weight-update session: a complete update heals it"))
             if self.updating:

@@ -5,7 +5,8 @@ goes through :meth:`TrainerInputs.prepare`:
    still lists) is skipped, as sglang's ``load_weights`` skips it: the engine has one tensor for
    both, fed by the embedding;
 2. an FSDP2 ``DTensor`` is gathered with ``full_tensor()`` (a collective over its mesh: every rank
-   of the mesh must push the same names in the same order, as for any FSDP2 export);
+   of the mesh must push the same names in the same order, as for any FSDP2 export); then a tensor
+   with no dense bytes (meta, sparse, MKL-DNN, nested) is refused naming it (:func:`check_dense`);
 3. with ``cast``, a floating-point tensor of another float dtype is cast to the checkpoint's dtype;
 4. with ``check_finite`` (``P2PW_CHECK_FINITE=1``), NaN/Inf are refused naming the tensor, before
    anything of its parameter group is written.
@@ -51,6 +52,31 @@ def _as_full_tensor(name: str, tensor: Any, where: str) -> Any:
                  "tensor.full_tensor() yourself") from e
 
 
+def check_dense(name: str, tensor: Any, where: str = "") -> None:
+    """Refuse, naming the tensor, what has no dense bytes to send: a meta tensor (no data), a sparse
+    (COO, CSR, CSC, BSR, BSC), MKL-DNN or nested tensor. torch would fail on it later, inside the
+    stager or a copy, after the engines were paused; here nothing is staged, written or paused yet."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return  # the stager names what is not a tensor at all
+    layout, device = tensor.layout, tensor.device
+    if getattr(tensor, "is_nested", False):
+        what, fix = "a nested tensor", "push each component as its own dense tensor"
+    elif layout != torch.strided:
+        what, fix = f"a {str(layout).removeprefix('torch.')} tensor", "push tensor.to_dense()"
+    elif tensor.is_meta or device.type == "meta":
+        what, fix = ("a meta tensor (shapes only, no data)",
+                     "push the materialized weights (a model built on the meta device or with init_empty_weights "
+                     "holds none)")
+    else:
+        return
+    raise UnsupportedTensor(
+        f"HF tensor {name!r}{where} is {what} (layout {str(layout).removeprefix('torch.')}, device {device}): only "
+        f"dense (strided) tensors with data can be sent; nothing was staged or written and no engine was paused "
+        f"for it", parameter=name, hint=fix)
+
+
 class TrainerInputs:
     """The checks and conversions of one update's pushes.
 
@@ -76,6 +102,7 @@ class TrainerInputs:
             self.skipped.append(name)
             return None
         tensor = _as_full_tensor(name, tensor, self._where)
+        check_dense(name, tensor, self._where)
         spec = self._specs.get(name)
         if name in self._quantized:
             if _dtype_name(tensor) in TRAINER_DTYPES:

@@ -38,6 +38,7 @@ class EngineWriteReport:
     state: EngineState
     error: str = ""
     peak_inflight: int = 0  # most batches posted and not yet returned at once
+    code: int = 0  # the native status of the failure (errors.CLASS_OF_CODE names its class): FENCED, TIMEOUT, ...
 
     def __post_init__(self) -> None:
         self.state = EngineState(self.state)  # the core's string; an unknown one is a ValueError here
@@ -94,6 +95,12 @@ class PipelinedWriter:
     def add_engine(self, engine: int, name: str, regions: Iterable[tuple[int, int]]) -> None:
         self._native.add_engine(int(engine), str(name), [(int(a), int(n)) for a, n in regions])
         self._engines[int(engine)] = str(name)
+
+    def fence(self, engine: int, seconds: float) -> None:
+        """Post nothing to ``engine`` from ``seconds`` from now on (the session's lease, as last
+        renewed, less a margin): a later batch fails the engine with :class:`~p2pweights.errors.Fenced`.
+        ``math.inf`` lifts the fence; a negative value fences at once."""
+        self._native.fence(int(engine), float(seconds))
 
     def remove_engine(self, engine: int) -> None:
         self._native.remove_engine(int(engine))

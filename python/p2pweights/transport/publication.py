@@ -22,7 +22,9 @@ p2pweights receivers also publish the memory they registered with the transport,
 ``"registered_memory": [[addr, nbytes], ...]``, and the address their registration came from as the
 engine's server saw it, ``"registered_from": "ip"`` (sglang's publisher has neither). At connect a
 sender refuses (:class:`~p2pweights.errors.LayoutMismatch`, naming engine, rank and parameters) a
-table whose entries overlap or leave the registered memory (:meth:`EnginePublication.check_regions`),
+table whose entries overlap or leave the registered memory, or registered memory that is not the
+parameters' allocation (empty, wrapping, holding no parameter, or far larger than the parameters:
+:meth:`EnginePublication.check_regions`),
 and a session id that is not the rank's own (:func:`check_sessions`); docs/transports.md says what
 "own" means. They also publish the rank's own build, ``"device_arch": "sm90"`` (``cpu`` for a GPU
 rank's layout held in host memory) and ``"sglang_version"``, which connect checks against the
@@ -41,6 +43,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ..errors import LayoutMismatch, UnknownParameter, WrongTransport
 
 TRANSPORTS = ("mooncake", "nixl")
+
+# What a rank may register beside its parameters (check_regions): its allocation holds each parameter
+# on a 256-byte boundary (receiver/region.py), so registered bytes stay far below this many times
+# the parameters' bytes rounded up to pages, plus one huge page.
+PAGE = 4096
+REGISTERED_SLACK = 2
+REGISTERED_PAD = 2 << 20
 
 # The flag (sender side and engine side) that selects each transport.
 _FIX = {
@@ -183,6 +192,7 @@ class EnginePublication:
                                  hint="the engine's weights table is corrupt or forged; restart the engine")
         if not self.registered:
             return
+        self._check_registered(who, engine, rows)
         ranges = merge_regions(self.registered)
         starts = [a for a, _ in ranges]
         outside = []
@@ -196,6 +206,28 @@ class EnginePublication:
                                  f"({regs}): {_shown(outside)}; refusing to connect", engine=engine or None,
                                  rank=self.rank, parameter=outside[0].split(" ", 1)[0],
                                  hint="the engine's weights table is corrupt or forged; restart the engine")
+
+    def _check_registered(self, who: str, engine: str, rows: Sequence[tuple[int, int, str]]) -> None:
+        """The registered memory itself must be what a rank registers: its parameters' allocation(s).
+        A range that is empty, negative or runs past 2^64, one that holds no parameter, or more
+        registered memory in all than :data:`REGISTERED_SLACK` times the parameters' bytes (each
+        rounded up to a page) plus :data:`REGISTERED_PAD` is forged (``[0, 2^63)`` would pass the
+        "inside" check for any table) and refused."""
+        bad = [f"[{a}, +{n})" for a, n in self.registered if a <= 0 or n <= 0 or a + n > 1 << 64]
+        ranges = merge_regions(self.registered)
+        starts = [a for a, _ in ranges]
+        holding = {bisect.bisect_right(starts, start) - 1 for start, _, _ in rows}
+        bad += [f"[0x{a:x}, 0x{a + n:x}) holds no published parameter" for i, (a, n) in enumerate(ranges)
+                if i not in holding and 0 < a and a + n <= 1 << 64]
+        registered = sum(n for _, n in ranges)
+        limit = REGISTERED_SLACK * sum(-(-(end - start) // PAGE) * PAGE for start, end, _ in rows) + REGISTERED_PAD
+        if registered > limit:
+            bad.append(f"{registered} bytes registered in all for {sum(e - s for s, e, _ in rows)} bytes of "
+                       f"parameters (at most {limit})")
+        if bad:
+            raise LayoutMismatch(f"{who} published registered memory that is not its parameters' allocation: "
+                                 f"{_shown(bad)}; refusing to connect", engine=engine or None, rank=self.rank,
+                                 hint="the engine's publication is corrupt or forged; restart the engine")
 
     @property
     def session_host(self) -> str:
