@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <iterator>
+#include <map>
+#include <mutex>
 
 #include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
@@ -50,6 +52,27 @@ struct SlotView {
   uint8_t* data;
   size_t length;
   ~SlotView() { buffer->end_use(1); }
+};
+
+// The buffer each live writer claimed (TransferBuffer::claim_writer): let go at close() or destruction.
+std::mutex g_claims_mu;
+std::map<const PipelinedWriter*, TransferBuffer*> g_claims;
+
+TransferBuffer* take_claim(const PipelinedWriter* w) {
+  std::lock_guard<std::mutex> lk(g_claims_mu);
+  auto it = g_claims.find(w);
+  if (it == g_claims.end()) return nullptr;
+  TransferBuffer* b = it->second;
+  g_claims.erase(it);
+  return b;
+}
+
+struct WriterDelete {
+  void operator()(PipelinedWriter* p) const {
+    TransferBuffer* b = take_claim(p);  // before the delete: a new writer may reuse the address
+    GilFreeDelete<PipelinedWriter>()(p);
+    if (b != nullptr) b->release_writer();
+  }
 };
 
 py::dict report_to_dict(const EngineReport& r) {
@@ -311,7 +334,7 @@ PYBIND11_MODULE(_native, m) {
         return d;
       }, "Transfer requests created, re-posted from the kept ones, kept now, and refused releases pending.");
 
-  py::class_<PipelinedWriter, std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>>(m, "PipelinedWriter")
+  py::class_<PipelinedWriter, std::unique_ptr<PipelinedWriter, WriterDelete>>(m, "PipelinedWriter")
       .def(py::init([](Transport* t, TransferBuffer* b, double timeout_s, int max_inflight) {
              if (b->closed()) check(Status(Code::kClosed, "transfer buffer is closed"));
              if (!(timeout_s > 0)) check(Status(Code::kInvalidArgument, "transfer timeout must be positive"));
@@ -319,8 +342,21 @@ PYBIND11_MODULE(_native, m) {
              WriterOptions o;
              o.transfer_timeout_s = timeout_s;
              o.max_inflight_batches = max_inflight;
-             return std::unique_ptr<PipelinedWriter, GilFreeDelete<PipelinedWriter>>(
-                 std::make_unique<PipelinedWriter>(t, b, o).release());
+             if (!b->claim_writer())
+               check(Status(Code::kBusy, "the transfer buffer already has a writer: its slots are that writer's to "
+                                         "acquire and write from; close it first"));
+             std::unique_ptr<PipelinedWriter> w;
+             try {
+               w = std::make_unique<PipelinedWriter>(t, b, o);
+             } catch (...) {
+               b->release_writer();
+               throw;
+             }
+             {
+               std::lock_guard<std::mutex> lk(g_claims_mu);
+               g_claims[w.get()] = b;
+             }
+             return std::unique_ptr<PipelinedWriter, WriterDelete>(w.release());
            }),
            py::arg("transport"), py::arg("buffer"), py::arg("transfer_timeout") = 30.0,
            py::arg("max_inflight_batches") = 2,
@@ -383,5 +419,9 @@ PYBIND11_MODULE(_native, m) {
         for (auto& r : rep) out.append(report_to_dict(r));
         return out;
       }, "Waits (GIL released) for every queued write; returns one dict per engine and starts a new update.")
-      .def("close", [](PipelinedWriter& w) { py::gil_scoped_release nogil; w.close(); });
+      .def("close", [](PipelinedWriter& w) {
+        py::gil_scoped_release nogil;
+        w.close();
+        if (TransferBuffer* b = take_claim(&w)) b->release_writer();  // another writer may take the buffer
+      });
 }

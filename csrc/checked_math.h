@@ -26,10 +26,10 @@ inline bool checked_add(T a, T b, T* out) {
   return true;
 }
 
-// [addr, addr + length) fits below 2^64 (an empty range always does).
+// [addr, addr + length) lies in the address space: its last byte is at most 2^64 - 1 (an empty
+// range always does).
 inline bool range_fits(uint64_t addr, uint64_t length) {
-  uint64_t end;
-  return checked_add(addr, length, &end);
+  return length == 0 || addr <= UINT64_MAX - (length - 1);
 }
 
 // n rounded up to a multiple of `unit` (> 0); false when that does not fit.

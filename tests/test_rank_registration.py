@@ -39,6 +39,11 @@ def test_only_the_url_the_launcher_gave_a_rank_is_admitted():
         ends.admit(1, "http://127.0.0.1:9")
     with pytest.raises(ValueError, match="--rank-ports"):
         parse_rank_ports("41001,x", "127.0.0.1")
+    for stranger in (0, 3, 7):  # no rank the launcher started: refused whatever its URL
+        with pytest.raises(InvalidRequest, match=f"rank {stranger} is not a rank >= 1 of this engine"):
+            ends.admit(stranger, "http://127.0.0.1:41001")
+    with pytest.raises(InvalidRequest, match="rank 2 is not"):
+        RankEndpoints(None, "127.0.0.1", world=2).admit(2, "http://127.0.0.1:41001")
 
 
 def test_without_the_launchers_ports_a_rank_keeps_the_url_it_first_registered_on_the_leaders_host():
@@ -147,6 +152,10 @@ def test_a_keyed_re_registration_cannot_point_a_rank_at_another_listener(engine)
         message = json.dumps(answer)
         assert "rank 1 registered the control URL" in message and listener.url in message
         assert "the launcher gave it" in message
+        stranger = _registration(info, listener.url)
+        stranger["tp_rank"] = 5  # a rank the engine does not have: no URL of it is ever called either
+        status, answer = request("PUT", engine.url, "/register_transfer_engine_info", body=stranger, api_key=KEY)
+        assert status == p.BAD_REQUEST and "rank 5 is not a rank >= 1" in json.dumps(answer), answer
         _fan_out(engine)  # the leader still calls rank 1 where it always did
         _fan_out(engine)
         assert listener.requests == []  # never called, so never sent the key
@@ -169,3 +178,32 @@ def test_a_keyed_re_registration_cannot_forge_a_ranks_registered_memory(engine):
         assert "differs from what the rank process publishes" in json.dumps(answer) and next(iter(forged)) in \
             json.dumps(answer)
     assert client.transfer_engine_info(1) == info  # what the leader serves is still rank 1's own
+    leader = client.transfer_engine_info(0)  # rank 0, the leader's own, cannot be re-registered over HTTP either
+    body = _registration(leader, "", registered_memory=[[0, 1 << 63]])
+    body["tp_rank"] = 0
+    status, answer = request("PUT", engine.url, "/register_transfer_engine_info", body=body, api_key=KEY)
+    assert status == p.BAD_REQUEST and "rank 0's registration differs" in json.dumps(answer), answer
+    assert client.transfer_engine_info(0) == leader
+
+
+def test_a_ranks_picked_control_port_taken_before_it_binds_is_picked_again(engine, monkeypatch):
+    import socket
+
+    from p2pweights.receiver import local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # another process got rank 1's port between the pick and the rank's bind
+    picks = iter([None, taken.getsockname()[1]])  # the leader's pick, then rank 1's
+    real = local.free_port
+    monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        e = local.start_engine(engine.model, "tp=2", transport="mooncake", name="rank-port-race", api_key=KEY)
+        try:
+            assert e.rank_ports[1] != taken.getsockname()[1]
+            assert e.ready[1]["control_url"] == control_url(e.host, e.rank_ports[1])
+            assert _fan_out(e)["ranks"] == [0, 1]
+        finally:
+            e.close()
+    finally:
+        taken.close()

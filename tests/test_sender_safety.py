@@ -250,6 +250,7 @@ def _without_dense_bytes(kind: str, t: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor([t])  # nested
 
 
+@pytest.mark.filterwarnings("ignore:(Sparse CSR tensor|The PyTorch API of nested tensors):UserWarning")
 @pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr", "mkldnn", "nested"])
 def test_a_tensor_without_dense_bytes_is_refused_at_push_naming_it_first_or_last(sender, engine, cfg, kind):
     if kind == "mkldnn" and not torch.backends.mkldnn.is_available():

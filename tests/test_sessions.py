@@ -305,6 +305,39 @@ def test_the_owner_token_appears_in_no_answer_and_a_copied_label_is_refused_409(
     assert token not in caplog.text
 
 
+def test_the_owner_token_goes_to_the_engine_only_never_to_its_bootstrap_server(server):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Bootstrap(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            body = json.dumps({"rank": 0, "remote_instance_transfer_engine_info": ["s", {}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv, hooks = server
+    bootstrap = ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap)
+    threading.Thread(target=bootstrap.serve_forever, daemon=True).start()
+    try:
+        client = SglangEngine(srv.url, bootstrap_url=f"http://127.0.0.1:{bootstrap.server_port}", name="e0")
+        with UpdateSession(client, version=1) as session:
+            client.transfer_engine_info(0)
+        assert seen and not [h for h in seen if session.owner in json.dumps(h)]
+        assert hooks.calls == ["pause", "begin", "end", "version", "continue"]  # the engine got it
+    finally:
+        bootstrap.shutdown()
+        bootstrap.server_close()
+
+
 def test_a_begin_with_a_guessable_owner_token_is_refused_400_without_repeating_it(server):
     srv, hooks = server
     weak = _client(srv.url, owner="trainer-b")
@@ -419,6 +452,22 @@ def test_the_owners_deadline_passes_when_renewals_stop_and_is_minus_inf_once_the
         assert isinstance(errors["e0"], TornWeights)
         assert session.lease_deadline() == float("-inf") and told == [("e0", float("-inf"))]
         session.abort("the sender lost its session")
+
+
+def test_a_late_owner_whose_session_another_controller_took_over_and_ended_gets_a_minus_inf_deadline():
+    with ReceiverServer(Recording(), session_lease=1.0) as srv:
+        late = UpdateSession(_client(srv.url), version=1, lease=30)
+        late.open()
+        late.renewer._stop.set()  # stopped past its lease
+        time.sleep(2.5)
+        other = _client(srv.url, owner=_token("next"))
+        other.pause_generation()
+        assert other.begin_weight_update()["took_over"] is True
+        other.end_weight_update()  # healed and over: the engine has no session at all
+        errors = late.renewer.check_in(late.engines)  # the late owner resumes: "nothing to renew" (400)
+        assert p.NO_SESSION in str(errors["e0"])
+        assert late.lease_deadline() == float("-inf")
+        late.abort("lost its session")
 
 
 def test_a_session_given_up_ends_the_owners_deadline_at_once():

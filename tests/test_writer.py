@@ -216,6 +216,17 @@ def test_a_write_only_goes_out_from_a_slot_the_caller_acquired(rig):
     assert report.engines[0].bytes == 4096 and r.transport.bytes_copied(0) == 4096  # the one legal write only
 
 
+def test_a_second_writer_over_one_buffer_is_refused_until_the_first_is_closed(rig):
+    r = rig(n_engines=1, slots=1)
+    s = r.writer.acquire()  # the first writer's slot: a second writer must not hand it out again
+    with pytest.raises(Busy, match="already has a writer"):
+        PipelinedWriter(r.transport, r.buffers)
+    r.writer.release_slot(s)
+    r.writer.close()
+    other = PipelinedWriter(r.transport, r.buffers)  # closed: the buffer is free for another writer
+    other.close()
+
+
 def test_a_region_that_wraps_past_the_address_space_is_refused_at_add_engine(rig):
     r = rig(n_engines=1)
     top = (1 << 64) - 4096

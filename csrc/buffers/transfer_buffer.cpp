@@ -131,6 +131,18 @@ bool TransferBuffer::begin_use(int n) {
   return true;
 }
 
+bool TransferBuffer::claim_writer() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (has_writer_) return false;
+  has_writer_ = true;
+  return true;
+}
+
+void TransferBuffer::release_writer() {
+  std::lock_guard<std::mutex> lk(mu_);
+  has_writer_ = false;
+}
+
 void TransferBuffer::end_use(int n) {
   std::lock_guard<std::mutex> lk(mu_);
   users_ -= n;

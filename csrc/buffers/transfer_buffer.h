@@ -50,6 +50,10 @@ class TransferBuffer {
   bool begin_use(int n = 1);
   void end_use(int n = 1);  // the last user of a closed buffer frees it
   int users() const;
+  // The one writer whose slots these are: a second writer over the same buffer would hand out, and
+  // write from, slots the first one acquired. claim_writer() is false while another writer holds it.
+  bool claim_writer();
+  void release_writer();
 
   uint8_t* base() const { return base_; }
   uint64_t address() const { return reinterpret_cast<uint64_t>(base_); }
@@ -67,6 +71,7 @@ class TransferBuffer {
   void release_memory();  // mu_ held
   mutable std::mutex mu_;
   bool close_requested_ = false;
+  bool has_writer_ = false;
   int users_ = 0;
   uint8_t* base_ = nullptr;
   size_t slot_bytes_ = 0;

@@ -33,9 +33,15 @@ def _extra(**typed: Any) -> Any:
 
 
 class Body:
-    """A request or answer body. ``SGLANG`` names sglang's class of the same fields."""
+    """A request or answer body. ``SGLANG`` names sglang's class of the same fields. ``LARGE``: a
+    body that may need the server's whole body limit (a rank's weights table, lists of every
+    parameter name); any other is refused over :data:`SMALL_BODY_BYTES` (413, unread)."""
 
     SGLANG: ClassVar[str | None] = None
+    LARGE: ClassVar[bool] = False
+
+
+SMALL_BODY_BYTES = 1 << 20   # a verb's arguments (a mode, a version, a flag): far smaller
 
 
 @dataclass
@@ -80,6 +86,7 @@ class CheckWeightsReq(Body):
     """``extra``: fields sglang does not define (a receiver reads ``hf_seed`` for ``p2pw_compare``);
     sent and received flat, next to sglang's fields."""
 
+    LARGE: ClassVar[bool] = True
     SGLANG: ClassVar[str | None] = "CheckWeightsReqInput"
     action: str = "checksum"
     allow_quant_error: bool = False
@@ -108,6 +115,7 @@ class InitWeightsUpdateGroupReq(Body):
 
 @dataclass
 class UpdateWeightsFromDistributedReq(Body):
+    LARGE: ClassVar[bool] = True
     SGLANG: ClassVar[str | None] = "UpdateWeightsFromDistributedReqInput"
     names: list[str]
     dtypes: list[str]
@@ -136,6 +144,7 @@ class RegisterTransferEngineInfoReq(Body):
     """The bootstrap server's ``PUT /register_transfer_engine_info`` (sglang parses it by hand):
     ``transfer_engine_info`` is ``{"session_id", "weights_info_dict", <extra publication keys>}``."""
 
+    LARGE: ClassVar[bool] = True
     tp_rank: int
     transfer_engine_info: dict
 
@@ -163,6 +172,7 @@ class WeightsDigestReq(Body):
     ``names`` maps an engine rank (as a string) to the parameters whose bytes it digests. The answer:
     ``{"success": true, "algorithm": ..., "ranks": {"<rank>": {param: digest}}}`` (control.weights_digest)."""
 
+    LARGE: ClassVar[bool] = True
     names: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -285,8 +295,7 @@ def _check_field(cls: type, name: str, v: Any) -> None:
 
 
 _INT64 = 1 << 63
-_JSON_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
-               dict: "an object"}
+_JSON_KINDS = (str, bool, int, float, list, dict)
 
 
 def _check_value(name: str, hint: Any, v: Any) -> None:
@@ -300,13 +309,13 @@ def _check_value(name: str, hint: Any, v: Any) -> None:
             return _check_value(name, args[0], v)
         return  # a union of several types: anything (none in use)
     kind = typing.get_origin(hint) or hint
-    if kind not in _JSON_NAMES:
+    if kind not in _JSON_KINDS:
         return  # Any
     ok = isinstance(v, kind) and not (kind in (int, float) and isinstance(v, bool))
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         ok = True
     if not ok:
-        raise InvalidRequest(f"field {name!r} must be {_JSON_NAMES[kind]}, got {_json_name(v)}")
+        raise InvalidRequest(f"field {name!r} must be {kind.__name__}, got {type(v).__name__}")
     if kind is int and not -_INT64 <= v < _INT64:
         raise InvalidRequest(f"field {name!r} must be a 64-bit integer, got {str(v)[:40]}")
     if kind is float and not math.isfinite(v):
@@ -318,12 +327,6 @@ def _check_value(name: str, hint: Any, v: Any) -> None:
         for key, item in v.items():
             _check_value(f"{name} key", args[0], key)
             _check_value(f"{name}[{key}]"[:200], args[1], item)
-
-
-def _json_name(v: Any) -> str:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return next((name for kind, name in _JSON_NAMES.items() if type(v) is kind), type(v).__name__)
 
 
 def _kind(hint: Any) -> type | None:

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import EngineUnreachable, SessionConflict, TornWeights
+from . import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -185,16 +186,18 @@ class LeaseRenewer:
     def check_in(self, engines: Sequence[Any]) -> dict[str, BaseException]:
         """Renew once, now, with a short timeout, on those of ``engines`` that keep a lease: name ->
         error for each that did not answer, refused (lost its session), or has a rank that does not
-        answer its leader. A renewal that succeeded moves that engine's :meth:`deadline` on; one
-        refused with 409 (``SessionConflict``, ``TornWeights``) ends it (``revoked``)."""
+        answer its leader. A renewal that succeeded moves that engine's :meth:`deadline` on; one the
+        engine refused because the session is not this owner's any more (409 ``SessionConflict`` or
+        ``TornWeights``; 400 no session: taken over and ended) ends it (``revoked``)."""
         def renew_weight_update(e: Any) -> Any:  # named: call_engines labels its threads and logs by it
             sent_at = time.monotonic()
             try:
                 answer = e.renew_weight_update(lease=self.lease, timeout=check_in_timeout(e))
-            except (SessionConflict, TornWeights):
-                with self._lock:
-                    self.revoked.add(e.name)
-                self._tell(e.name)
+            except Exception as err:  # re-raised: call_engines records it
+                if _session_lost(err):
+                    with self._lock:
+                        self.revoked.add(e.name)
+                    self._tell(e.name)
                 raise
             lease = _granted(answer.get("lease")) if isinstance(answer, dict) else None
             with self._lock:
@@ -239,6 +242,12 @@ class LeaseRenewer:
                     self.lost[name] = errors[name]
                 else:
                     self.lost.pop(name, None)
+
+
+def _session_lost(err: BaseException) -> bool:
+    """Whether a renewal's error says the engine holds no session of this owner any more."""
+    return isinstance(err, (SessionConflict, TornWeights)) or (
+        not isinstance(err, EngineUnreachable) and p.NO_SESSION in str(err) and f"HTTP {p.BAD_REQUEST}" in str(err))
 
 
 def _granted(answered: Any) -> float | None:

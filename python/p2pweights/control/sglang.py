@@ -201,8 +201,8 @@ class SglangEngine:
         base = base or self.base_url
         target = route.path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        headers = {**(headers or {}), **_owner_header(self.session_owner, self.session_label),
-                   **(extra_headers or {})} or None
+        owner = self.session_owner if base == self.base_url else None  # the token goes to the engine only
+        headers = {**(headers or {}), **_owner_header(owner, self.session_label), **(extra_headers or {})} or None
         try:
             status, answer = http.request(route.method, base, route.path,
                                           body=bodies.encode(body) if body is not None else None, params=params,

@@ -118,6 +118,8 @@ class LeaderHooks(ReceiverHooks):
         self.rank_urls: dict[int, str] = {}
         # the only control URLs the key is ever sent to (registration.py): the launcher's, else first-registered
         self.endpoints = endpoints or RankEndpoints()
+        if self.endpoints.world is None:
+            self.endpoints.world = self.world
         self._lock = threading.Lock()
         # the threads that call the other ranks, kept across verbs; room for every rank of each verb
         # that may run at once (one control verb, a lease renewal, a group join or leave) and more,
@@ -152,8 +154,11 @@ class LeaderHooks(ReceiverHooks):
     def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
         """Rank >= 1: its control URL must be the one its launcher gave it (nothing is sent to any
         other), and what it registered must be what the rank process publishes there (asked with
-        the key, at that URL): else InvalidRequest (400), and the registration changes nothing."""
-        if rank == 0:
+        the key, at that URL); rank 0 (this process): what it publishes. Else InvalidRequest (400),
+        and the registration changes nothing."""
+        if rank == 0:  # the leader's own rank, in this process: what it publishes is known here
+            peer, table, extra = self.local.published()
+            check_claim(0, info, {"peer": peer, "table": table, "extra": extra})
             return
         url = self.endpoints.admit(rank, info.get("p2pw_control_url"))
         own = call_rank(url, rank, "publication", {}, timeout=ping_timeout() + 30.0, api_key=self.api_key)

@@ -70,15 +70,20 @@ class RankEndpoints:
     must be on the leader's host (``host``, or loopback); a later registration may not move it.
     Refusals are :class:`~p2pweights.errors.InvalidRequest` (HTTP 400), naming the rank and both URLs."""
 
-    def __init__(self, given: Mapping[int, str] | None = None, host: str = "127.0.0.1"):
+    def __init__(self, given: Mapping[int, str] | None = None, host: str = "127.0.0.1", world: int | None = None):
         self.given = dict(given or {})
         self.host = host
+        self.world = world  # the engine's ranks: 1 .. world - 1 register (None: not known here)
         self._first: dict[int, str] = {}
 
     def admit(self, rank: int, url: object) -> str:
         """The URL to call rank ``rank`` at, from what it registered; raises InvalidRequest otherwise.
         Nothing is recorded: :meth:`bind` does, once the rank confirmed its publication there."""
         rank = int(rank)
+        if (self.world is not None and not 1 <= rank < self.world) or (self.given and rank not in self.given):
+            raise InvalidRequest(f"rank {rank} is not a rank >= 1 of this engine's launcher "
+                                 f"(ranks {', '.join(map(str, sorted(self.given))) or f'1..{(self.world or 1) - 1}'}): "
+                                 f"refused", rank=rank)
         if not isinstance(url, str) or not url:
             raise InvalidRequest(f"rank {rank} registered without its control URL (p2pw_control_url)", rank=rank)
         expected = self.given.get(rank) or self._first.get(rank)

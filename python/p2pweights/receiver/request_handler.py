@@ -78,8 +78,9 @@ class RequestHandler(http_guard.GuardedHandler):
         try:  # before any route runs: the key, then a whole, well-formed body (http_guard)
             if parts.path not in routes.HEALTH_PATHS:
                 http_guard.check_key(self, self.receiver.api_key)
-            if route is not None and route.body is not None:
-                body = http_guard.read_json_object(self, self.receiver.max_body)
+            if route is not None and route.body is not None:  # a verb's few arguments, or a large body (bodies.Body.LARGE)
+                limit = self.receiver.max_body if route.body.LARGE else min(self.receiver.max_body, bodies.SMALL_BODY_BYTES)
+                body = http_guard.read_json_object(self, limit)
             else:  # a route that takes no body (health among them) never reads, let alone parses, one
                 http_guard.skip_body(self)
         except http_guard.RequestRefused as e:

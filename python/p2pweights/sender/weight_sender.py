@@ -114,7 +114,7 @@ class WeightSender:
         # how this sender's slots replay copy plans; a path that fails at the driver stays off for it
         self.replay_order = ReplayOrder(threads=self.settings.copy_threads, lanes=self.settings.copy_lanes)
         self.last_version: str | None = None  # of this sender's last complete update
-        self.owner = new_owner_id()  # the controller id of every session this sender opens
+        self.owner = new_owner_id()  # the owner token (a secret) of every session this sender opens
         # prepare=True: sglang and the model's module imported, the agent made, from now on (warmup.py)
         self._warmup = Warmup(self.config) if self.settings.prepare else None
         if self._warmup is not None:
