@@ -99,6 +99,8 @@ class Update:
         self._session = (UpdateSession(self._engines, self.version, pause_mode=pause_mode, owner=owner,
                                        lease=lease, on_failure=self._on_failure)
                          if self._controls else None)
+        if self._session is not None:  # the data plane obeys the session: no post past the lease
+            self._session.renewer.on_deadline = self._fence_writes
         self.report: UpdateReport | None = None
         self.outcome = ""
         self._phase = "new"  # new -> [opening ->] open -> done | failed
@@ -449,6 +451,16 @@ class Update:
 
     def _verbs_text(self, *names: str) -> str:
         return ", ".join(f"{n.strip('_')} {self._verbs[n]:.3f} s" for n in names if n in self._verbs)
+
+    def _fence_writes(self, engine: str, deadline: float) -> None:
+        """The lease of ``engine`` now runs to ``deadline`` (``time.monotonic()``; -inf: lost, inf: an
+        engine without a lease): its ranks' write threads post nothing after it (docs/security.md,
+        "Fencing")."""
+        left = deadline - time.monotonic()
+        for p in self._ranks:
+            for t in p.targets:
+                if t.engine.name == engine:
+                    self._writer.fence(t.writer_id, left if left == left else -1.0)
 
     def _report(self, rep: WriteReport, seconds: float, data_seconds: float, senders: int) -> UpdateReport:
         by_id = {e.engine: e for e in rep.engines}
