@@ -1,7 +1,7 @@
 """A chaos run: many updates on two engines, faults at random points, the invariant after each (issue 23).
 
     PYTHONPATH=python python3 benchmarks/chaos.py [--updates 200] [--transport mooncake|nixl] [--seed N]
-                                                  [--json] [--out FILE]
+                                                  [--faults none,kill,...] [--unfenced] [--json] [--out FILE]
 
 Two engines (tiny qwen3, tp=2) and sender processes (each its own controller), all with
 ``P2PW_SESSION_LEASE=2``. Each update draws one fault from a seeded RNG (the seed is printed;
@@ -22,6 +22,9 @@ commit) and hold exactly the bytes of ``random_checkpoint(specs, N)`` with no se
 torn: ``/health`` says torn and the engine refuses to continue. Anything else is a wrong-bytes count
 (must be 0). An engine that dies is restarted (counted). After a torn engine the next update is a
 complete one (it heals it).
+
+``--unfenced`` is the harness's self-check: the senders' lease fence is monkeypatched off in the
+sender processes, and a run with late faults must then report wrong bytes served.
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ CHILD = textwrap.dedent('''
     from p2pweights.sender import WeightSender
 
     cfg, transport = sys.argv[1:3]
+    if os.environ.get("P2PW_CHAOS_UNFENCED") == "1":  # --unfenced: the harness's self-check
+        from p2pweights.sender.update import Update
+        Update._fence_writes = lambda self, engine, deadline: None
     urls = sys.argv[3:]
     def say(**kw):
         print(json.dumps(kw), flush=True)
@@ -104,9 +110,10 @@ CHILD = textwrap.dedent('''
 class Sender:
     """One controller: a sender process running updates on request."""
 
-    def __init__(self, cfg: str, urls: list[str], transport: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, cfg, transport, *urls], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    def __init__(self, cfg: str, urls: list[str], transport: str, log: str):
+        with open(log, "ab") as err:  # the transports' own chatter goes here, not into the run's output
+            self.proc = subprocess.Popen([sys.executable, "-c", CHILD, cfg, transport, *urls], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ))
         self.ready: dict | None = None
 
     def wait_ready(self) -> "Sender":
@@ -181,6 +188,13 @@ class Chaos:
                          "wrong": 0, "restarts": 0} for f in FAULTS}
         self.failures: list[str] = []
         self.go_n = 0
+        self.sender_log = os.path.join(self.tmp, "senders.log")
+        # the reference model: per engine, the versions it may serve (the last committed one; after an
+        # update that failed, also what that update tried: a commit may reach one engine and not another)
+        self.allowed: list[set[str]] = []
+        self.tried: list[str] = []
+        self.done: list[str] = []
+        self.late_fenced = [0, 0]  # late senders whose error names the lease / all late senders resumed
 
     def log(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -193,9 +207,9 @@ class Chaos:
     def spare(self) -> Sender:
         """A fresh sender process (spawned ahead, one always warming)."""
         while len(self.spares) < 2:
-            self.spares.append(Sender(self.cfg, self.urls, self.a.transport))
+            self.spares.append(Sender(self.cfg, self.urls, self.a.transport, self.sender_log))
         s = self.spares.pop(0).wait_ready()
-        self.spares.append(Sender(self.cfg, self.urls, self.a.transport))
+        self.spares.append(Sender(self.cfg, self.urls, self.a.transport, self.sender_log))
         return s
 
     def main_sender(self) -> Sender:
@@ -216,6 +230,7 @@ class Chaos:
     def run_one(self, sender: Sender, mode: str = "full", at: int = 0, go: str | None = None,
                 timeout: float = 180) -> tuple[int, dict]:
         s = self.seed()
+        self.tried.append(f"seed{s}")
         sender.ask(seed=s, mode=mode, at=at, go=go)
         return s, (sender.next_event(timeout) if mode not in ("hold", "late", "slow") else {})
 
@@ -224,8 +239,10 @@ class Chaos:
         ev = event.get("event")
         if ev == "done":
             row["committed"] += 1
+            self.done.append(f"seed{event['seed']}")
         else:
             row["refused"] += 1
+            self.log(f"  {row['fault']}: {ev}: {event.get('kind', '')} {event.get('error', '')[:160]}")
             if ev in ("timeout", "exited"):
                 self.failures.append(f"{row['fault']}: sender gave no result: {event}")
 
@@ -245,7 +262,9 @@ class Chaos:
         whether any engine is torn (the next update then heals)."""
         self.wait_not_open()
         torn_any = False
-        for e in self.engines:
+        for i in range(len(self.engines)):
+            self.allowed[i] = {self.done[-1]} if self.done else self.allowed[i] | set(self.tried)
+        for i, e in enumerate(self.engines):
             where = f"update {update_no} ({row['fault']}), engine {e.name}"
             try:
                 st = state_of(e.url)
@@ -255,6 +274,7 @@ class Chaos:
                 self.log(f"  {where}: unreachable ({err}); restarting")
                 row["restarts"] += 1
                 e.restart()
+                self.allowed[i] = {"default"}
                 for s in [self.main, *self.spares]:  # connected to the old ranks: new senders
                     if s is not None:
                         s.close()
@@ -276,7 +296,13 @@ class Chaos:
                 row["wrong"] += 1
                 self.failures.append(f"{where}: session still {st} after the update")
                 continue
-            if version == "default" or not version.startswith("seed"):
+            if version not in self.allowed[i]:
+                row["wrong"] += 1
+                self.failures.append(f"{where}: serves {version}, not the last committed version "
+                                     f"({' or '.join(sorted(self.allowed[i]))})")
+                continue
+            self.allowed[i] = {version}  # what it serves now is its last committed version
+            if version == "default":
                 continue  # the engine's start-up weights, before any commit
             result = check_weights_equal(e.url, hf_seed=int(version[4:]))
             if not result["success"]:
@@ -345,6 +371,10 @@ class Chaos:
             late.signal(signal.SIGCONT)  # the late sender pushes the rest of its update
             ev = late.next_event(180)
             self.count(row, ev)
+            self.done = self.done[:1]  # the healer's commit is the last committed one
+            self.late_fenced[1] += 1
+            self.late_fenced[0] += "lease" in ev.get("error", "")
+            self.log(f"  late sender: {ev.get('event')}: {ev.get('error', '')[:200]}")
             if ev.get("event") == "done":
                 self.failures.append(f"late: the late sender's update committed: {ev}")
             time.sleep(1.0)  # anything still on the wire has landed by now
@@ -381,7 +411,9 @@ class Chaos:
         rank = self.rng.randrange(e.world)
         pid = e.pids[rank]
         go = self.go_file()
-        self.main_sender().ask(seed=self.seed(), mode="full", at=0, go=go)
+        s = self.seed()
+        self.tried.append(f"seed{s}")
+        self.main_sender().ask(seed=s, mode="full", at=0, go=go)
         open(go, "w").close()
         time.sleep(self.rng.uniform(0, 0.5))
         os.kill(pid, signal.SIGSTOP)
@@ -395,14 +427,19 @@ class Chaos:
     def run(self) -> None:
         t0 = time.monotonic()
         self.engines = start_engines(self.cfg, "tp=2", count=2, transport=self.a.transport, name_prefix="chaos")
+        self.allowed = [{"default"} for _ in self.engines]
         self.log(f"engines up in {time.monotonic() - t0:.1f}s: {self.urls}")
         self.tensors = self.main_sender().ready["tensors"]
         heal = False
+        chosen = self.a.faults.split(",")
+        kinds = [f for f in FAULTS if f in chosen]
+        weights = [w for f, w in zip(FAULTS, WEIGHTS) if f in chosen]
         for n in range(1, self.a.updates + 1):
-            fault = "none" if heal else self.rng.choices(FAULTS, WEIGHTS)[0]
+            fault = "none" if heal else self.rng.choices(kinds, weights)[0]
             row = self.rows[fault]
             row["updates"] += 1
             t = time.monotonic()
+            self.tried, self.done = [], []
             getattr(self, f"fault_{fault}")(row)
             heal = self.check(row, n)
             versions = []
@@ -437,9 +474,18 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=200)
     ap.add_argument("--transport", default="mooncake", choices=["mooncake", "nixl"])
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--faults", default=",".join(FAULTS), help="the fault kinds drawn (comma-separated)")
+    ap.add_argument("--unfenced", action="store_true",
+                    help="self-check of the harness: the senders' lease fence is switched off (monkeypatched in the "
+                         "sender processes); a run with late faults must then report wrong bytes")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     a = ap.parse_args()
+    unknown = set(a.faults.split(",")) - set(FAULTS)
+    if unknown:
+        ap.error(f"unknown fault(s) {sorted(unknown)}; known: {FAULTS}")
+    if a.unfenced:
+        os.environ["P2PW_CHAOS_UNFENCED"] = "1"
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1 << 31)
     print(f"# chaos seed {a.seed} (--seed {a.seed} replays the draws)", file=sys.stderr, flush=True)
@@ -454,12 +500,16 @@ def main() -> int:
     rows_out = rows + ([total] if total else [])
     wrong = total["wrong"] if total else 0
     footer = (f"# seed {a.seed}, {a.updates} updates, transport {a.transport}, lease {LEASE}s, "
+              + ("UNFENCED (self-check), " if a.unfenced else "") +
               f"{time.monotonic() - t0:.0f}s\n"
+              f"# late senders resumed: {chaos.late_fenced[1]}, failed naming the lease (fenced): "
+              f"{chaos.late_fenced[0]}\n"
               f"# attempted: updates begun by any controller (a late or concurrent fault has two); "
               f"torn after: engines found paused and torn after the update (healed by the next)\n"
               + ("# OK: 0 wrong bytes served" if not chaos.failures else
                  "# FAILED:\n" + "\n".join(f"#   {f}" for f in chaos.failures)))
-    extra = {"seed": a.seed, "transport": a.transport, "updates": a.updates, "failures": chaos.failures}
+    extra = {"seed": a.seed, "transport": a.transport, "updates": a.updates, "faults": a.faults, "unfenced": a.unfenced,
+             "failures": chaos.failures}
     emit(f"p2pweights chaos: 2 engines x tp=2 (tiny qwen3), {a.transport}", COLUMNS, rows_out, as_json=a.json,
          footer=footer, extra=extra)
     if a.out:

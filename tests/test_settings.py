@@ -119,7 +119,7 @@ def test_doctor_shows_every_setting_with_its_source():
     for name in S.REGISTRY:
         assert name in r.stdout
     assert re.search(r"P2PW_NUM_SLOTS\s+3\s+\[P2PW_NUM_SLOTS\]", r.stdout)
-    assert re.search(r"P2PW_TRANSPORT\s+mooncake\s+\[default\]", r.stdout)
+    assert re.search(r"P2PW_TRANSPORT\s+auto\s+\[default\]", r.stdout)
 
 
 @pytest.mark.parametrize("env", [{"P2PW_NUM_SLOTS": "zero"}, {"P2PW_TRANSPROT": "nixl"}])

@@ -186,7 +186,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_NUM_SLOTS", _int, 2, "transfer slots (2 = double buffering)", _at_least_one),
     Setting("P2PW_TRANSFER_TIMEOUT", _float, 30.0, "seconds a write may run before it is cancelled and the update "
             "fails naming the engine", _positive, default_text="30"),
-    Setting("P2PW_TRANSPORT", _str, "mooncake", "`mooncake` or `nixl`", _one_of(*TRANSPORTS)),
+    Setting("P2PW_TRANSPORT", _str, "auto", "`auto`, `nixl` or `mooncake`; `auto`: a sender takes the transport its "
+            "engines publish for, else (and `serve`, `demo`, the receiver) nixl where NIXL's native C-API path loads, "
+            "else mooncake (Mooncake listens on every interface: docs/security.md)", _one_of(*TRANSPORTS, "auto")),
     Setting("P2PW_BUFFER_DEVICE", _str, "cpu", "where slots live: `cpu` (pinned host) or `cuda[:N]`", _device),
     Setting("P2PW_PIN", _str, "auto", "host slot pinning: `auto` (CUDA host registration, else mlock), `cuda`, "
             "`mlock`, `none`", _one_of("auto", "cuda", "mlock", "none")),
@@ -305,9 +307,15 @@ def describe() -> list[dict[str, Any]]:
     return rows
 
 
-def _transport_options(self: Any) -> dict[str, Any]:
-    """Keyword arguments for the chosen transport's backend (only those that are set)."""
-    if self.transport == "nixl":
+def _transport_options(self: Any, transport: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for the chosen transport's backend (only those that are set); ``transport``:
+    the one ``auto`` resolved to (``transport.resolve_transport``; default: this setting's, which must
+    then name one)."""
+    transport = transport or self.transport
+    if transport == "auto":
+        raise ValueError("transport_options() of transport 'auto': pass the transport it resolved to, "
+                         "s.transport_options(p2pweights.transport.resolve_transport(s.transport)[0])")
+    if transport == "nixl":
         opts = {"backend": self.nixl_backend, "progress_delay": self.nixl_progress_delay_us}
     else:
         opts = {"protocol": self.mooncake_protocol, "device": self.mooncake_device, "hostname": self.hostname}

@@ -49,7 +49,7 @@ COLUMNS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--transport", choices=TRANSPORTS, default=None, help="default: P2PW_TRANSPORT (mooncake)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None, help="default: P2PW_TRANSPORT (auto)")
     p.add_argument("--size", default="256MiB", help="bytes per update; comma-separated for several rows (default: %(default)s)")
     p.add_argument("--slot-size", default="64MiB", help="transfer slot size (default: %(default)s)")
     p.add_argument("--slots", type=int, default=2, help="transfer slots (default: %(default)s)")
@@ -241,7 +241,9 @@ def run_one(transport: str, size: int, slot_bytes: int, num_slots: int, params: 
 
 
 def run(args: argparse.Namespace) -> int:
-    transport = args.transport or settings().transport
+    from ..transport import resolve_transport
+
+    transport = resolve_transport(args.transport)[0]  # default P2PW_TRANSPORT; auto: nixl where its C API loads
     apis = ["native", "python"] if args.nixl_api == "both" and transport == "nixl" else [args.nixl_api]
     rows = [row for s in str(args.size).split(",") if s for api in apis
             for row in run_one(transport, parse_size(s), parse_size(args.slot_size), args.slots, args.params,

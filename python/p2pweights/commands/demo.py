@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..models.engine_layout import EngineLayout
-from ..settings import format_size, lookup, parse_size
+from ..settings import format_size, parse_size, value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,32 +37,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pick_transport(name: str) -> tuple[str, str]:
-    """(transport, why) for --transport: "auto" is nixl where NIXL's native C-API sender path loads
-    here (the library opens and NIXL's Python package, which the receivers use, imports), else
-    mooncake; why is "" for an explicit name."""
-    if name != "auto":
-        return name, ""
-    import ctypes
+    """(transport, why) for --transport, by the one rule of ``transport.resolve_transport`` ("auto":
+    nixl where NIXL's native C-API sender path loads, else mooncake); why is " (auto: ...)", "" for
+    an explicit name."""
+    from ..transport import resolve_transport
 
-    from ..errors import TransportError
-    from ..transport import nixl, nixl_native
-
-    path = nixl_native.data_path()
-    if path["path"] != "native":
-        return "mooncake", f" (auto: NIXL's native path is not available: {path['reason']})"
-    try:
-        ctypes.CDLL(path["library"])
-        nixl.nixl_api()  # the receivers' side
-    except (OSError, TransportError) as e:
-        return "mooncake", f" (auto: NIXL's C API does not load here: {e})"
-    return "nixl", " (auto: NIXL's native C-API path loads here)"
+    name, why = resolve_transport(name)
+    return name, f" ({why})" if why else ""
 
 
 def _default_transport() -> str:
-    """P2PW_TRANSPORT when it is set; else ``auto``: on one host the demo's writes cross loopback,
-    where NIXL's shared memory beats Mooncake's TCP (docs/transports.md)."""
-    value, source = lookup("P2PW_TRANSPORT")
-    return value if source != "default" else "auto"
+    """P2PW_TRANSPORT (default ``auto``: on one host the demo's writes cross loopback, where NIXL's
+    shared memory beats Mooncake's TCP, docs/transports.md)."""
+    return value("P2PW_TRANSPORT")
 
 
 def run(args: argparse.Namespace) -> int:

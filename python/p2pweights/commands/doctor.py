@@ -62,6 +62,21 @@ def _transports() -> dict[str, dict]:
     return out
 
 
+def _default_transport() -> dict:
+    """What P2PW_TRANSPORT resolves to here (``transport.resolve_transport``) and why; a sender with
+    ``auto`` takes the transport its engines publish for, this when they say none."""
+    from ..settings import SettingError, lookup
+    from ..transport import resolve_transport
+
+    try:
+        setting, source = lookup("P2PW_TRANSPORT")
+        resolved, why = resolve_transport(setting)
+    except (SettingError, ValueError) as e:
+        return {"setting": None, "source": None, "resolved": None, "why": str(e)}
+    return {"setting": setting, "source": source, "resolved": resolved,
+            "why": why or "named explicitly"}
+
+
 def collect() -> dict:
     from .. import _native
     from ..settings import SettingError, describe, settings
@@ -84,6 +99,7 @@ def collect() -> dict:
     except SettingError:
         findings["slot_device"] = None
     findings["transports"] = _transports()
+    findings["transport"] = _default_transport()
     findings["torch"] = _version("torch")
     findings["sglang"] = _version("sglang")
     return findings
@@ -105,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<15}: {state}")
         if "data_path" in t and t["importable"]:
             print(f"  data path    : {t['data_path']['path']} — {t['data_path']['reason']}")
+    t = f["transport"]
+    print(f"transport      : {t['resolved'] or 'INVALID'} (P2PW_TRANSPORT={t['setting']} [{t['source']}]: {t['why']})")
     print(f"torch          : {f['torch'] or 'MISSING (pip install torch)'}")
     print(f"sglang         : {f['sglang'] or 'MISSING (bash scripts/setup.sh installs sglang==0.5.23)'}")
     print("settings       :")

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..models.engine_layout import EngineLayout
-from ..settings import TRANSPORTS, settings
+from ..settings import TRANSPORTS
 from ..settings import value as setting
 
 READY = "ready"
@@ -41,8 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the engine's HTTP server and its ranks' internal endpoints bind to; a "
                         "specific address is also what its transfer engines advertise, unless P2PW_HOSTNAME "
                         "is set (default: %(default)s)")
-    p.add_argument("--transport", choices=TRANSPORTS, default=None,
-                   help="P2P transport (default: P2PW_TRANSPORT, else mooncake)")
+    p.add_argument("--transport", choices=(*TRANSPORTS, "auto"), default=None,
+                   help="P2P transport; auto: nixl where NIXL's native C-API path loads (its listeners bind only "
+                        "the configured devices' addresses), else mooncake (listens on every interface: "
+                        "docs/security.md) (default: P2PW_TRANSPORT, else auto)")
     p.add_argument("--api-key", default=None,
                    help="require Authorization: Bearer KEY on every route but health (default: P2PW_API_KEY; "
                         "prefer the variable: a command line is visible to every local user)")
@@ -61,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
     except UnknownModel as e:
         raise UnknownModel(f"--model: {e}") from None
     layout = EngineLayout.parse(args.engine, command="serve")
-    transport = args.transport or settings().transport
+    from ..transport import resolve_transport
+
+    transport, why = resolve_transport(args.transport)
+    if why:
+        _progress(f"p2pweights serve: transport {transport} ({why})")
     api_key = setting("P2PW_API_KEY", args.api_key)
     env = {}
     if args.host not in _WILDCARDS and not setting("P2PW_HOSTNAME"):

@@ -1,6 +1,6 @@
 """Engines of rank processes on this host, from Python (the tests, the demo, the benchmarks)::
 
-    engine = start_engine(config_dir, "tp=2", transport="mooncake", name="engine0")  # T processes
+    engine = start_engine(config_dir, "tp=2", transport="mooncake", name="engine0")  # T processes (default: auto)
     engine.url                              # http://127.0.0.1:PORT, sglang's routes (api_key=: keyed)
     check_weights_equal(engine.url, hf_seed=7)  # {"success", "message", "ranks": [...]}
     engine.kill(rank=1); engine.restart()     # faults: same port again
@@ -27,6 +27,7 @@ from ..control.http import request
 from ..errors import EngineError, EngineUnreachable
 from ..models.engine_layout import EngineLayout
 from ..settings import value as setting
+from ..transport import resolve_transport
 from .launcher import Launcher, child_env, tail
 from .rank_process import READY_EVENT
 from .rank_server import CONNECT_TIMEOUT, RANK_TIMEOUT
@@ -44,16 +45,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalEngine:
     """An engine of T rank processes on this host (``start_engine`` starts one): ``url``, ``pids``,
     ``kill(rank)``, ``restart()``, ``close()``. Restarts reuse the leader's port. ``api_key``
-    (default ``P2PW_API_KEY``): the engine's key, given to its ranks in their environment."""
+    (default ``P2PW_API_KEY``): the engine's key, given to its ranks in their environment.
+    ``transport`` (default ``P2PW_TRANSPORT``, ``auto``): resolved here, once, for every rank
+    (``transport.resolve_transport``: nixl where NIXL's native path loads, else mooncake); ``transport_why``
+    says why."""
 
-    def __init__(self, model: str, engine: str = "tp=1", *, transport: str = "mooncake", name: str = "engine0",
+    def __init__(self, model: str, engine: str = "tp=1", *, transport: str | None = None, name: str = "engine0",
                  host: str = "127.0.0.1", port: int = 0, env: dict | None = None, startup_timeout: float = 120.0,
                  log_dir: str | None = None, launch: str | None = None, broadcast_receiver: str | None = None,
                  api_key: str | None = None):
         self.model = os.fspath(model)
         self.engine = engine
         self.world = EngineLayout.parse(engine).world_size
-        self.transport = transport
+        self.transport, self.transport_why = resolve_transport(transport)
         self.name = name
         self.host = host
         self.port = int(port)

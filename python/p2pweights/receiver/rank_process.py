@@ -4,7 +4,7 @@ serve until told to stop.
 Run one engine rank::
 
     python -m p2pweights.receiver.rank_process --model CONFIG_DIR --engine tp=2[,ep=..,dp_attention=..] \\
-        --rank R --name ENGINE --transport {mooncake,nixl} [--port P] [--leader URL] [--rank-ports P1,P2]
+        --rank R --name ENGINE --transport {mooncake,nixl,auto} [--port P] [--leader URL] [--rank-ports P1,P2]
 
 Rank 0 is the leader: it runs the engine's one ``ReceiverServer`` (the engine's URL, sglang's
 routes) with :class:`LeaderHooks`, which fan the control verbs out to every rank. Ranks >= 1 serve
@@ -41,6 +41,7 @@ from ..control import routes
 from ..errors import EngineError
 from ..settings import TRANSPORTS
 from ..settings import value as setting
+from ..transport import resolve_transport
 from .hooks import LeaderHooks
 from .rank import BroadcastReceiver, EngineRank
 from .rank_server import LeaderWatch, get_json, serve_rank_control
@@ -148,7 +149,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     p.add_argument("--engine", default="tp=1", help="tp=2[,ep=..,dp_attention=..,<server arg>=v]")
     p.add_argument("--rank", type=int, default=0, help="this process's engine rank (0 = the leader)")
     p.add_argument("--name", default="engine0", help="the engine's name (logs, errors)")
-    p.add_argument("--transport", default=setting("P2PW_TRANSPORT"), choices=TRANSPORTS)
+    p.add_argument("--transport", default=None, choices=(*TRANSPORTS, "auto"),
+                   help="default: P2PW_TRANSPORT (auto: nixl where NIXL's native path loads, else mooncake)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="rank 0: the engine's HTTP port; ranks >= 1: the rank's "
                                                        "control port (0: any free port)")
@@ -165,7 +167,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
                         format=f"[%(asctime)s {args.name} rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     chosen = BROADCAST_RECEIVERS[args.broadcast_receiver]
     broadcast = chosen() if chosen is not None else None
-    code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=args.transport, host=args.host,
+    transport = resolve_transport(args.transport)[0]
+    code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=transport, host=args.host,
                       port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast,
                       rank_ports=args.rank_ports)
     sys.stdout.flush()

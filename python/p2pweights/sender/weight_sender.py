@@ -99,6 +99,10 @@ class WeightSender:
         # an FP8 block-quantized config: quantize on send (quantize.py), after the given transforms
         self.transforms: tuple[GroupTransform, ...] = with_quantize_on_send(transforms, self.config)
         self._transport = None
+        # the transport the agent is (or is being) made for, and why: an explicit one from the start;
+        # ``auto`` resolved at connect, to the one the engines publish for (transport_for_engines)
+        self.transport: str | None = None if self.settings.transport == "auto" else self.settings.transport
+        self.transport_why = ""
         self._buffers: TransferBuffers | None = None
         self._writer: PipelinedWriter | None = None
         self._staging: GpuStaging | None = None  # for host slots fed from GPU tensors (made on first use)
@@ -118,6 +122,8 @@ class WeightSender:
         # prepare=True: sglang and the model's module imported, the agent made, from now on (warmup.py)
         self._warmup = Warmup(self.config) if self.settings.prepare else None
         if self._warmup is not None:
+            if self.transport is None:  # auto, no engine known yet: the local rule (connect may replace it)
+                self.transport, self.transport_why = transports.resolve_transport("auto")
             self._early = self._early_slots()
 
     # -- connect ---------------------------------------------------------------------------------
@@ -150,11 +156,17 @@ class WeightSender:
         from ..replica.build_check import engine_identity
 
         phases = self.connect_phases = ConnectPhases(self.replicas)
-        if self._transport is None and self._early is None:  # cold: agent (GPU slots) beside the replicas
-            self._early = self._early_slots()
+        if self.transport is not None and self._transport is None and self._early is None:
+            self._early = self._early_slots()  # cold: agent (GPU slots) beside the replicas
         clients = [self._client(e) for e in engines]
         infos = [c.server_info() for c in clients]
         phases.lap("http server_info")
+        # auto: the engines' transport (all the same, else WrongTransport), before anything is touched
+        transport, why = transports.transport_for_engines(self.settings.transport,
+                                                          [(c.name, info) for c, info in zip(clients, infos)])
+        if self.transport is None:  # cold auto sender: the agent for the engines' transport
+            self.transport, self.transport_why = transport, why
+            self._early = self._early_slots()
         layouts = [EngineLayout.from_server_info(info) for info in infos]
         # same build, same architecture (replica/build_check.py): refused before any replica is built
         identities = [engine_identity(c.name, info, self.config, gpu_arch=getattr(c, "gpu_arch", None))
@@ -177,13 +189,16 @@ class WeightSender:
                 pub = EnginePublication.from_json(client.transfer_engine_info(entry.engine_rank))
                 phases.lap("publication fetch")
                 identities[e].check_rank(entry.engine_rank, pub.device_arch, pub.sglang_version)
-                self._check_publication(p, client, pub)
+                self._check_publication(p, client, pub, transport)
                 publications.append((p, client, pub))
                 phases.lap("publication checks")
         info_of = {c.name: info for c, info in zip(clients, infos)}  # each rank's session is its own, none shared
         check_sessions([session_claim(client, pub, info_of[client.name]) for _, client, pub in publications])
         phases.lap("publication checks")
         self._disconnect_all(wait=False)
+        if transport != self.transport:  # auto, engines of another transport than the agent's
+            self._drop_transport()
+            self.transport, self.transport_why = transport, why
         phases.lap("detach")
         attached: list[EngineTarget] = []
         try:
@@ -219,10 +234,11 @@ class WeightSender:
                              where=f"{layout.describe()} rank {rank}")
         return PreparedRank(layout.key, rank, replica, stager)
 
-    def _check_publication(self, p: PreparedRank, client: SglangEngine, pub: EnginePublication) -> None:
+    def _check_publication(self, p: PreparedRank, client: SglangEngine, pub: EnginePublication,
+                           transport: str) -> None:
         """Invariant 1, both ways: the engine rank published exactly the replica's parameters, each
         with the replica's byte count, for this sender's transport."""
-        pub.check_transport(self.settings.transport, engine=client.name)
+        pub.check_transport(transport, engine=client.name)
         pub.check_regions(engine=client.name)  # no overlap, inside the registered memory
         pub.check_params({n: s.nbytes for n, s in p.replica.param_specs.items()},
                          engine=f"{client.name} rank {p.rank}",
@@ -279,8 +295,26 @@ class WeightSender:
                           pin=self.settings.pin, device=self.settings.buffer_device)
 
     def _make_transport(self) -> Any:
-        return transports.make_sender_transport(self.settings.transport, nixl_api=self.settings.nixl_api,
-                                                **self.settings.transport_options())
+        return transports.make_sender_transport(self.transport, nixl_api=self.settings.nixl_api,
+                                                **self.settings.transport_options(self.transport))
+
+    def _drop_transport(self) -> None:
+        """Close the agent, the slots and the writer (an auto sender moving to engines of the other
+        transport); the next _ensure_buffers makes them again. Called with no engine attached."""
+        if self._early is not None:
+            self._early.discard()
+            self._early = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._transport is not None:
+            if self._buffers is not None:
+                self._transport.deregister_memory(self._buffers.address)
+            self._transport.close()
+            self._transport = None
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
 
     def _staging_for(self, device: Any) -> GpuStaging:
         if self._staging is None or not self._staging.fits(self._buffers.slot_bytes, device):

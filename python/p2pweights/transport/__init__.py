@@ -34,6 +34,9 @@ __all__ = [
     "ReceiverEndpoint",
     "attach_engine",
     "detach_engine",
+    "engine_transport",
+    "resolve_transport",
+    "transport_for_engines",
     "make_backend",
     "make_receiver_endpoint",
     "make_sender_transport",
@@ -58,6 +61,67 @@ class ReceiverEndpoint(Protocol):
     def publication(self, params: dict[str, Any], rank: int | None = 0) -> EnginePublication: ...
 
     def close(self) -> None: ...
+
+
+def resolve_transport(name: str | None = None) -> tuple[str, str]:
+    """(transport, why) for a transport name, None meaning ``P2PW_TRANSPORT`` (default ``auto``).
+
+    ``auto`` is nixl where NIXL's native C-API sender path loads here (the library opens and NIXL's
+    Python package, which the receivers use, imports), else mooncake: NIXL/UCX listeners bind the
+    configured devices' addresses, Mooncake's the wildcard (docs/security.md), and NIXL's native
+    path has no GIL on the write path. ``why`` says which rule decided ("auto: ..."), "" for an
+    explicit name. The one rule of WeightSender (when no engine says), ``serve``, the receiver's
+    launcher and ``demo``."""
+    if name is None:
+        name = value("P2PW_TRANSPORT")
+    if name != "auto":
+        return _check_name(name), ""
+    import ctypes
+
+    from ..errors import TransportError
+    from . import nixl, nixl_native
+
+    path = nixl_native.data_path()
+    if path["path"] != "native":
+        return "mooncake", f"auto: NIXL's native path is not available: {path['reason']}"
+    try:
+        ctypes.CDLL(path["library"])
+        nixl.nixl_api()  # the receivers' side
+    except (OSError, TransportError) as e:
+        return "mooncake", f"auto: NIXL's C API does not load here: {e}"
+    return "nixl", "auto: NIXL's native C-API path loads here"
+
+
+def engine_transport(server_info: dict) -> str:
+    """The transport an engine publishes its weights for, from its ``/server_info``: a p2pweights
+    receiver says (``p2pw_transport``); sglang's remote-instance publication is Mooncake's."""
+    named = server_info.get("p2pw_transport")
+    return named if named in TRANSPORTS else "mooncake"
+
+
+def transport_for_engines(name: str | None, engines: Iterable[tuple[str, dict]]) -> tuple[str, str]:
+    """(transport, why) for a sender about to connect ``engines`` ((name, server_info) pairs).
+
+    An explicit ``mooncake``/``nixl`` is kept (a publication for the other one is then refused,
+    WrongTransport, naming the fix). ``auto`` takes the transport the engines publish for, so that
+    an auto sender never refuses an engine it could talk to; engines that publish for different
+    transports are refused here (one sender has one transport agent); no engine: the local rule
+    (:func:`resolve_transport`)."""
+    if name is None:
+        name = value("P2PW_TRANSPORT")
+    if name != "auto":
+        return resolve_transport(name)
+    by_engine = {engine: engine_transport(info) for engine, info in engines}
+    published = sorted(set(by_engine.values()))
+    if len(published) > 1:
+        from ..errors import WrongTransport
+
+        shown = ", ".join(f"'{e}': {t}" for e, t in by_engine.items())
+        raise WrongTransport(f"the engines publish their weights for different transports ({shown}); one sender "
+                             f"writes over one transport: restart them all for one, or connect a sender per transport")
+    if published:
+        return published[0], f"auto: the engines publish for {published[0]}"
+    return resolve_transport("auto")
 
 
 def _check_name(name: str) -> str:
@@ -101,15 +165,16 @@ def make_backend(name: str, **opts: Any):
 def make_sender_transport(name: str | None = None, nixl_api: str | None = None, **opts: Any) -> "_native.Transport":
     """A native Transport for the sender: loopback (in-process, tests), mooncake or nixl.
 
-    name defaults to P2PW_TRANSPORT (mooncake). nixl is ``nixl_native.NativeNixlTransport`` (NIXL's C
+    name defaults to P2PW_TRANSPORT (``auto``: :func:`resolve_transport`). nixl is ``nixl_native.NativeNixlTransport`` (NIXL's C
     API, no GIL) when the wheel ships it, else the Python backend (``nixl_api``, default P2PW_NIXL_API;
     ignored by the other transports).
     Options go to the backend, None meaning unset —
-    so ``make_sender_transport(s.transport, **s.transport_options())`` works for a Settings ``s``:
+    so ``make_sender_transport(name, **s.transport_options(name))`` works for a Settings ``s`` and
+    ``name = resolve_transport(s.transport)[0]``:
     mooncake: hostname, protocol, device, metadata_server; nixl: backend (the NIXL plugin),
     progress_delay (µs), agent_name. An option the transport does not take is a TypeError.
     """
-    name = _check_name(name or value("P2PW_TRANSPORT"))
+    name = resolve_transport(name)[0]
     if name == "loopback":
         _options(name, opts)
         return _native.LoopbackTransport()
@@ -121,8 +186,9 @@ def make_sender_transport(name: str | None = None, nixl_api: str | None = None, 
 
 
 def make_receiver_endpoint(name: str | None = None, **opts: Any) -> ReceiverEndpoint:
-    """The engine rank's endpoint for mooncake or nixl (same options as the sender's backend)."""
-    name = _check_name(name or value("P2PW_TRANSPORT"))
+    """The engine rank's endpoint for mooncake or nixl (same options as the sender's backend); name
+    defaults to P2PW_TRANSPORT, ``auto`` resolved by :func:`resolve_transport`."""
+    name = resolve_transport(name)[0]
     if name == "mooncake":
         from .mooncake import MooncakeReceiver
 
