@@ -515,10 +515,10 @@ def test_connections_are_capped_per_client_address_and_in_all_and_the_extra_one_
         assert request("GET", server.url, "/health")[0] == p.OK
         POOL.clear()  # the kept-alive connection closed: 3 open, all from 127.0.0.2
         held += [_idle_connection(server.port, "127.0.0.3") for _ in range(2)]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # accepting and counting lag on a loaded 2-core machine
         while server._httpd.open_connections() != 5 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert server._httpd.open_connections() == 5
+        assert server._httpd.open_connections() == 5, dict(server._httpd._open)
         assert _idle_connection(server.port, "127.0.0.4").recv(65536).startswith(b"HTTP/1.1 503")  # the total cap
         for s in held + [extra]:  # a closed connection frees its place
             s.close()
