@@ -10,6 +10,7 @@
 
 #include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
+#include "buffers/delta_codec.h"
 #include "buffers/transfer_buffer.h"
 #include "transport/loopback.h"
 #include "transport/nixl_transport.h"
@@ -195,6 +196,47 @@ PYBIND11_MODULE(_native, m) {
     return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
   }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
      py::arg("stream"), py::arg("mode") = "each", py::arg("lanes") = 1);
+
+  // Delta records (csrc/buffers/delta_codec.h; p2pweights/deltas): raw addresses, the GIL released.
+  auto ptr = [](uint64_t addr) { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr)); };
+  m.def("delta_encode", [ptr](uint64_t cur, uint64_t base, uint64_t nbytes, uint32_t unit, uint64_t out, uint64_t out_cap,
+                              bool update_base, int threads) {
+    DeltaStats st;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_encode(ptr(cur), ptr(base), nbytes, unit, ptr(out), out_cap, &st, update_base, threads);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message(), st.encoded_bytes, st.changed_bytes, st.runs,
+                          std::string(delta_mode_name(st.mode)));
+  }, py::arg("cur_addr"), py::arg("base_addr"), py::arg("nbytes"), py::arg("unit"), py::arg("out_addr"),
+     py::arg("out_cap"), py::arg("update_base") = false, py::arg("threads") = 1,
+     "The delta record of cur against base into out: (code, message, encoded_bytes, changed_bytes, runs, mode),\n"
+     "mode 'empty' | 'runs' | 'dense'. update_base: base := cur on the way.");
+  m.def("delta_max_encoded", &delta_max_encoded, py::arg("nbytes"),
+        "The most bytes the record of an nbytes slot takes (header + nbytes).");
+  m.def("delta_check", [ptr](uint64_t rec, uint64_t rec_len, uint64_t dst_nbytes) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_check(ptr(rec), rec_len, dst_nbytes);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("rec_addr"), py::arg("rec_len"), py::arg("dst_nbytes"),
+     "Every field, the checksum and every run of a record checked against a destination of dst_nbytes: (code, message).");
+  m.def("delta_apply", [ptr](uint64_t rec, uint64_t rec_len, uint64_t dst, uint64_t dst_nbytes) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_apply(ptr(rec), rec_len, ptr(dst), dst_nbytes);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("rec_addr"), py::arg("rec_len"), py::arg("dst_addr"), py::arg("dst_nbytes"),
+     "delta_check, then the record's runs copied into dst (nothing written when the check fails): (code, message).");
+  m.def("delta_hash", [ptr](uint64_t addr, uint64_t nbytes, uint64_t seed) {
+    py::gil_scoped_release nogil;
+    return delta_hash(ptr(addr), nbytes, seed);
+  }, py::arg("addr"), py::arg("nbytes"), py::arg("seed") = 0, "The hash of a record's checksum (delta_codec.h).");
 
   py::class_<SlotView>(m, "SlotView", py::buffer_protocol(),
                        "The exporter of a slot view; holds the transfer buffer open while alive.")

@@ -123,7 +123,7 @@ def test_another_controllers_calls_answer_409_naming_the_owner_while_the_session
     assert session.outcome == {"e0": "updated"}
     assert hooks.calls == ["pause", "begin", "end", "version", "continue"]
     assert owner.weight_version() == "1"
-    assert _weight_update(srv.url) == {"state": "none"}
+    assert _weight_update(srv.url)["state"] == "none"
 
 
 def test_a_second_session_of_one_process_on_an_engine_is_refused_before_anything_is_sent(server):
@@ -174,7 +174,7 @@ def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_
     assert session.resumed == {"e0"} and session.outcome == {"e0": "updated"}
     assert hooks.calls == ["pause", "begin", "pause", "end", "version", "continue"]  # taken over, not begun again
     assert _raw_health(srv.url) == (p.OK, None)
-    assert _weight_update(srv.url) == {"state": "none"}
+    assert _weight_update(srv.url)["state"] == "none"
 
 
 def test_the_keeper_reports_its_session_state_as_the_enum_and_json_reads_the_protocol_words():
@@ -346,7 +346,7 @@ def test_a_begin_with_a_guessable_owner_token_is_refused_400_without_repeating_i
         weak.begin_weight_update()
     assert "HTTP 400" in str(info.value) and p.SESSION_OWNER_HEADER in str(info.value)
     assert "trainer-b" not in str(info.value)
-    assert hooks.calls == ["pause"] and _weight_update(srv.url) == {"state": "none"}
+    assert hooks.calls == ["pause"] and _weight_update(srv.url)["state"] == "none"
 
 
 def test_a_label_that_carries_the_owner_token_is_never_shown():
@@ -406,7 +406,7 @@ def test_infinite_or_nonsense_lease_requests_never_hold_the_engine():
                 assert (status, answer["lease"]) == (p.OK, 1.0), (raw, answer)
             else:  # refused before anything ran: no session
                 assert status == p.BAD_REQUEST and p.SESSION_LEASE_HEADER in answer["message"], (raw, answer)
-                assert srv.hooks.calls == ["pause"] and _weight_update(srv.url) == {"state": "none"}
+                assert srv.hooks.calls == ["pause"] and _weight_update(srv.url)["state"] == "none"
         time.sleep(3.0)
         for raw, srv in zip(capped, servers):
             assert _weight_update(srv.url)["state"] == p.TORN, raw  # expired after the engine's 1 s
@@ -492,7 +492,20 @@ CHILD = textwrap.dedent('''
     cfg, url, seed, mode, go, transport = sys.argv[1:7]
     def say(**kw):
         print(json.dumps(kw), flush=True)
-    sender = WeightSender(cfg, transport=transport, buffer_size=1 << 20)
+    if mode == "inside":  # stopped inside a post: its fence check passed, the write goes out on resume
+        import signal
+        from p2pweights.transport import mooncake, nixl
+        backend = mooncake.MooncakeBackend if transport == "mooncake" else nixl.NixlBackend
+        real_post, posts = backend.post, []
+        def post(self, engine, local, remote, lengths):
+            posts.append(engine)
+            if len(posts) == 3:
+                say(event="writing", slots=len(posts))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real_post(self, engine, local, remote, lengths)
+        backend.post = post
+    sender = WeightSender(cfg, transport=transport, buffer_size=1 << 20,
+                          nixl_api="python" if mode == "inside" else None)
     sender.connect([url])
     items = list(random_checkpoint(checkpoint_tensors(cfg), int(seed)))
     say(event="ready", pid=os.getpid())
@@ -513,6 +526,9 @@ CHILD = textwrap.dedent('''
                         time.sleep(600)  # until killed
                     while not os.path.exists(go + ".resume"):  # stopped here (SIGSTOP), then resumed
                         time.sleep(0.005)
+        if mode == "inside":
+            while not os.path.exists(go + ".resume"):
+                time.sleep(0.005)
         say(event="done")
     except SessionConflict as e:
         say(event="refused", error=str(e), engine=e.engine)
@@ -583,7 +599,7 @@ def test_concurrent_controllers_exactly_one_wins_and_the_weights_are_all_the_win
         result = check_weights_equal(engine.url, hf_seed=winner)
         assert result["success"], result["message"]  # every byte of every rank is the winner's
         assert SglangEngine(engine.url).weight_version() == f"seed{winner}"
-        assert _weight_update(engine.url) == {"state": "none"}
+        assert _weight_update(engine.url)["state"] == "none"
     finally:
         for s in senders:
             s.close()
@@ -680,7 +696,91 @@ def test_a_sender_stopped_past_its_lease_lands_no_byte_after_another_controller_
         after = check_weights_equal(engine.url, hf_seed=52)
         assert after["success"], after["message"]  # not one byte of the late sender's
         assert SglangEngine(engine.url).weight_version() == "seed52"
-        assert _weight_update(engine.url) == {"state": "none"}
+        assert _weight_update(engine.url)["state"] == "none"
+    finally:
+        child.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_a_sender_stopped_inside_a_post_lands_nothing_after_a_takeover_revoked_its_epoch(cfg, tmp_path, transport):
+    """The window the sender's fence cannot close: a sender stopped inside a post (its fence check
+    passed; its write goes out when it resumes). The takeover revokes the lost owner's epoch: every
+    rank moves its registrations to a new endpoint and closes the old one, so the resumed write
+    fails; every byte stays the second controller's. (With the revocation removed this write lands:
+    docs/security.md, "Epochs", has the measurement.)"""
+    engine = start_engine(cfg, "tp=2", transport=transport, name="revoked")
+    go = str(tmp_path / "go")
+    open(go, "w").close()
+    child = SenderProcess(cfg, engine.url, 61, "inside", go, transport, env={"P2PW_SESSION_LEASE": "2"})
+    try:
+        assert child.next_event()["event"] == "ready"
+        assert child.next_event(120)["event"] == "writing"  # it stopped itself inside its third post
+        assert _stopped(child.proc.pid)
+        before = SglangEngine(engine.url).server_info()["p2pw_weight_update"]["epoch"]
+        stopped_at = time.monotonic()
+        while _weight_update(engine.url)["state"] == "open" and time.monotonic() - stopped_at < 20:
+            time.sleep(0.2)
+        assert _weight_update(engine.url)["state"] == p.TORN
+        _update(cfg, [engine.url], 62, transport)  # another controller takes over: a new epoch
+        assert _weight_update(engine.url) == {"state": "none", "epoch": before + 1}
+        assert check_weights_equal(engine.url, hf_seed=62)["success"]
+        open(go + ".resume", "w").close()
+        child.proc.send_signal(signal.SIGCONT)  # its post goes out, to the revoked epoch's endpoint
+        result = child.next_event(120)
+        assert result["event"] in ("failed", "refused"), result
+        child.proc.wait(30)
+        time.sleep(1.0)  # anything still on the wire has landed by now
+        after = check_weights_equal(engine.url, hf_seed=62)
+        assert after["success"], after["message"]  # not one byte of the late sender's
+        assert SglangEngine(engine.url).weight_version() == "seed62"
+    finally:
+        child.close()
+        engine.close()
+
+
+def _stopped(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_a_sender_connected_before_a_takeover_follows_the_new_epoch_and_writes_every_byte(cfg, tmp_path, transport):
+    """A controller connected at epoch 1; the engine's owner is lost and it takes the session over:
+    its begin answers epoch 2, so before any write it fetches the ranks' new publications (the same
+    table, a new endpoint) and re-attaches them. The update is byte-exact; a second one needs nothing."""
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender
+
+    engine = start_engine(cfg, "tp=2", transport=transport, name="follows")
+    go = str(tmp_path / "go")
+    open(go, "w").close()
+    child = SenderProcess(cfg, engine.url, 71, "hold", go, transport, env={"P2PW_SESSION_LEASE": "2"})
+    try:
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])  # epoch 1's publications
+            peers = {t.publication.peer for p in sender._ranks for t in p.targets}
+            assert child.next_event()["event"] == "ready"
+            assert child.next_event(120)["event"] == "writing"
+            child.proc.send_signal(signal.SIGKILL)  # the owner is lost; its lease runs out
+            child.proc.wait(10)
+            killed_at = time.monotonic()
+            while _weight_update(engine.url)["state"] == "open" and time.monotonic() - killed_at < 20:
+                time.sleep(0.2)
+            for seed in (72, 73):
+                with sender.update(f"seed{seed}") as update:
+                    for name, t in random_checkpoint(checkpoint_tensors(cfg), seed):
+                        update.push(name, t)
+                assert check_weights_equal(engine.url, hf_seed=seed)["success"]
+            now = {t.publication.peer for p in sender._ranks for t in p.targets}
+            assert {t.publication.epoch for p in sender._ranks for t in p.targets} == {2}
+            assert not peers & now  # every rank moved to a new endpoint
+        assert SglangEngine(engine.url).weight_version() == "seed73"
     finally:
         child.close()
         engine.close()

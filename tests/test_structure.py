@@ -13,7 +13,7 @@ PKG = ROOT / "p2pweights"
 LAYERS = [
     {"errors", "settings", "_native"},
     {"models", "transport", "control"},
-    {"planner", "replica", "copyplans"},
+    {"planner", "replica", "copyplans", "deltas"},
     {"sender", "receiver", "baseline"},
     {"benchmarking", "commands", "cli", "__main__"},
 ]

@@ -184,6 +184,13 @@ class RankBeginReq(Body):
 
 
 @dataclass
+class RankRevokeReq(Body):
+    """A takeover: the rank moves its registrations to a new endpoint published under ``epoch``."""
+
+    epoch: int
+
+
+@dataclass
 class RankCompareReq(Body):
     """The equality check on one rank: the update's ``random_checkpoint`` seed, names to skip."""
 
@@ -201,7 +208,7 @@ RANK_BODIES: dict[str, type] = {
     "begin": RankBeginReq, "end": NoBody, "compare": RankCompareReq, "checksum": NoBody,
     "digest": WeightsDigestReq, "init_group": InitWeightsUpdateGroupReq,
     "update_from_distributed": UpdateWeightsFromDistributedReq, "destroy_group": DestroyWeightsUpdateGroupReq,
-    "ping": NoBody,
+    "ping": NoBody, "revoke": RankRevokeReq,
 }
 
 

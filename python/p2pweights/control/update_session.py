@@ -215,6 +215,9 @@ class UpdateSession:
         self._state = "new"              # new -> open -> committed | aborted
         self._check_in: _InThread | None = None  # check_in_soon's check-in, overlapping the last writes
         self.folds: set[str] = set()     # engines whose end may bump the version and continue (protocol.END_FOLDS)
+        #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
+        #: publications are older re-fetches them before writing (transport/revocation.py)
+        self.epochs: dict[str, int] = {}
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
         self.on_paused: Callable[[], None] | None = None
@@ -459,6 +462,10 @@ class UpdateSession:
         if isinstance(answer, dict) and answer.get(p.END_FOLDS) is True:
             with self._lock:
                 self.folds.add(engine.name)
+        epoch = answer.get("epoch") if isinstance(answer, dict) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0:
+            with self._lock:
+                self.epochs[engine.name] = epoch
         if isinstance(answer, dict) and answer.get("took_over"):
             logger.warning("engine %s: took over a torn weight-update session; this update heals it", engine.name)
             with self._lock:

@@ -84,6 +84,13 @@ class ReceiverHooks:
         answers; raise (naming the rank) when one does not, so a stalled rank is found while the
         owner still holds the engine."""
 
+    def on_revoke(self, epoch: int) -> dict[int, tuple[str, dict, dict]] | None:
+        """A takeover of a session whose owner was lost: move every rank's registered weight memory
+        to a new transport endpoint published under ``epoch`` (``transport.revocation``), so that the
+        lost owner's connections and keys fail. Answer ``{rank: (peer, table, extra)}``, what each
+        rank now publishes; None (the default): this engine cannot revoke."""
+        return None
+
     def on_register_transfer_engine_info(self, rank: int, info: dict) -> None:
         """A rank registered its regions (``PUT /register_transfer_engine_info``); ``info`` is the whole
         ``transfer_engine_info`` object, extra keys included (keys starting with ``p2pw_`` are for the
@@ -223,6 +230,11 @@ class LeaderHooks(ReceiverHooks):
 
     def on_renew_lease(self) -> None:
         self.check_ranks()
+
+    def on_revoke(self, epoch: int) -> dict[int, tuple[str, dict, dict]]:
+        self.check_ranks()
+        answers = self.on_all("revoke", {"epoch": int(epoch)})
+        return {r: (a["peer"], a["table"], a["extra"]) for r, a in answers.items()}
 
     def on_begin_update(self, selector: str) -> None:
         self.check_ranks()

@@ -18,6 +18,7 @@ from ..control.weights_digest import parameter_digests
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
 from ..settings import value as setting
+from ..transport.revocation import RevocableRegions
 from .build_report import device_arch
 from .draft_role import draft_role, split_names
 from .region import place_parameters
@@ -49,7 +50,7 @@ class EngineRank:
                  broadcast: BroadcastReceiver | None = None):
         from ..replica import sglang_env
         from ..replica.reference import ReferenceModel
-        from ..transport import make_receiver_endpoint, params_table
+        from ..transport import params_table
 
         t0 = time.perf_counter()
         self.config = os.fspath(config)
@@ -70,15 +71,16 @@ class EngineRank:
         # and published as "draft.<name>"; its embedding and head are the target's (draft_role.py)
         self.draft = draft_role(self.config, self.engine, self.rank, self.model, self.device)
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
-        self.endpoint = make_receiver_endpoint(transport)
-        for region in regions:
-            self.endpoint.register(region.address, region.nbytes, self.device)
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
-        self.publication = self.endpoint.publication(params_table(table), rank=self.rank)
-        self.publication.registered = [(r.address, r.nbytes) for r in regions]  # senders check entries lie inside
-        # this rank's build: senders refuse a version or architecture their replica does not reproduce
-        self.publication.device_arch = device_arch(self.device)
-        self.publication.sglang_version = sglang_version() or ""
+        arch, version = device_arch(self.device), sglang_version() or ""
+
+        def build(publication: Any) -> None:
+            # this rank's build: senders refuse a version or architecture their replica does not reproduce
+            publication.device_arch, publication.sglang_version = arch, version
+
+        # the registrations, revocable per epoch (transport/revocation.py): a takeover moves them to a new endpoint
+        self.registrations = RevocableRegions(transport, [(r.address, r.nbytes, self.device) for r in regions],
+                                              params_table(table), self.rank, decorate=build)
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -88,6 +90,23 @@ class EngineRank:
         self.startup_seconds = time.perf_counter() - t0
 
     # -- what is published ---------------------------------------------------------------------
+    @property
+    def publication(self) -> Any:
+        """What this rank publishes now (its current epoch's endpoint)."""
+        return self.registrations.publication
+
+    @property
+    def endpoint(self) -> Any:
+        return self.registrations.endpoint
+
+    def revoke(self, epoch: int) -> dict:
+        """A takeover: the regions move to a new endpoint published under ``epoch``; the old one's
+        connections and keys fail. Answers the new publication (as the ``publication`` verb)."""
+        with self._lock:
+            self.registrations.revoke(int(epoch))
+        peer, table, extra = self.published()
+        return {"peer": peer, "table": table, "extra": extra, "seconds": self.registrations.revoke_seconds}
+
     def published(self) -> tuple[str, dict, dict]:
         """(session id / agent name, sglang's weights table, extra publication keys such as NIXL's)."""
         d = self.publication.to_dict()
@@ -215,7 +234,7 @@ class EngineRank:
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
         try:
-            self.endpoint.close()
+            self.registrations.close()
         except Exception:  # noqa: BLE001
             pass
 
@@ -237,6 +256,8 @@ class EngineRank:
             return self.update_from_distributed(body)
         if verb == "destroy_group":
             return self.destroy_group(body["group_name"])
+        if verb == "revoke":
+            return self.revoke(int(body["epoch"]))
         if verb == "ping":
             return {"rank": self.rank, "pid": os.getpid()}
         if verb == "publication":  # the leader checks a registration against it (registration.check_claim)

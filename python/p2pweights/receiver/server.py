@@ -178,6 +178,26 @@ class ReceiverServer:
             self._registered[int(rank)] = [session_id, weights_info]
             self._registered_extra[int(rank)] = {k: v for k, v in extra.items() if not k.startswith("p2pw_")}
 
+    def revoke_epoch(self) -> None:
+        """A takeover (``session_keeper.gated``, before the new owner's begin runs): every rank moves
+        its registrations to a new endpoint under the next epoch (``hooks.on_revoke``), and what is
+        published becomes theirs; the lost owner's connections and keys fail (docs/security.md,
+        "Epochs"). A failure raises: the begin fails and the engine stays torn. An engine whose
+        hooks cannot revoke keeps its epoch (its fence is the senders' alone)."""
+        epoch = self.session.epoch + 1
+        published = self.hooks.on_revoke(epoch)
+        if published is None:
+            logger.warning("engine %s cannot revoke its registrations (its hooks have no on_revoke): a lost "
+                           "owner's writes in flight may still land", self.url)
+            return
+        with self._state_lock:
+            for rank, (peer, table, extra) in published.items():
+                kept = {k: v for k, v in self._registered_extra.get(int(rank), {}).items() if k == "registered_from"}
+                self._registered[int(rank)] = [peer, table]
+                self._registered_extra[int(rank)] = {**{k: v for k, v in extra.items() if not k.startswith("p2pw_")},
+                                                     **kept}
+            self.session.epoch = epoch
+
     def registered_extras(self) -> dict[int, dict]:
         """Each registered rank's extra publication keys (``device_arch``, ``sglang_version``, NIXL's ...)."""
         with self._state_lock:

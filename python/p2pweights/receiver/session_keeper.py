@@ -139,6 +139,17 @@ class SessionKeeper:
         self.lease = self.max_lease       # the lease granted to the owner
         self.opened_at = self.renewed_at = 0.0
         self.torn: str | None = None      # why the weights are torn
+        # the registration epoch (transport/revocation.py): moves on when a takeover revokes what the
+        # lost owner could still reach; begin answers it, publications carry it
+        self.epoch = 1
+
+    @property
+    def lost(self) -> bool:
+        """Whether a session is open that its owner lost (expired, released): a begin now takes it
+        over, and its old owner may still have writes in flight."""
+        with self._lock:
+            self._expire()
+            return self.open and self._token is None
 
     @property
     def held(self) -> bool:
@@ -159,9 +170,9 @@ class SessionKeeper:
         with self._lock:
             self._expire()
             if not self.open:
-                return {"state": SessionState.NONE}
+                return {"state": SessionState.NONE, "epoch": self.epoch}
             now = self._clock()
-            return {"state": SessionState.OPEN if self.held else SessionState.TORN,
+            return {"state": SessionState.OPEN if self.held else SessionState.TORN, "epoch": self.epoch,
                     "owner": self.label if self.held else None,
                     "age_s": round(now - self.opened_at, 3), "renewed_s": round(now - self.renewed_at, 3),
                     "lease_s": self.lease, "lease_max_s": self.max_lease, "torn": self.torn}
@@ -285,11 +296,13 @@ def gated(server: Any, verb: str, headers: Any, call: Callable[[], tuple[int, An
         server.session.check(verb, owner)
         if verb == "begin_weight_update":
             check_owner_token(owner)
+            if server.session.lost:  # a takeover: the lost owner's writes in flight must not land
+                server.revoke_epoch()
         status, answer = call()
         if p.ok(status) and verb == "begin_weight_update":
             took_over = server.session.begin(owner, lease, label_of(headers, owner))
             answer = {**answer, "lease": server.session.lease, "lease_max": server.session.max_lease,
-                      "took_over": took_over}
+                      "took_over": took_over, "epoch": server.session.epoch}
         elif p.ok(status) and verb == "end_weight_update":
             server.session.end()
     return status, answer

@@ -29,6 +29,7 @@ class SenderStatus:
     version: str = ""
     control: bool = True
     note: str = ""  # sender 0's account of the engines after the update
+    epochs: dict[str, int] = field(default_factory=dict)  # the controller's: each engine's epoch at begin
 
     @property
     def ok(self) -> bool:

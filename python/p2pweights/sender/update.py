@@ -40,6 +40,7 @@ from .report import EngineRankReport, UpdateReport, UpdateTimes
 from .slot_producer import SlotProducer
 from .transforms import GroupLoad, GroupTransform, apply_transforms
 from .verify import WrittenDigests, verify_written
+from .write_fence import fence_engine, follow_epochs
 from .writer import PipelinedWriter, WriteReport
 
 logger = logging.getLogger("p2pweights.sender")
@@ -69,7 +70,8 @@ class Update:
                  previous_version: str | None = None, force: bool = False,
                  metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
                  owner: str | None = None, lease: float | None = None, copy_plans: str = "on",
-                 open_beside_slots: bool | None = None, replay_order: ReplayOrder | None = None):
+                 open_beside_slots: bool | None = None, replay_order: ReplayOrder | None = None,
+                 follow_epochs: Callable[[dict[str, int]], list[str]] | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         self.version = str(version)
@@ -82,6 +84,7 @@ class Update:
         self._on_failure = FailurePolicy.parse(on_failure, ON_FAILURE)
         self._metrics = metrics
         self._on_success = on_success
+        self._follow_epochs = follow_epochs  # re-attaches ranks whose epoch moved on (write_fence.py)
         self._controls = control and self._group.controller
         self._open_beside = setting("P2PW_OPEN_BESIDE_SLOTS", open_beside_slots)  # the sender's keyword, else the variable
         self.times = UpdateTimes()
@@ -163,10 +166,11 @@ class Update:
         error: Exception | None = None
         if self._session is not None:
             try:
-                self._control(self._session.open)  # pause + begin
+                self._control(self._open_session)  # pause + begin (+ the epochs followed)
             except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
                 error = e
-        statuses = self._gather(SenderStatus(me, _control_failures(error)))
+        epochs = dict(self._session.epochs) if self._session is not None else {}
+        statuses = self._gather(SenderStatus(me, _control_failures(error), epochs=epochs))
         if error is not None:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise error
@@ -174,6 +178,9 @@ class Update:
         if failures:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise self._failed(failures, f"opening weight update {self.version}", UNTOUCHED)
+        if self._session is None:  # not the controller: the controller's epochs, before the first write
+            follow_epochs({n: e for s in statuses for n, e in s.epochs.items()}, self._follow_epochs, self._writer,
+                          self._ranks, None)
         self._phase = "open"
         self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
@@ -197,7 +204,7 @@ class Update:
 
         def run() -> None:
             try:
-                self._control(self._session.open)  # pause + begin
+                self._control(self._open_session)  # pause + begin (+ the epochs followed)
             except BaseException as e:  # noqa: BLE001 - raised by _opened(), on the trainer's thread
                 self._open_error = e
                 self._gate.failed()
@@ -210,6 +217,16 @@ class Update:
         self._opener = threading.Thread(target=run, name=f"p2pw-open-{self.version}", daemon=True)
         self._opener.start()
         paused.wait()  # as for a sender of a group: the first good push returns with the engines paused
+
+    def _open_session(self) -> None:
+        """pause + begin; then the ranks whose epoch moved on re-attached (write_fence.py; a failure
+        rolls the session back: nothing was written)."""
+        self._session.open()
+        try:
+            follow_epochs(self._session.epochs, self._follow_epochs, self._writer, self._ranks, self._session)
+        except BaseException as e:
+            self._session.roll_back(f"{type(e).__name__}: {e}")
+            raise
 
     def _opened(self, wait: bool = True) -> None:
         """The opening is over (``wait``: wait for it; else only when it is): the update is open, or
@@ -453,14 +470,7 @@ class Update:
         return ", ".join(f"{n.strip('_')} {self._verbs[n]:.3f} s" for n in names if n in self._verbs)
 
     def _fence_writes(self, engine: str, deadline: float) -> None:
-        """The lease of ``engine`` now runs to ``deadline`` (``time.monotonic()``; -inf: lost, inf: an
-        engine without a lease): its ranks' write threads post nothing after it (docs/security.md,
-        "Fencing")."""
-        left = deadline - time.monotonic()
-        for p in self._ranks:
-            for t in p.targets:
-                if t.engine.name == engine:
-                    self._writer.fence(t.writer_id, left if left == left else -1.0)
+        fence_engine(self._writer, self._ranks, engine, deadline)
 
     def _report(self, rep: WriteReport, seconds: float, data_seconds: float, senders: int) -> UpdateReport:
         by_id = {e.engine: e for e in rep.engines}

@@ -17,6 +17,7 @@ succeeded.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Sequence
 
@@ -24,7 +25,7 @@ from .. import transport as transports
 from ..control import FailurePolicy, SglangEngine
 from ..control.lease import new_owner_id
 from ..copyplans import PlanRecorder, ReplayOrder
-from ..errors import P2PWeightsError, SenderGroupError
+from ..errors import EngineError, P2PWeightsError, SenderGroupError
 from ..models.engine_layout import EngineLayout
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
@@ -48,6 +49,8 @@ from .update import Update
 from .verify import check_engines_digest
 from .warmup import Warmup
 from .writer import PipelinedWriter
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSender:
@@ -393,8 +396,40 @@ class WeightSender:
                               previous_version=self.last_version, force=force, metrics=self._metrics,
                               on_success=self._updated, verify=verify, owner=self.owner,
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
-                              open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order)
+                              open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
+                              follow_epochs=self._follow_epochs)
         return self._update
+
+    def _follow_epochs(self, epochs: dict[str, int]) -> list[str]:
+        """The engines whose registration epoch (begin's answer) is newer than what this sender
+        connected to revoked their old endpoints at a takeover (transport/revocation.py): their
+        ranks' publications are fetched again, checked as at connect (and to hold the same table:
+        the memory did not move), and re-attached under the same writer ids. Called before any slot
+        is posted. Answers the engines re-attached."""
+        moved = []
+        for p in self._ranks:
+            for t in p.targets:
+                epoch = epochs.get(t.engine.name)
+                if not epoch or not t.publication.epoch or t.publication.epoch == epoch:  # 0: publishes none
+                    continue
+                pub = EnginePublication.from_json(t.engine.transfer_engine_info(t.rank))
+                if pub.epoch != epoch:
+                    raise EngineError(f"engine {t.engine.name} rank {t.rank} publishes epoch {pub.epoch}, not the "
+                                      f"epoch {epoch} its begin_weight_update answered (another takeover?); "
+                                      f"nothing was written", engine=t.engine.name, rank=t.rank,
+                                      hint="retry the update")
+                self._check_publication(p, t.engine, pub, self.transport)
+                if pub.params != t.publication.params:
+                    raise EngineError(f"engine {t.engine.name} rank {t.rank} re-published a different weights table "
+                                      f"at epoch {epoch}; nothing was written", engine=t.engine.name, rank=t.rank,
+                                      hint="reconnect the sender (sender.connect) to plan against the engine again")
+                transports.detach_engine(self._transport, self._writer, t.writer_id)
+                transports.attach_engine(self._transport, self._writer, t.writer_id, t.name, pub)
+                logger.warning("engine %s rank %d: epoch %d -> %d (a takeover revoked the old registrations); "
+                               "re-attached", t.engine.name, t.rank, t.publication.epoch, epoch)
+                t.publication = pub
+                moved.append(t.engine.name)
+        return sorted(set(moved))
 
     def _updated(self, update: Update) -> None:
         self.last_version = update.version

@@ -384,6 +384,9 @@ class MooncakeReceiver:
             except Exception:
                 pass
         self._registered.clear()
+        # Dropping the TransferEngine closes its listener and the connections senders opened to it:
+        # what an engine revoking an epoch relies on (receiver/revocation.py)
+        self.engine = None
 
     def __enter__(self) -> "MooncakeReceiver":
         return self

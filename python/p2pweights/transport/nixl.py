@@ -429,6 +429,12 @@ class NixlReceiver:
     def __init__(self, *, backend: str | None = None, agent_name: str | None = None,
                  progress_delay: int | None = None):
         self.agent_name = agent_name or f"p2pw-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # UCX's cross-memory-attach path (cma: the sender's process_vm_writev into this process,
+        # host memory on one host) writes with the engine's pid alone: closing this agent cannot
+        # revoke it, so a lost owner's write would still land after a takeover (docs/security.md,
+        # "Epochs"). An engine offers no cma unless UCX_TLS says otherwise; the senders then use
+        # UCX's other paths (same-host host memory: 5.0 -> 2.0 GB/s measured on the CPU VM).
+        os.environ.setdefault("UCX_TLS", "^cma")
         self.agent, self.plugin = new_agent(self.agent_name, backend, progress_delay)
         self._registered: dict[int, Any] = {}
         self._location = "cpu"
@@ -470,6 +476,9 @@ class NixlReceiver:
             except Exception:
                 pass
         self._registered.clear()
+        # Dropping the agent ends its UCX worker and the endpoints senders opened to it: what an
+        # engine revoking an epoch relies on (receiver/revocation.py)
+        self.agent = None
 
     def __enter__(self) -> "NixlReceiver":
         return self

@@ -8,6 +8,8 @@ prints its publication as one JSON line on stdout, then answers line commands on
                                    pattern of seed S, plus every gap byte against 0)
   {"cmd": "nonzero"}            -> {"nonzero_bytes": n}  (the whole region, gaps included)
   {"cmd": "zero"}               -> {"ok": true}
+  {"cmd": "revoke"}             -> {"publication": {...}}  (the next epoch: a new endpoint for the same
+                                   region, the old one closed, as an engine does at a takeover)
   {"cmd": "exit"}               -> exits
 
 :class:`PeerProcess` drives it from the sender side; :func:`pattern` and :func:`push_pattern` are
@@ -51,7 +53,7 @@ def layout(size: int, params: int, gap: int) -> list[tuple[str, int, int]]:
 
 # -- the receiver process ------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    from . import make_receiver_endpoint
+    from .revocation import RevocableRegions
 
     # The protocol owns the real stdout; whatever the libraries print goes to stderr.
     out = os.fdopen(os.dup(1), "w")
@@ -65,10 +67,9 @@ def _serve(args: argparse.Namespace) -> int:
     buf = np.frombuffer(region, dtype=np.uint8)
     buf[:] = 0
     base = buf.ctypes.data
-    ep = make_receiver_endpoint(args.transport)
-    ep.register(base, total, "cpu")
     table = {name: [base + off, n // 2, 2] for name, off, n in params}  # 2-byte elements, like bf16
-    pub = ep.publication(table, rank=args.rank)
+    regions = RevocableRegions(args.transport, [(base, total, "cpu")], table, args.rank)
+    pub = regions.publication
     print(json.dumps({"publication": pub.to_dict(), "pid": os.getpid()}), file=out, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -87,9 +88,12 @@ def _serve(args: argparse.Namespace) -> int:
         elif cmd["cmd"] == "zero":
             buf[:] = 0
             print(json.dumps({"ok": True}), file=out, flush=True)
+        elif cmd["cmd"] == "revoke":
+            pub = regions.revoke(regions.epoch + 1)
+            print(json.dumps({"publication": pub.to_dict()}), file=out, flush=True)
         elif cmd["cmd"] == "exit":
             break
-    ep.close()
+    regions.close()
     return 0
 
 
@@ -146,6 +150,13 @@ class PeerProcess:
 
     def zero(self) -> None:
         self._ask({"cmd": "zero"})
+
+    def revoke(self) -> None:
+        """The peer moves to its next epoch: a new endpoint for the same memory (a new publication),
+        the old one closed (transport/revocation.py)."""
+        hello = self._ask({"cmd": "revoke"})
+        self.publication = EnginePublication.from_json(hello["publication"])
+        self.publication_json = json.dumps(hello["publication"])
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

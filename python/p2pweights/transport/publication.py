@@ -111,6 +111,10 @@ class EnginePublication:
     # same-build check (replica/build_check.py) compares with the engine's and the sender's
     device_arch: str = ""          # "sm90", "gfx942", "cpu" (a GPU rank's layout in host memory)
     sglang_version: str = ""       # the sglang the rank's model classes and post-processing come from
+    # the engine's registration epoch (p2pweights receivers; 0: none published): it moves on when the
+    # engine revokes what an abandoned session could reach (docs/security.md, "Epochs"); a sender
+    # re-fetches a publication whose epoch is older than the one begin_weight_update answered
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -261,6 +265,8 @@ class EnginePublication:
             d["device_arch"] = self.device_arch
         if self.sglang_version:
             d["sglang_version"] = self.sglang_version
+        if self.epoch:
+            d["epoch"] = int(self.epoch)
         return d
 
     def extra(self) -> dict[str, Any]:
@@ -284,6 +290,7 @@ class EnginePublication:
         location = ""
         registered: list[tuple[int, int]] = []
         registered_from = device_arch = sglang_version = ""
+        epoch = 0
         if isinstance(data, Mapping):
             if "error" in data and "remote_instance_transfer_engine_info" not in data:
                 raise ValueError(f"the engine answered with an error: {data['error']}")
@@ -306,6 +313,9 @@ class EnginePublication:
             registered_from = str(data.get("registered_from") or "")
             device_arch = str(data.get("device_arch") or "")
             sglang_version = str(data.get("sglang_version") or "")
+            epoch = data.get("epoch") or 0
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 1 << 63:
+                raise ValueError(f"'epoch' must be an integer >= 0, got {epoch!r}")
         else:
             info = data
         if not isinstance(info, (list, tuple)) or len(info) != 2 or not isinstance(info[1], Mapping):
@@ -321,7 +331,8 @@ class EnginePublication:
             params[str(name)] = ParamTarget(int(row[0]), int(row[1]), int(row[2]))
         return cls(transport=transport, peer=str(peer), params=params, rank=None if rank is None else int(rank),
                    agent_metadata=meta, location=location, registered=registered,
-                   registered_from=registered_from, device_arch=device_arch, sglang_version=sglang_version)
+                   registered_from=registered_from, device_arch=device_arch, sglang_version=sglang_version,
+                   epoch=epoch)
 
 
 def _who(engine: str, rank: int | None) -> str:
