@@ -17,6 +17,7 @@ the same one.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -82,14 +83,22 @@ class RevocableRegions:
         t0 = time.perf_counter()
         endpoint, publication = self._open(epoch)
         old, self.endpoint, self.publication, self.epoch = self.endpoint, endpoint, publication, epoch
-        try:
-            old.close()
-        except Exception as e:  # noqa: BLE001 - the new epoch is published; the old one is dropped anyway
-            logger.warning("rank %d: closing the endpoint of epoch %d failed: %s", self.rank, epoch - 1, e)
+        # The old endpoint closes on a thread of its own: a transport's close can wait on a connection
+        # whose sender is stopped (seen with Mooncake TCP), and the takeover must not wait with it.
+        threading.Thread(target=self._close_old, args=(old, epoch - 1), name=f"p2pw-revoke-{epoch - 1}",
+                         daemon=True).start()
         self.revoke_seconds = time.perf_counter() - t0
         logger.warning("rank %d: revoked epoch %d's registrations (new %s peer %s) in %.3f s", self.rank, epoch - 1,
                        self.transport, endpoint.peer, self.revoke_seconds)
         return publication
+
+    def _close_old(self, old: Any, epoch: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            old.close()
+        except Exception as e:  # noqa: BLE001 - the new epoch is published; the old one is dropped anyway
+            logger.warning("rank %d: closing the endpoint of epoch %d failed: %s", self.rank, epoch, e)
+        logger.info("rank %d: epoch %d's endpoint closed in %.3f s", self.rank, epoch, time.perf_counter() - t0)
 
     def close(self) -> None:
         self.endpoint.close()
