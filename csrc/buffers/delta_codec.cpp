@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SSE2__) && !defined(P2PW_DELTA_SCALAR)
+#if defined(__SSE2__) && !defined(DELTA_CODEC_PORTABLE_ONLY)
 #include <emmintrin.h>
 #endif
 
@@ -185,7 +185,7 @@ class Scanner {
  private:
   // bit i: unit i of the 64 from c / b differs
   static uint64_t bitmap(const uint8_t* c, const uint8_t* b) {
-#if defined(__SSE2__) && !defined(P2PW_DELTA_SCALAR)
+#if defined(__SSE2__) && !defined(DELTA_CODEC_PORTABLE_ONLY)
     // lanes compared as lanes: one movemask per 16 units (per 2 for unit 8)
     auto ld = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
     uint64_t same = 0;
