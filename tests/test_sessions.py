@@ -27,6 +27,7 @@ from p2pweights.control import protocol as p
 from p2pweights.errors import P2PWeightsError, SessionConflict, TornWeights, UpdateFailed, UpdateRefused
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine, start_engines
 from p2pweights.receiver.session_keeper import SessionKeeper, SessionState
+from p2pweights.transport.peer import wait_stopped
 from replica_configs import write_config
 
 
@@ -719,7 +720,7 @@ def test_a_sender_stopped_inside_a_post_lands_nothing_after_a_takeover_revoked_i
     try:
         assert child.next_event()["event"] == "ready"
         assert child.next_event(120)["event"] == "writing"  # it stopped itself inside its third post
-        assert _stopped(child.proc.pid)
+        wait_stopped(child.proc.pid)
         before = SglangEngine(engine.url).server_info()["p2pw_weight_update"]["epoch"]
         stopped_at = time.monotonic()
         while _weight_update(engine.url)["state"] == "open" and time.monotonic() - stopped_at < 20:
@@ -740,16 +741,6 @@ def test_a_sender_stopped_inside_a_post_lands_nothing_after_a_takeover_revoked_i
     finally:
         child.close()
         engine.close()
-
-
-def _stopped(pid: int) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("transport", ["mooncake", "nixl"])

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from p2pweights.transport.peer import PeerProcess
+from p2pweights.transport.peer import PeerProcess, wait_stopped
 
 CHILD = r'''
 import json, os, signal, sys, time
@@ -46,16 +46,6 @@ print(json.dumps({"results": results}), flush=True)
 '''
 
 
-def _wait_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise TimeoutError("the sender did not stop")
-
-
 @pytest.mark.parametrize("revoke", [False, True], ids=["control", "revoked"])
 @pytest.mark.parametrize("transport", ["mooncake", "nixl"])
 def test_a_stopped_sender_of_a_revoked_epoch_lands_nothing(transport, revoke):
@@ -64,7 +54,7 @@ def test_a_stopped_sender_of_a_revoked_epoch_lands_nothing(transport, revoke):
                              stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(child.stdout.readline())["connected"]
-        _wait_stopped(child.pid)
+        wait_stopped(child.pid)
         peer.zero()
         if revoke:
             before = peer.publication.peer

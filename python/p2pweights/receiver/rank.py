@@ -95,10 +95,6 @@ class EngineRank:
         """What this rank publishes now (its current epoch's endpoint)."""
         return self.registrations.publication
 
-    @property
-    def endpoint(self) -> Any:
-        return self.registrations.endpoint
-
     def revoke(self, epoch: int) -> dict:
         """A takeover: the regions move to a new endpoint published under ``epoch``; the old one's
         connections and keys fail. Answers the new publication (as the ``publication`` verb)."""

@@ -107,6 +107,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _serve(p.parse_args(argv))
 
 
+def wait_stopped(pid: int, timeout: float = 20.0) -> None:
+    """Wait until process ``pid`` is stopped (SIGSTOP: state ``T``); TimeoutError otherwise."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout:g} s")
+
+
 # -- the sender's side ---------------------------------------------------------------------------
 class PeerProcess:
     """A running peer: its publication, byte checks, and the faults tests inject (kill, stop)."""
