@@ -170,7 +170,8 @@ def _real(engine) -> dict:
 
 def test_the_receivers_publication_carries_its_registered_memory_and_connects(model, engines):
     pub = EnginePublication.from_json(_real(engines[0]))
-    (base, size), = pub.registered
+    (base, size), = [r for r in pub.registered if r != pub.delta_area]  # the weights; the delta area apart
+    assert pub.delta_area in pub.registered
     assert all(base <= t.data_ptr and t.data_ptr + t.nbytes <= base + size for t in pub.params.values())
     _connect(model, [(e.name, e.url) for e in engines])  # the genuine ones pass every check
 
@@ -217,7 +218,7 @@ def test_overlapping_publication_is_refused_at_connect(model, engines):
 
 def test_an_entry_outside_the_registered_memory_is_refused_at_connect_not_at_write(model, engines):
     answer = _real(engines[0])
-    (base, size), = answer["registered_memory"]
+    (base, size), = [r for r in answer["registered_memory"] if r != answer.get("delta_area")]
     table = answer["remote_instance_transfer_engine_info"][1]
     last = max(table, key=lambda n: table[n][0])
     table[last] = [base + size + (1 << 20), *table[last][1:]]  # past the region: someone else's memory
@@ -231,7 +232,7 @@ def test_an_entry_outside_the_registered_memory_is_refused_at_connect_not_at_wri
 
 def test_a_forged_registered_memory_does_not_let_an_entry_leave_the_ranks_memory(model, engines):
     answer = _real(engines[0])
-    (base, size), = answer["registered_memory"]
+    (base, size), = [r for r in answer["registered_memory"] if r != answer.get("delta_area")]
     table = answer["remote_instance_transfer_engine_info"][1]
     last = max(table, key=lambda n: table[n][0])
     table[last] = [base + size + (1 << 20), *table[last][1:]]  # someone else's memory...
@@ -240,5 +241,24 @@ def test_a_forged_registered_memory_does_not_let_an_entry_leave_the_ranks_memory
     try:
         with pytest.raises(LayoutMismatch, match=r"rank 0 published registered memory that is not its parameters'"):
             _connect(model, [("forged", server.url)])
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("where", ["on the weights", "unregistered"])
+def test_a_delta_area_on_the_weights_or_outside_the_registration_is_refused_at_connect(model, engines, where):
+    """A delta area is written one-sided like the weights: one that overlaps them (a record's bytes
+    would land on a parameter) or that the rank did not register is refused before any write."""
+    answer = _real(engines[0])
+    weights = [r for r in answer["registered_memory"] if r != answer["delta_area"]][0]
+    if where == "on the weights":
+        answer["delta_area"] = [weights[0], 4096]
+        answer["registered_memory"] = [weights, [weights[0], 4096]]
+    else:
+        answer["registered_memory"] = [weights]
+    server = _served(engines[0].url, answer)
+    try:
+        with pytest.raises(LayoutMismatch, match="delta area"):
+            _connect(model, [("area", server.url)])
     finally:
         server.close()

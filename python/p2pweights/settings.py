@@ -196,6 +196,10 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "check each against the loaders at its group's next load, then replay it instead of sglang's loaders; "
             "`on`: record on a group's first load; `off`: always the loaders",
             _one_of("on", "background", "off")),
+    Setting("P2PW_DELTA", _str, "auto", "`auto`: after the first update, write only the bytes that changed to "
+            "engines that prove they hold this sender's last commit (docs/deltas.md; host slots with CPU inputs; "
+            "the sender keeps a host copy of every byte it writes); `off`: every update in full, no copy",
+            _one_of("auto", "off")),
     Setting("P2PW_PREPARE", parse_bool, False, "`1`: a WeightSender starts, at construction, on a thread, what its "
             "first connect would import (sglang, the model's module) and its transport agent; connect waits for "
             "what is not done", default_text="0"),
@@ -253,6 +257,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_LOG_LEVEL", _str, "WARNING", "receiver processes' log level", _log_level, scope="engine"),
     Setting("P2PW_RECEIVER_DEVICE", _str, "cpu", "where receiver engine ranks keep their parameters: `cpu` or "
             "`cuda[:N]` (VRAM registration)", _device, scope="engine"),
+    Setting("P2PW_DELTA_AREA", _size, None, "bytes of each host engine rank's delta area (what one update's "
+            "encoded deltas may take; a sender writes the rest in full)", _positive,
+            default_text="an eighth of the rank's weights, at least 4MiB", scope="engine"),
     Setting("P2PW_RECEIVER_GPUS", _str, "", "`1,2,3,4`: receiver engine rank r keeps its parameters on GPU number "
             "r of this list", _gpu_list, default_text="unset", scope="engine"),
     # scripts/gpu_env.sh and the GPU bundle's sgl_kernel stub (scripts/gpu_bundle.sh); the package never reads them

@@ -60,6 +60,8 @@ class ContinueGenerationReq(Body):
 class BeginWeightUpdateReq(Body):
     SGLANG: ClassVar[str | None] = "BeginWeightUpdateReqInput"
     selector: str = field(default="all", metadata=_choices(SELECTORS))
+    # p2pweights' ``p2pw_delta`` (deltas/committed.py), sent only to engines publishing a delta area
+    extra: dict = field(default_factory=dict, metadata={"extra": True})
 
 
 @dataclass

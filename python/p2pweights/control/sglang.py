@@ -53,6 +53,9 @@ class SglangEngine:
         self.connect_timeout = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
         self.api_key: str | None = value("P2PW_API_KEY", api_key)
         self.gpu_arch = gpu_arch
+        # p2pweights' keys for the next begin / end body (a delta claim, manifests: sender/delta_writes.py)
+        self.begin_extra: dict = {}
+        self.end_extra: dict = {}
         #: the owner token of the update session this client's calls belong to (UpdateSession sets it
         #: while it owns a session on this engine): a secret, sent on every call (protocol.SESSION_OWNER_HEADER)
         #: with ``session_label``, what the engine shows of its owner (protocol.SESSION_LABEL_HEADER)
@@ -112,8 +115,8 @@ class SglangEngine:
         (sglang restores in-place-packed quantized weights so they can be overwritten). A receiver
         records ``session_owner`` as its owner, with a lease of ``lease`` seconds (its own
         ``P2PW_SESSION_LEASE`` when None) that the owner renews; it answers ``lease``."""
-        return self._json("begin_weight_update", body=bodies.BeginWeightUpdateReq(selector=selector),
-                          headers=_lease_header(lease))
+        return self._json("begin_weight_update", body=bodies.BeginWeightUpdateReq(
+            selector=selector, extra=dict(self.begin_extra)), headers=_lease_header(lease))
 
     def renew_weight_update(self, release: bool = False, lease: float | None = None,
                             timeout: float | None = None) -> dict:
@@ -135,7 +138,7 @@ class SglangEngine:
         extra = {} if then_version is None else {p.END_THEN: {
             "new_version": str(then_version), "continue": bool(then_continue),
             "torch_empty_cache": bool(torch_empty_cache)}}
-        return self._json("end_weight_update", body=bodies.EndWeightUpdateReq(extra=extra))
+        return self._json("end_weight_update", body=bodies.EndWeightUpdateReq(extra={**extra, **self.end_extra}))
 
     def update_weight_version(self, version: str | int) -> dict:
         """``POST /update_weight_version {"new_version": str, "abort_all_requests": false}``.

@@ -218,6 +218,7 @@ class UpdateSession:
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
         #: publications are older re-fetches them before writing (transport/revocation.py)
         self.epochs: dict[str, int] = {}
+        self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its (folded) end answer
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
         self.on_paused: Callable[[], None] | None = None
@@ -262,6 +263,7 @@ class UpdateSession:
         begun: EngineCalls | None = None
         if paused.ok:
             begun = call_engines(self.engines, self._begin)
+            self.answers.update(begun.results)
             self.errors.update(begun.errors)
         if not self.errors:
             self._state = "open"
@@ -345,6 +347,7 @@ class UpdateSession:
                 step("end_weight_update", lambda: answer.append(e.end_weight_update(
                     then_version=self.version, torch_empty_cache=self.torch_empty_cache)))
                 self._renewer.forget(e)
+                self.answers[e.name] = answer[0]
                 if _folded(e, answer[0]):
                     timings = answer[0].get(p.TIMINGS_KEY)  # the receiver's own seconds for each
                     with self._lock:

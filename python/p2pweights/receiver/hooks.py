@@ -61,6 +61,12 @@ class ReceiverHooks:
         """Every write landed: run the engine's post-processing (post_load_weights,
         process_weights_after_loading, derived buffers)."""
 
+    def on_apply_deltas(self, manifests: dict[int, dict]) -> None:
+        """Before ``on_end_update``, in a session whose deltas were accepted at begin: each rank applies
+        what its delta area holds (``deltas.area.DeltaArea.apply``, the rank's manifest, or nothing
+        when the sender named none for it). The default: this engine applies no deltas."""
+        raise NotImplementedError("this engine applies no deltas")
+
     def on_weight_version(self, new_version: str, abort_all_requests: bool) -> None:
         """The version was bumped (the server tracks it; this is for the engine's own use)."""
 
@@ -243,6 +249,9 @@ class LeaderHooks(ReceiverHooks):
     def on_end_update(self) -> None:
         self.check_ranks()
         self.on_all("end")
+
+    def on_apply_deltas(self, manifests: dict[int, dict]) -> None:
+        self.on_all("apply_deltas", {"manifests": {str(r): m for r, m in manifests.items()}})
 
     def weights_checker(self, request: dict) -> dict:
         action = request.get("action")

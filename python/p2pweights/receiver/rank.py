@@ -15,6 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..control.weights_digest import parameter_digests
+from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..errors import InvalidWrite
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
 from ..settings import value as setting
@@ -71,16 +73,25 @@ class EngineRank:
         # and published as "draft.<name>"; its embedding and head are the target's (draft_role.py)
         self.draft = draft_role(self.config, self.engine, self.rank, self.model, self.device)
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
+        self.weight_regions = [(r.address, r.nbytes) for r in regions]
+        # host weights take deltas (deltas/area.py); a GPU rank's apply kernel is not built yet: full writes
+        self.delta_area = DeltaArea(area_bytes(sum(r.nbytes for r in regions), setting("P2PW_DELTA_AREA")),
+                                    self.rank, name) if self.device == "cpu" else None
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
         arch, version = device_arch(self.device), sglang_version() or ""
+
+        area = self.delta_area.region() if self.delta_area is not None else None
 
         def build(publication: Any) -> None:
             # this rank's build: senders refuse a version or architecture their replica does not reproduce
             publication.device_arch, publication.sglang_version = arch, version
+            publication.delta_area = area[:2] if area is not None else None
 
-        # the registrations, revocable per epoch (transport/revocation.py): a takeover moves them to a new endpoint
-        self.registrations = RevocableRegions(transport, [(r.address, r.nbytes, self.device) for r in regions],
-                                              params_table(table), self.rank, decorate=build)
+        # the registrations (the delta area's too), revocable per epoch (transport/revocation.py): a
+        # takeover moves them to a new endpoint
+        self.registrations = RevocableRegions(
+            transport, [(r.address, r.nbytes, self.device) for r in regions] + ([area] if area else []),
+            params_table(table), self.rank, decorate=build)
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -140,6 +151,18 @@ class EngineRank:
             if self.draft is not None:
                 self.draft.end(self.loaded_weights)
             self.loaded_weights = False
+
+    def apply_deltas(self, manifests: dict) -> dict:
+        """The session's deltas for this rank (its manifest in ``manifests``; none: nothing to apply),
+        checked whole, then applied into the weights: before ``end``'s post-processing."""
+        manifest = manifests.get(str(self.rank)) if isinstance(manifests, dict) else None
+        if manifest is None:
+            return {"rank": self.rank, "records": 0}
+        if self.delta_area is None:
+            raise InvalidWrite(f"engine {self.name} rank {self.rank} has no delta area (weights on {self.device})")
+        with self._lock:
+            return {"rank": self.rank, **self.delta_area.apply(
+                Manifest.parse(manifest, f"engine {self.name} rank {self.rank}"), self.weight_regions)}
 
     # -- checks ------------------------------------------------------------------------------------
     def compare(self, hf_seed: int, skip: Sequence[str] = ()) -> dict:
@@ -233,6 +256,8 @@ class EngineRank:
             self.registrations.close()
         except Exception:  # noqa: BLE001
             pass
+        if self.delta_area is not None:
+            self.delta_area.close()
 
     # -- the verbs a leader calls on each rank (same names over HTTP) -------------------------------
     def call(self, verb: str, body: dict) -> Any:
@@ -252,6 +277,8 @@ class EngineRank:
             return self.update_from_distributed(body)
         if verb == "destroy_group":
             return self.destroy_group(body["group_name"])
+        if verb == "apply_deltas":
+            return self.apply_deltas(body.get("manifests"))
         if verb == "revoke":
             return self.revoke(int(body["epoch"]))
         if verb == "ping":

@@ -48,6 +48,8 @@ from typing import Any
 from ..control import bodies
 from ..control import protocol as p
 from ..control.weights_digest import ALGORITHM
+from ..deltas.area import Manifest
+from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
 from ..errors import InvalidRequest, P2PWeightsError
 from ..settings import value as setting
 from . import http_guard, phases
@@ -93,6 +95,7 @@ class ReceiverServer:
         self._control_lock = threading.RLock()   # one control hook at a time (re-taken inside sessions.gated)
         # the session's owner, lease (at most session_lease: P2PW_SESSION_LEASE) and torn mark (receiver.session_keeper)
         self.session = sessions.SessionKeeper(lease=session_lease)
+        self.base = CommittedBase()  # what deltas are computed against (deltas/committed.py)
         self.weight_version = str(weight_version)
         self.paused = False
         self.updating = False
@@ -237,24 +240,56 @@ class ReceiverServer:
             if not self.paused:
                 raise OutOfOrder("generation is running; call pause_generation() before begin_weight_update() "
                                 "(p2pweights writes land in live parameter memory)")
-            if self.updating and not self.session.held:  # torn: taken over, not begun again
-                return bodies.encode(bodies.Ack(
-                    message=f"took over a {p.TORN} weight-update session: a complete update heals it"))
-            if self.updating:
+            if self.updating and self.session.held:
                 raise OutOfOrder(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
+            # from here the weights may change: the committed base is forgotten, whatever follows
+            delta = self.base.open(req.extra.get(DELTA_KEY), self.session.epoch, self._delta_support())
+            if self.updating:  # torn: taken over, not begun again
+                return {**bodies.encode(bodies.Ack(
+                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")), DELTA_KEY: delta}
             self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
-        return {**bodies.encode(bodies.Ack()), p.END_FOLDS: True}  # this end may bump the version and continue too
+        # this end may bump the version and continue too
+        return {**bodies.encode(bodies.Ack()), p.END_FOLDS: True, DELTA_KEY: delta}
+
+    def _delta_support(self) -> str:
+        """Why this engine cannot take deltas now ("" when it can): every rank must publish a delta area."""
+        if type(self.hooks).on_apply_deltas is ReceiverHooks.on_apply_deltas:
+            return "this engine's hooks apply no deltas"
+        extras = self.registered_extras()
+        missing = sorted(r for r, e in extras.items() if not e.get("delta_area"))
+        if not extras or missing:
+            return (f"engine rank(s) {missing or 'none'} publish no delta area (a rank whose weights are on a GPU "
+                    f"takes full writes: the GPU apply is not built yet)")
+        return ""
+
+    def _apply_deltas(self, req: bodies.EndWeightUpdateReq) -> None:
+        """The owner's manifests (end body ``p2pw_delta``: {rank: manifest}), applied before the post-processing."""
+        manifests = req.extra.get(DELTA_KEY)
+        if manifests is None:
+            return
+        if not self.base.accepted:
+            raise InvalidRequest("end_weight_update names deltas, but this session's begin did not accept any")
+        if not isinstance(manifests, dict):
+            raise InvalidRequest(f"end_weight_update: {DELTA_KEY} must be {{rank: manifest}}")
+        parsed = {}
+        for rank, m in manifests.items():
+            if not (isinstance(rank, str) and rank.isdigit()):
+                raise InvalidRequest(f"end_weight_update: {DELTA_KEY} has a key {rank!r} that is not a rank")
+            parsed[int(rank)] = Manifest.parse(m, f"end_weight_update {DELTA_KEY}[{rank}]").to_dict()
+        self.hooks.on_apply_deltas(parsed)
 
     def _end(self, req: bodies.EndWeightUpdateReq) -> dict:
         then = bodies.end_then(req)  # checked before anything runs
         with self._control_lock:
             if not self.updating:
                 raise OutOfOrder(f"{p.NO_SESSION} is open; call begin_weight_update() first")
+            self._apply_deltas(req)
             self.hooks.on_end_update()
             self.updating, self.update_selector = False, None
+            base = self.base.commit(self.session.epoch)  # the weights now: a new identity for the next delta
             if then is None:
-                return bodies.encode(bodies.Ack())
+                return {**bodies.encode(bodies.Ack()), BASE_KEY: base}
             self.session.end()  # over before what follows it (sessions.gated records it again: no-op)
             done: dict[str, dict] = {}
             # then, as the owner's own next calls would: the version, then (only once it is bumped) continue
@@ -274,7 +309,7 @@ class ReceiverServer:
                     done[verb] = error_answer(e, f"{verb} failed in the engine after end_weight_update: "
                                            f"{type(e).__name__}: {what}")
                     break
-        return {**bodies.encode(bodies.Ack()), p.END_THEN: done}
+        return {**bodies.encode(bodies.Ack()), p.END_THEN: done, BASE_KEY: base}
 
     def _update_weight_version(self, req: bodies.UpdateWeightVersionReq) -> dict:
         with self._control_lock:

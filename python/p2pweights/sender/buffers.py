@@ -16,11 +16,16 @@ class TransferBuffers:
     (``device="cuda[:N]"``) are one torch allocation wrapped by the native core.
     """
 
-    def __init__(self, slot_bytes: int, num_slots: int = 2, *, pin: str = "auto", device: str = "cpu"):
+    def __init__(self, slot_bytes: int, num_slots: int = 2, *, pin: str = "auto", device: str = "cpu",
+                 spare_bytes: int = 0):
         self.device = device
         self._gpu_tensor = None
+        # host slots may carry spare bytes after their data (a delta update's records, sender/delta_writes.py):
+        # the writer posts from both parts; the loaders see the data part only
+        self._data_bytes = slot_size(slot_bytes) if spare_bytes else 0
         if device == "cpu":
-            self._native = _native.TransferBuffer.allocate(int(slot_bytes), int(num_slots), pin)
+            self._native = _native.TransferBuffer.allocate(self._data_bytes + int(spare_bytes) if spare_bytes
+                                                           else int(slot_bytes), int(num_slots), pin)
             if self._native.pin_warning:
                 warnings.warn(self._native.pin_warning, RuntimeWarning, stacklevel=2)
         else:
@@ -38,7 +43,12 @@ class TransferBuffers:
 
     @property
     def slot_bytes(self) -> int:
-        return self._native.slot_bytes
+        """The bytes of a slot the loaders fill (its spare bytes, if any, follow them)."""
+        return self._data_bytes or self._native.slot_bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        return self._native.slot_bytes - self.slot_bytes
 
     @property
     def num_slots(self) -> int:
@@ -64,8 +74,12 @@ class TransferBuffers:
         return self._native.slot_address(i)
 
     def slot_array(self, i: int) -> np.ndarray:
-        """Slot i as a writable uint8 numpy array (host slots; no copy)."""
-        return np.frombuffer(self._native.slot_view(i), dtype=np.uint8)
+        """Slot i's data part as a writable uint8 numpy array (host slots; no copy)."""
+        return np.frombuffer(self._native.slot_view(i), dtype=np.uint8)[:self.slot_bytes]
+
+    def spare_array(self, i: int) -> np.ndarray:
+        """Slot i's spare bytes (host slots; writes at slot offsets from ``slot_bytes`` on post them)."""
+        return np.frombuffer(self._native.slot_view(i), dtype=np.uint8)[self.slot_bytes:]
 
     def slot_tensor(self, i: int):
         """Slot i as a uint8 torch tensor on the slot's device (no copy)."""
@@ -74,7 +88,7 @@ class TransferBuffers:
         if self._gpu_tensor is not None:
             n = self.slot_bytes
             return self._gpu_tensor[i * n:(i + 1) * n]
-        return torch.frombuffer(self._native.slot_view(i), dtype=torch.uint8)
+        return torch.frombuffer(self._native.slot_view(i), dtype=torch.uint8)[:self.slot_bytes]
 
     def close(self) -> None:
         self._native.close()

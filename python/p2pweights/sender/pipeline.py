@@ -40,6 +40,7 @@ class SlotPipeline:
         self._placed_input_bytes = 0  # each placed HF tensor once, however many engine ranks read it
         self._placed_inputs: set[int] = set()
         self.digests: Any = None  # verify=True: a sender.verify.WrittenDigests, fed every loaded parameter
+        self.deltas: Any = None  # a sender.delta_writes.UpdateDeltas: the rows of delta and full targets
 
     @property
     def placed_input_bytes(self) -> int:
@@ -71,6 +72,8 @@ class SlotPipeline:
         filler = self._choose(inputs)
         filler.open(next(iter(inputs.values())).device)
         self._filler, self._cursor = filler, 0
+        if self.deltas is not None:
+            self.deltas.new_slot()
 
     def _load_placed(self) -> None:
         """Run the loaders of every placed group (one call per prepared engine rank) and queue
@@ -94,6 +97,9 @@ class SlotPipeline:
         t0 = time.perf_counter()
         for p, regions in loaded:
             entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
+            if self.deltas is not None:
+                self._rows += self.deltas.slot_rows(p, entries, self._filler)
+                continue
             for t in p.targets:
                 self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)
         self._placed, self._offsets, self._placed_input_bytes, self._placed_inputs = [], [], 0, set()

@@ -49,6 +49,9 @@ class EngineRankReport:
     gbps: float
     state: str
     error: str = ""
+    bytes_written: int = 0  # what crossed the transport for this rank (delta records included); bytes: a full write's
+    delta: bool = False  # the engine accepted this sender's base: changed bytes went as delta records
+    delta_reason: str = ""  # why this rank got a full write ("" when delta)
 
 
 @dataclass
@@ -81,6 +84,16 @@ class UpdateReport:
     # when the update ended on another thread than it began
     cpu_seconds: float = 0.0
     caller_cpu_seconds: float | None = None
+    # deltas (docs/deltas.md): ``bytes`` stays what a full update writes; ``bytes_written`` is what crossed the
+    # transport; ``base_bytes`` the sender's copy of what it wrote; ``changed_bytes`` the bytes found changed
+    bytes_written: int = 0
+    base_bytes: int = 0
+    changed_bytes: int = 0
+
+    @property
+    def delta_reason(self) -> dict[str, str]:
+        """``engine/rankN`` -> why that engine rank got a full write (ranks that took deltas are absent)."""
+        return {f"{e.engine}/rank{e.rank}": e.delta_reason for e in self.engines if not e.delta}
 
     def engine(self, name: str) -> EngineRankReport:
         """The report of one engine rank by its target name (``engine/rankN``)."""
@@ -93,6 +106,7 @@ class UpdateReport:
         """Everything as plain JSON types (``json.dumps(report.to_dict())``)."""
         d = asdict(self)
         d["gbps"] = self.gbps
+        d["delta_reason"] = self.delta_reason
         return d
 
     @property
@@ -109,13 +123,20 @@ class UpdateReport:
                                                        f"other threads {self.cpu_seconds - self.caller_cpu_seconds:.3f} s)"
                                                        if self.caller_cpu_seconds is not None else ""),
         ]
+        if self.base_bytes or self.bytes_written != self.bytes:
+            deltas = sum(e.delta for e in self.engines)
+            lines.append(f"  deltas: {format_size(self.bytes_written)} written for {format_size(self.bytes)} "
+                         f"({self.bytes_written / max(self.bytes, 1):.1%}); {deltas} of {len(self.engines)} engine "
+                         f"rank(s) took deltas; the sender's bases hold {format_size(self.base_bytes)}")
         if self.replayed_groups or self.recorded_plans or self.plan_bytes or self.background_plans:
             lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "
                          f"{self.recorded_plans} recorded, {self.background_plans} in the background; "
                          f"plans hold {format_size(self.plan_bytes)}")
         for e in self.engines:
             lines.append(f"  {e.engine} rank {e.rank}: {format_size(e.bytes)} {e.seconds:.3f} s {e.gbps:.2f} GB/s {e.state}"
-                         + (f" ({e.error})" if e.error else ""))
+                         + (f" ({e.error})" if e.error else "")
+                         + (f"; delta: {format_size(e.bytes_written)} written" if e.delta else
+                            f"; full: {e.delta_reason}" if e.delta_reason and self.base_bytes else ""))
         return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..control import FailurePolicy, SglangEngine, UpdateSession
 from ..control.engine_calls import call_engines, recording_verbs
 from ..control.protocol import PAUSE_MODES
-from ..copyplans import ReplayOrder, background_recorded, plan_memory
+from ..copyplans import ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from ..settings import value as setting
 from .fillers import FillerChoice, SlotHandOver
@@ -36,9 +36,10 @@ from .inputs import TrainerInputs, check_version_order
 from .open_gate import OpenGate
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
-from .report import EngineRankReport, UpdateReport, UpdateTimes
+from .report import UpdateReport, UpdateTimes
 from .slot_producer import SlotProducer
 from .transforms import GroupLoad, GroupTransform, apply_transforms
+from .update_report import build_report
 from .verify import WrittenDigests, verify_written
 from .write_fence import fence_engine, follow_epochs
 from .writer import PipelinedWriter, WriteReport
@@ -71,7 +72,7 @@ class Update:
                  metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
                  owner: str | None = None, lease: float | None = None, copy_plans: str = "on",
                  open_beside_slots: bool | None = None, replay_order: ReplayOrder | None = None,
-                 follow_epochs: Callable[[dict[str, int]], list[str]] | None = None):
+                 follow_epochs: Callable[[dict[str, int]], list[str]] | None = None, deltas: Any = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         self.version = str(version)
@@ -96,6 +97,7 @@ class Update:
         self.pipeline = SlotPipeline(handover, FillerChoice(handover, staging_for, producer), self.times)
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
+        self._deltas = self.pipeline.deltas = deltas  # a delta_writes.UpdateDeltas: delta records where accepted
         self.verify_seconds = 0.0
         # owner: the sender's one controller id, so that its next update may resume a session this
         # one left open on an sglang server (which cannot say whose a session is)
@@ -221,8 +223,12 @@ class Update:
     def _open_session(self) -> None:
         """pause + begin; then the ranks whose epoch moved on re-attached (write_fence.py; a failure
         rolls the session back: nothing was written)."""
+        if self._deltas is not None:
+            self._deltas.claim(self._engines)  # a begin body per engine: its delta claim
         self._session.open()
         try:
+            if self._deltas is not None:
+                self._deltas.opened(self._session.answers)
             follow_epochs(self._session.epochs, self._follow_epochs, self._writer, self._ranks, self._session)
         except BaseException as e:
             self._session.roll_back(f"{type(e).__name__}: {e}")
@@ -336,9 +342,13 @@ class Update:
         error: Exception | None = None
         if self._session is not None:
             try:
+                if self._deltas is not None:
+                    self._deltas.manifests(self._engines)  # the delta engines' end bodies
                 self._control(self._session.commit)  # end_weight_update, update_weight_version, continue_generation
             except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
                 error = e
+            if self._deltas is not None:  # the identities the ends answered: the next update's claims
+                self._deltas.committed(self._engines, self._session.answers, ok=error is None)
             logger.info("update %s: ended, versioned and continued %d engine(s): %s", self.version,
                         len(self._engines), self._verbs_text("end_weight_update", "update_weight_version",
                                                               "continue_generation"))
@@ -473,22 +483,11 @@ class Update:
         fence_engine(self._writer, self._ranks, engine, deadline)
 
     def _report(self, rep: WriteReport, seconds: float, data_seconds: float, senders: int) -> UpdateReport:
-        by_id = {e.engine: e for e in rep.engines}
-        engines = []
-        for p in self._ranks:
-            for t in p.targets:
-                e = by_id[t.writer_id]
-                engines.append(EngineRankReport(t.engine.name, t.rank, e.bytes, e.seconds, e.gbps, e.state, e.error))
-        tm = self.times
-        cpu, caller_cpu = tm.cpu_used()
-        return UpdateReport(self.version, seconds, rep.bytes, tm.groups, tm.slots, tm.staging, tm.loading,
-                            max((e.seconds for e in rep.engines), default=0.0), tm.waiting, tm.control, engines,
-                            data_seconds, self._validate_seconds, self._pause_seconds, senders,
-                            list(self._inputs.skipped) if self._inputs is not None else [],
-                            {n.strip("_"): s for n, s in self._verbs.items()}, tm.replayed, tm.loader_groups,
-                            tm.recorded, plan_memory([p.replica for p in self._ranks]),
-                            background_recorded([p.replica for p in self._ranks]),
-                            cpu_seconds=cpu, caller_cpu_seconds=caller_cpu)
+        return build_report(self.version, self._ranks, rep, self.times, seconds=seconds, data_seconds=data_seconds,
+                            senders=senders, validate_seconds=self._validate_seconds,
+                            pause_seconds=self._pause_seconds, deltas=self._deltas,
+                            skipped=list(self._inputs.skipped) if self._inputs is not None else [],
+                            verbs={n.strip("_"): s for n, s in self._verbs.items()})
 
 
 def _control_failures(error: Exception | None) -> dict[str, str]:

@@ -35,6 +35,7 @@ from ..settings import Settings, sender_signature, settings
 from ..transport.publication import EnginePublication, check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
+from .delta_writes import DeltaBases, UpdateDeltas, spare_bytes
 from .early_slots import EarlySlots
 from .gpu_staging import GpuStaging
 from .group import SenderGroup
@@ -118,6 +119,8 @@ class WeightSender:
         self._metrics = metrics_for(metrics)
         self._update: Update | None = None  # the update in flight
         self.recorder: PlanRecorder | None = None  # copy plans recorded off the update path (copyplans)
+        # delta="auto": host copies of what this sender wrote, and its engines' commits (delta_writes.py)
+        self._bases: DeltaBases | None = DeltaBases() if self.settings.delta != "off" else None
         # how this sender's slots replay copy plans; a path that fails at the driver stays off for it
         self.replay_order = ReplayOrder(threads=self.settings.copy_threads, lanes=self.settings.copy_lanes)
         self.last_version: str | None = None  # of this sender's last complete update
@@ -268,8 +271,9 @@ class WeightSender:
             self._transport = self._make_transport()
             phases.count("agents created")
         phases.lap("transport agent")
+        spare = spare_bytes(need) if self._bases is not None and self.settings.buffer_device == "cpu" else 0
         self._buffers = TransferBuffers(need, self.settings.num_slots, pin=self.settings.pin,
-                                        device=self.settings.buffer_device)
+                                        device=self.settings.buffer_device, spare_bytes=spare)
         phases.lap("buffer allocation + pinning")
         self._transport.register_memory(self._buffers.address, self._buffers.total_bytes, self._buffers.location)
         phases.count("registrations")
@@ -348,7 +352,7 @@ class WeightSender:
     # -- update ----------------------------------------------------------------------------------
     def update(self, version: Any, *, control: bool = True, pause_mode: str = "abort",
                on_failure: str | FailurePolicy = FailurePolicy.RESUME_IF_UNWRITTEN, force: bool = False, cast: bool = False,
-               check_finite: bool | None = None, verify: bool | None = None) -> Update:
+               check_finite: bool | None = None, verify: bool | None = None, delta: bool | str = "auto") -> Update:
         """An update as a context manager.
 
         control: drive the engines' session (pause, begin; end, version, continue on success). With
@@ -366,6 +370,9 @@ class WeightSender:
         verify: before the session ends, every engine rank written digests what it holds and a
         difference fails the update naming rank and parameter, engines left paused (default:
         ``P2PW_VERIFY``; refused here, before any pause, against engines without the digest route).
+        delta: "auto" (default) writes only what changed to engines that prove they hold this sender's
+        last commit, the others in full (``report.delta_reason`` says why); False writes everything
+        (the sender's bases are still kept). Without bases (``P2PW_DELTA=off``) every update is full.
 
         The version is checked here, before anything else; names, shapes, dtypes, tied names and
         NaN at each push; the engines are paused only at the first push that passed them.
@@ -397,8 +404,25 @@ class WeightSender:
                               on_success=self._updated, verify=verify, owner=self.owner,
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
                               open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
-                              follow_epochs=self._follow_epochs)
+                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control, verify))
         return self._update
+
+    def _update_deltas(self, delta: bool | str, control: bool, verify: bool) -> UpdateDeltas | None:
+        """This update's delta state (delta_writes.py), or None when the sender keeps no bases."""
+        if self._bases is None:
+            return None
+        if delta not in ("auto", True, False):
+            raise ValueError(f'delta must be "auto", True or False, got {delta!r}')
+        why, keep = ("" if delta in ("auto", True) else "delta=False for this update"), True
+        if verify and not why:  # its digests are taken before the end applies the deltas
+            why = "verify=True: this update writes in full (verify with deltas is not built yet)"
+        if self.group.size > 1 or not control:
+            why, keep = "a sender of a group (or control=False): group deltas are not built yet", False
+        elif self.settings.open_beside_slots:
+            why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
+        elif self.settings.buffer_device != "cpu":
+            why, keep = "GPU slots: change detection runs on host slots (its GPU kernel is not built yet)", False
+        return UpdateDeltas(self._bases, self._ranks, self._buffers, wanted=not why, off_reason=why, keep=keep)
 
     def _follow_epochs(self, epochs: dict[str, int]) -> list[str]:
         """The engines whose registration epoch (begin's answer) is newer than what this sender

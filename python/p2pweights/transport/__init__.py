@@ -209,10 +209,29 @@ def attach_engine(transport: "_native.Transport", writer: Any, engine: int, name
     publication.check_transport(transport.name, engine=name)
     transport.connect(int(engine), publication.descriptor)
     try:
-        writer.add_engine(int(engine), name, publication.regions)
+        writer.add_engine(int(engine), name, writable_regions(publication, name))
     except BaseException:
         transport.disconnect(int(engine))
         raise
+
+
+def writable_regions(publication: EnginePublication, name: str = "") -> list[tuple[int, int]]:
+    """Where the writer may write on an engine rank: its parameters, and its delta area (deltas/area.py)
+    once checked to be a range it registered, apart from every parameter (LayoutMismatch otherwise)."""
+    regions = list(publication.regions)
+    area = publication.delta_area
+    if area is None:
+        return regions
+    a, n = area
+    why = ("it is not a range the rank registered" if publication.registered and area not in publication.registered
+           else "it overlaps the rank's weights" if any(s < a + n and a < s + m for s, m in regions) else "")
+    if why:
+        from ..errors import LayoutMismatch
+
+        raise LayoutMismatch(f"engine rank {name or publication.rank} published a delta area [{a:#x}, +{n}) that "
+                             f"cannot be written: {why}; refusing to connect", engine=name or None,
+                             hint="the engine's publication is corrupt or forged; restart the engine")
+    return regions + [area]
 
 
 def detach_engine(transport: "_native.Transport", writer: Any, engine: int) -> None:

@@ -115,6 +115,8 @@ class EnginePublication:
     # engine revokes what an abandoned session could reach (docs/security.md, "Epochs"); a sender
     # re-fetches a publication whose epoch is older than the one begin_weight_update answered
     epoch: int = 0
+    # where the rank takes encoded deltas, (addr, nbytes), registered with its weights (deltas/area.py); None: none
+    delta_area: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -217,8 +219,9 @@ class EnginePublication:
         registered memory in all than :data:`REGISTERED_SLACK` times the parameters' bytes (each
         rounded up to a page) plus :data:`REGISTERED_PAD` is forged (``[0, 2^63)`` would pass the
         "inside" check for any table) and refused."""
-        bad = [f"[{a}, +{n})" for a, n in self.registered if a <= 0 or n <= 0 or a + n > 1 << 64]
-        ranges = merge_regions(self.registered)
+        weights = [r for r in self.registered if r != self.delta_area]  # the area: deltas/publication.py checks it
+        bad = [f"[{a}, +{n})" for a, n in weights if a <= 0 or n <= 0 or a + n > 1 << 64]
+        ranges = merge_regions(weights)
         starts = [a for a, _ in ranges]
         holding = {bisect.bisect_right(starts, start) - 1 for start, _, _ in rows}
         bad += [f"[0x{a:x}, 0x{a + n:x}) holds no published parameter" for i, (a, n) in enumerate(ranges)
@@ -267,6 +270,8 @@ class EnginePublication:
             d["sglang_version"] = self.sglang_version
         if self.epoch:
             d["epoch"] = int(self.epoch)
+        if self.delta_area:
+            d["delta_area"] = [int(self.delta_area[0]), int(self.delta_area[1])]
         return d
 
     def extra(self) -> dict[str, Any]:
@@ -290,7 +295,7 @@ class EnginePublication:
         location = ""
         registered: list[tuple[int, int]] = []
         registered_from = device_arch = sglang_version = ""
-        epoch = 0
+        epoch, delta_area = 0, None
         if isinstance(data, Mapping):
             if "error" in data and "remote_instance_transfer_engine_info" not in data:
                 raise ValueError(f"the engine answered with an error: {data['error']}")
@@ -316,6 +321,12 @@ class EnginePublication:
             epoch = data.get("epoch") or 0
             if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 1 << 63:
                 raise ValueError(f"'epoch' must be an integer >= 0, got {epoch!r}")
+            area = data.get("delta_area")
+            if area is not None:
+                if not (isinstance(area, list) and len(area) == 2 and all(
+                        isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 64 for v in area)):
+                    raise ValueError(f"'delta_area' must be [addr, nbytes] with both > 0, got {area!r}")
+                delta_area = (area[0], area[1])
         else:
             info = data
         if not isinstance(info, (list, tuple)) or len(info) != 2 or not isinstance(info[1], Mapping):
@@ -332,7 +343,7 @@ class EnginePublication:
         return cls(transport=transport, peer=str(peer), params=params, rank=None if rank is None else int(rank),
                    agent_metadata=meta, location=location, registered=registered,
                    registered_from=registered_from, device_arch=device_arch, sglang_version=sglang_version,
-                   epoch=epoch)
+                   epoch=epoch, delta_area=delta_area)
 
 
 def _who(engine: str, rank: int | None) -> str:

@@ -1,0 +1,253 @@
+"""Delta updates on the sender: the bases it keeps, the claims it makes, the records it writes.
+
+:class:`DeltaBases` (one per sender, across updates) holds, per prepared engine rank and parameter,
+the engine-format bytes last written (the base), and per engine the identity its last commit
+answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
+
+1. ``claim``: every engine whose ranks publish a delta area and whose identity this sender holds
+   is asked, in its begin body, to accept deltas against that identity; the identity is dropped
+   now (only a successful commit gives a new one), so a failed update leaves the next one full.
+2. ``opened``: each engine's answer decides, per target engine rank, delta or full (the reason
+   is reported: ``report.delta_reason``).
+3. ``slot_rows``: for each parameter loaded into a host slot, the codec compares the slot's bytes
+   with the base and updates the base on the way (deltas/codec.py). A delta target gets the record
+   (prefix + record, deltas/area.py) written from the slot's spare bytes into its delta area; a
+   full target, an EMPTY record's nothing, a DENSE record or one that does not fit the spare or the
+   area gets the parameter's usual write. A parameter written without a base update (GPU or staged
+   slots) drops its base: the next update writes it in full.
+4. ``manifests`` go into each delta engine's end body; ``committed`` keeps the identities the end
+   answers.
+
+Only a sender alone (no group) with host slots writes deltas for now; the others write in full and
+say why (docs/deltas.md).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import _native
+from ..deltas.area import PREFIX, Manifest, record_span
+from ..deltas.committed import BASE_KEY, DELTA_KEY
+from ..errors import raise_for_status
+from .fillers import HostSlotFiller
+
+FIRST = "the first update after connect writes in full"
+
+
+def spare_bytes(slot_bytes: int) -> int:
+    """Spare bytes per host slot for its encoded records (a quarter of the slot, at least 1 MiB)."""
+    return max(1 << 20, int(slot_bytes) // 4)
+
+
+class DeltaBases:
+    """The sender's bases (host copies of what it wrote) and the identities its engines committed."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple[str, int, str], np.ndarray] = {}
+        self.identities: dict[str, dict] = {}  # engine name -> {"epoch", "token"} of its last commit by us
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def clear(self) -> None:
+        self.arrays.clear()
+        self.identities.clear()
+
+
+class _Target:
+    """One target engine rank's delta state in one update."""
+
+    def __init__(self, t: Any):
+        self.t = t
+        self.delta = False
+        self.reason = FIRST
+        self.cursor = 0
+        self.records = 0
+        self.hash = hashlib.sha256()
+        self.area = t.publication.delta_area
+
+
+class UpdateDeltas:
+    """One update's delta decisions and records (see the module)."""
+
+    def __init__(self, bases: DeltaBases, ranks: Sequence[Any], buffers: Any, *, wanted: bool, off_reason: str = "",
+                 keep: bool = True):
+        self.bases = bases
+        self.keep = keep  # keep the bases (False: this sender cannot use them; they are dropped)
+        if not keep:
+            bases.clear()
+        self.ranks = list(ranks)
+        self.buffers = buffers
+        self.targets = {t.name: _Target(t) for p in self.ranks for t in p.targets}
+        self.off_reason = off_reason or ("" if wanted else "delta=False for this update")
+        self.encoded = 0  # bytes of records written (prefixes included), all targets
+        self.changed = 0  # bytes found changed
+        self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
+        self._slot: int | None = None
+        self._spare_used = 0
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    # -- control ---------------------------------------------------------------------------------
+    def claim(self, engines: Sequence[Any]) -> None:
+        """Set each engine's begin body: a claim where it can take deltas (see the module)."""
+        for e in engines:
+            identity = self.bases.identities.pop(e.name, None)
+            ranks = [x for x in self.targets.values() if x.t.engine.name == e.name]
+            why = self.off_reason or ("" if identity else FIRST)
+            if not why and any(x.area is None for x in ranks):
+                why = "its ranks publish no delta area (sglang's own server, or weights on a GPU)"
+            e.begin_extra = {DELTA_KEY: identity} if not why else {}
+            for x in ranks:
+                x.reason = why
+
+    def opened(self, answers: Mapping[str, Any]) -> None:
+        """Each engine's begin answer decides its ranks' writes."""
+        for x in self.targets.values():
+            x.t.engine.begin_extra = {}
+            if x.reason:
+                continue
+            answer = answers.get(x.t.engine.name)
+            said = answer.get(DELTA_KEY) if isinstance(answer, dict) else None
+            if isinstance(said, dict) and said.get("accepted") is True:
+                x.delta = True
+            else:
+                x.reason = "the engine refused the base: " + (str(said.get("reason")) if isinstance(said, dict)
+                                                              else "it answered no delta decision")
+
+    def manifests(self, engines: Sequence[Any]) -> None:
+        """Set each delta engine's end body: what this sender wrote into each rank's area."""
+        for e in engines:
+            ranks = {str(x.t.rank): Manifest(x.cursor, x.records, x.hash.hexdigest()).to_dict()
+                     for x in self.targets.values() if x.delta and x.t.engine.name == e.name}
+            e.end_extra = {DELTA_KEY: ranks} if ranks else {}
+
+    def committed(self, engines: Sequence[Any], answers: Mapping[str, Any], ok: bool) -> None:
+        """After the commit (``answers``: each engine's end answer): keep the identities it gave."""
+        for e in engines:
+            e.end_extra = {}
+            answer = answers.get(e.name)
+            base = answer.get(BASE_KEY) if isinstance(answer, dict) else None
+            if ok and isinstance(base, dict) and isinstance(base.get("token"), str):
+                self.bases.identities[e.name] = {"epoch": base.get("epoch"), "token": base["token"]}
+
+    # -- data ------------------------------------------------------------------------------------
+    def new_slot(self) -> None:
+        self._slot, self._spare_used = None, 0
+
+    def slot_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], filler: Any) -> list:
+        """Writer rows for one prepared rank's parameters in the open slot (see the module)."""
+        full = {id(x.t) for x in self.targets.values() if not x.delta}
+        rows: list = []
+        host = self.keep and isinstance(filler, HostSlotFiller) and self.buffers.device == "cpu"
+        if not host:
+            for param, _, _ in entries:  # written without a base update: no delta against it next time
+                self.bases.arrays.pop((p.layout_key, p.rank, param), None)
+            for x in (self.targets[t.name] for t in p.targets):
+                if x.delta:
+                    x.delta, x.reason = False, "a slot this update filled on a GPU (inputs on a GPU: staged slots)"
+            full = {id(t) for t in p.targets}
+        slot = self.buffers.slot_array(filler.slot) if host else None
+        if host:
+            self.bind(filler.slot)
+        for param, offset, nbytes in entries:
+            for t in p.targets:
+                self.full_bytes[t.name] += nbytes
+            writes = [self.targets[t.name] for t in p.targets if id(t) not in full]
+            if slot is None:
+                rows += [(offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr)
+                         for t in p.targets]
+                continue
+            rows += self._param_rows(p, param, slot, offset, nbytes, writes, full)
+        return rows
+
+    def _param_rows(self, p: Any, param: str, slot: np.ndarray, offset: int, nbytes: int, writes: list,
+                    full: set) -> list:
+        key = (p.layout_key, p.rank, param)
+        cur = slot[offset:offset + nbytes]
+        base = self.bases.arrays.get(key)
+        targets = p.targets
+        rows = [(offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr)
+                for t in targets if id(t) in full]
+        if base is None or base.nbytes != nbytes:
+            self.bases.arrays[key] = cur.copy()
+            return rows + [(offset, nbytes, x.t.writer_id, x.t.publication.target(param, nbytes, x.t.name).data_ptr)
+                           for x in writes]
+        if not writes:
+            np.copyto(base, cur)
+            return rows
+        unit = targets[0].publication.params[param].element_size
+        rec, n, mode, changed = self._encode(cur, base, unit if unit in (1, 2, 4, 8) else 1, nbytes)
+        self.changed += changed
+        if mode == "empty":
+            return rows
+        for x in writes:
+            span = record_span(n)
+            if (rec is None or mode == "dense" or x.cursor + span > x.area[1]
+                    or self._spare_used + PREFIX.size > self._spare_view().nbytes):
+                rows.append((offset, nbytes, x.t.writer_id, x.t.publication.target(param, nbytes, x.t.name).data_ptr))
+                continue
+            at = self._spare(PREFIX.size)
+            dest = x.t.publication.target(param, nbytes, x.t.name).data_ptr
+            prefix = PREFIX.pack(dest, n)
+            self._spare_view()[at:at + PREFIX.size] = np.frombuffer(prefix, dtype=np.uint8)
+            remote = x.area[0] + x.cursor
+            rows += [(self._spare_offset(at), PREFIX.size, x.t.writer_id, remote),
+                     (self._spare_offset(rec), span - PREFIX.size, x.t.writer_id, remote + PREFIX.size)]
+            x.hash.update(prefix)
+            x.hash.update(self._spare_view()[rec:rec + span - PREFIX.size])
+            x.cursor += span
+            x.records += 1
+            self.encoded += span
+        return rows
+
+    def _encode(self, cur: np.ndarray, base: np.ndarray, unit: int, nbytes: int) -> tuple[int | None, int, str, int]:
+        """Encode into the slot's spare (padded to 8 bytes) where the worst case fits, else into a
+        scratch array and then copied when the record fits: (spare offset or None, bytes, mode, changed)."""
+        need = int(_native.delta_max_encoded(nbytes))
+        room = self._spare_view().nbytes - self._spare_used
+        direct = need + 8 <= room
+        if not direct and self._scratch.nbytes < need:
+            self._scratch = np.empty(need, dtype=np.uint8)
+        out = self._spare_view()[self._spare_used:self._spare_used + need] if direct else self._scratch[:need]
+        code, message, n, changed, _runs, mode = _native.delta_encode(
+            int(cur.ctypes.data), int(base.ctypes.data), nbytes, unit, int(out.ctypes.data), need, True, 1)
+        if code != int(_native.Code.OK):
+            raise_for_status(code, f"delta encode: {message}")
+        padded = record_span(n) - PREFIX.size
+        if mode != "runs" or padded > room:
+            return None, n, mode, changed
+        at = self._spare(padded)
+        view = self._spare_view()
+        if not direct:
+            view[at:at + n] = self._scratch[:n]
+        view[at + n:at + padded] = 0
+        return at, n, mode, changed
+
+    def _spare_view(self) -> np.ndarray:
+        return self.buffers.spare_array(self._current_slot())
+
+    def _current_slot(self) -> int:
+        assert self._slot is not None
+        return self._slot
+
+    def bind(self, slot: int) -> None:
+        """The open slot (its spare holds this slot's records)."""
+        if self._slot != slot:
+            self._slot, self._spare_used = slot, 0
+
+    def _spare(self, n: int) -> int:
+        at = self._spare_used
+        self._spare_used += -(-n // 8) * 8
+        return at
+
+    def _spare_offset(self, at: int) -> int:
+        return self.buffers.slot_bytes + at
+
+    # -- the report ------------------------------------------------------------------------------
+    def reasons(self) -> dict[str, str]:
+        return {name: ("" if x.delta else x.reason) for name, x in self.targets.items()}
+
