@@ -1,0 +1,128 @@
+"""Delta updates end to end: real engine processes (tiny qwen3, TP2), real transports, sglang's loaders.
+
+Byte-exactness is proved against a second engine written in full by a sender without deltas: after
+every step, every rank's checksum of every parameter, buffer and derived tensor is equal. The base
+is proven: an engine another controller wrote refuses the claim and is written in full in the same
+update; a delta area whose bytes are not what the owner wrote fails the end, leaving the engine torn
+until the next (full) update heals it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pweights.control import SglangEngine
+from p2pweights.errors import UpdateFailed
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.receiver import check_weights_equal, start_engine
+from p2pweights.sender import WeightSender, delta_writes
+from replica_configs import write_config
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return write_config("qwen3", str(tmp_path_factory.mktemp("configs")))
+
+
+def _change(items, fraction: float, gen: torch.Generator) -> None:
+    for _, t in items:
+        flat = t.view(-1)
+        k = int(flat.numel() * fraction)
+        if k:
+            idx = torch.randint(0, flat.numel(), (k,), generator=gen)
+            flat[idx] = torch.randn(k, generator=gen).to(flat.dtype)
+
+
+def _push(sender, version, items, **kw):
+    with sender.update(version, **kw) as u:
+        for n, t in items:
+            u.push(n, t)
+    return u.report
+
+
+def _checksums(url):
+    return SglangEngine(url).weights_checker("checksum")["per_engine_checksum"]
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_delta_updates_equal_full_updates_byte_for_byte(cfg, transport):
+    a = start_engine(cfg, "tp=2", transport=transport, name="delta")
+    b = start_engine(cfg, "tp=2", transport=transport, name="full")
+    try:
+        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 3)]
+        gen = torch.Generator().manual_seed(0)
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20) as sa, \
+                WeightSender(cfg, transport=transport, buffer_size=1 << 20, delta="off") as sb:
+            sa.connect([a.url])
+            sb.connect([b.url])
+            for step, fraction in enumerate([None, 0.01, 0.0, 0.03, 1.0]):
+                if fraction:
+                    _change(items, fraction, gen)
+                ra = _push(sa, f"v{step}", items)
+                rb = _push(sb, f"v{step}", items)
+                assert ra.bytes == rb.bytes == rb.bytes_written
+                assert _checksums(a.url) == _checksums(b.url), f"step {step} (changed {fraction})"
+                if fraction is None:
+                    assert set(ra.delta_reason.values()) == {delta_writes.FIRST}
+                    continue
+                assert ra.delta_reason == {}, ra.delta_reason
+                assert all(e.delta for e in ra.engines)
+                if fraction == 0.0:
+                    assert ra.bytes_written == 0 and ra.changed_bytes == 0
+                elif fraction == 0.01:
+                    assert 0 < ra.bytes_written < 0.1 * ra.bytes
+                elif fraction == 1.0:  # most elements new: dense records are the parameters' usual writes
+                    assert 0.5 * ra.bytes < ra.bytes_written <= 1.05 * ra.bytes
+                assert ra.base_bytes == ra.bytes
+            assert "deltas:" in str(ra)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_base_another_controller_changed_is_refused_and_written_in_full(cfg):
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="refuses")
+    try:
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as mine, \
+                WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as other:
+            mine.connect([engine.url])
+            other.connect([engine.url])
+            items = list(random_checkpoint(checkpoint_tensors(cfg), 11))
+            _push(mine, "11", items)
+            assert _push(mine, "12", items).delta_reason == {}  # accepted (nothing changed)
+            _push(other, "13", list(random_checkpoint(checkpoint_tensors(cfg), 13)))  # another controller
+            report = _push(mine, "14", items)
+            assert all("another update committed" in why for why in report.delta_reason.values()), report.delta_reason
+            assert report.bytes_written == report.bytes
+            assert check_weights_equal(engine.url, hf_seed=11)["success"]
+            assert _push(mine, "15", items).delta_reason == {}  # its own commit again: deltas
+            assert check_weights_equal(engine.url, hf_seed=11)["success"]
+    finally:
+        engine.close()
+
+
+def test_an_area_whose_bytes_are_not_the_owners_fails_the_end_and_the_next_update_heals(cfg, monkeypatch):
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="torn")
+    try:
+        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 21)]
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])
+            _push(sender, "1", items)
+            _change(items, 0.05, torch.Generator().manual_seed(1))
+            real = delta_writes.UpdateDeltas.manifests
+
+            def forged(self, engines):  # as if a late writer had changed one byte of the area
+                real(self, engines)
+                for e in engines:
+                    for m in e.end_extra.get("p2pw_delta", {}).values():
+                        m["sha256"] = "0" * 64
+            monkeypatch.setattr(delta_writes.UpdateDeltas, "manifests", forged)
+            with pytest.raises(UpdateFailed, match="SHA-256"):
+                _push(sender, "2", items)
+            monkeypatch.setattr(delta_writes.UpdateDeltas, "manifests", real)
+            state = SglangEngine(engine.url).server_info()["p2pw_weight_update"]["state"]
+            assert state != "none"  # not committed: the session stays open (torn until a complete update)
+            report = _push(sender, "3", list(random_checkpoint(checkpoint_tensors(cfg), 22)))
+            assert len(report.delta_reason) == 2 and report.bytes_written == report.bytes  # full: the base is gone
+            assert check_weights_equal(engine.url, hf_seed=22)["success"]
+    finally:
+        engine.close()
