@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup for p2pweights on a CPU development machine (Debian, Python 3.11).
 # Installs the system library Mooncake needs, the Python dependencies (torch CPU build, a minimal
-# sglang 0.5.23 for model classes and loaders, Mooncake and NIXL), then builds and installs this
-# package. Safe to run twice.
+# sglang 0.5.23 for model classes and loaders plus what its server needs to start here, Mooncake and
+# NIXL), then builds and installs this package. Safe to run twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +23,10 @@ $PIP numpy orjson psutil pybase64 requests packaging pillow starlette msgspec py
   IPython aiohttp dill einops gguf partial-json-parser "apache-tvm-ffi==0.1.11" \
   "transformers==5.19.0" "sentencepiece==0.2.1" "triton==3.8.0" "compressed-tensors==0.18.0" \
   "openai==2.8.0" fastapi uvicorn
+# A real sglang server (python -m sglang.launch_server, the plugin's tests; docs/sglang.md): what its
+# HTTP server, scheduler and detokenizer import at start-up beyond the above, and nothing more.
+$PIP "uvloop==0.23.0" "setproctitle==1.3.8" "python-multipart==0.0.34" "soundfile==0.13.1" "xgrammar==0.2.7" \
+  "jsonschema==4.26.0"
 # Transports: Mooncake (CPU build) and NIXL's UCX plugin (import nixl_cu12 directly; the `nixl`
 # meta package drags in a CUDA torch).
 $PIP mooncake-transfer-engine-non-cuda

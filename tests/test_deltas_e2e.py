@@ -19,7 +19,7 @@ from replica_configs import write_config
 
 
 @pytest.fixture(scope="module")
-def cfg(tmp_path_factory):
+def cfg(tmp_path_factory):  # the BF16 model of the refusal and fault tests
     return write_config("qwen3", str(tmp_path_factory.mktemp("configs")))
 
 
@@ -43,12 +43,27 @@ def _checksums(url):
     return SglangEngine(url).weights_checker("checksum")["per_engine_checksum"]
 
 
-@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
-def test_delta_updates_equal_full_updates_byte_for_byte(cfg, transport):
-    a = start_engine(cfg, "tp=2", transport=transport, name="delta")
-    b = start_engine(cfg, "tp=2", transport=transport, name="full")
+#: (model, engine layout, transport, what the trainer pushes): BF16 dense over both transports, MoE with
+#: EP, and an FP8 engine with a NEXTN draft role fed BF16 trainer tensors (quantized on send)
+CASES = [
+    ("qwen3", "tp=2", "mooncake", "checkpoint"),
+    ("qwen3", "tp=2", "nixl", "checkpoint"),
+    ("qwen3_moe", "tp=2,ep=2", "mooncake", "checkpoint"),
+    ("deepseek-v3-fp8-tiny", "tp=2,speculative_algorithm=NEXTN", "mooncake", "trainer"),
+]
+
+
+@pytest.mark.parametrize("model, layout, transport, tensors", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_delta_updates_equal_full_updates_byte_for_byte(tmp_path_factory, model, layout, transport, tensors):
+    from p2pweights.models import resolve_model
+    from p2pweights.models.checkpoint import trainer_tensors
+
+    cfg = resolve_model(model) if "-" in model else write_config(model, str(tmp_path_factory.mktemp("cfg")))
+    specs = trainer_tensors(cfg) if tensors == "trainer" else checkpoint_tensors(cfg)
+    a = start_engine(cfg, layout, transport=transport, name="delta")
+    b = start_engine(cfg, layout, transport=transport, name="full")
     try:
-        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 3)]
+        items = [(n, t.clone()) for n, t in random_checkpoint(specs, 3)]
         gen = torch.Generator().manual_seed(0)
         with WeightSender(cfg, transport=transport, buffer_size=1 << 20) as sa, \
                 WeightSender(cfg, transport=transport, buffer_size=1 << 20, delta="off") as sb:
@@ -68,8 +83,8 @@ def test_delta_updates_equal_full_updates_byte_for_byte(cfg, transport):
                 assert all(e.delta for e in ra.engines)
                 if fraction == 0.0:
                     assert ra.bytes_written == 0 and ra.changed_bytes == 0
-                elif fraction == 0.01:
-                    assert 0 < ra.bytes_written < 0.1 * ra.bytes
+                elif fraction == 0.01:  # FP8: a changed element may move its block's scale, and every byte with it
+                    assert 0 < ra.bytes_written < (0.1 if tensors == "checkpoint" else 0.9) * ra.bytes
                 elif fraction == 1.0:  # most elements new: dense records are the parameters' usual writes
                     assert 0.5 * ra.bytes < ra.bytes_written <= 1.05 * ra.bytes
                 assert ra.base_bytes == ra.bytes
@@ -110,8 +125,8 @@ def test_an_area_whose_bytes_are_not_the_owners_fails_the_end_and_the_next_updat
             _change(items, 0.05, torch.Generator().manual_seed(1))
             real = delta_writes.UpdateDeltas.manifests
 
-            def forged(self, engines):  # as if a late writer had changed one byte of the area
-                real(self, engines)
+            def forged(self, engines, every=()):  # as if a late writer had changed one byte of the area
+                real(self, engines, every)
                 for e in engines:
                     for m in e.end_extra.get("p2pw_delta", {}).values():
                         m["sha256"] = "0" * 64
@@ -124,5 +139,35 @@ def test_an_area_whose_bytes_are_not_the_owners_fails_the_end_and_the_next_updat
             report = _push(sender, "3", list(random_checkpoint(checkpoint_tensors(cfg), 22)))
             assert len(report.delta_reason) == 2 and report.bytes_written == report.bytes  # full: the base is gone
             assert check_weights_equal(engine.url, hf_seed=22)["success"]
+    finally:
+        engine.close()
+
+
+def test_verify_digests_what_the_deltas_made(cfg, monkeypatch):
+    """verify=True with deltas: the engine applies them first (``/p2pw_apply_deltas``), then every rank
+    digests what it holds against what the sender wrote; a bad area fails there, engines left paused."""
+    engine = start_engine(cfg, "tp=2", transport="mooncake", name="verified")
+    try:
+        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 41)]
+        gen = torch.Generator().manual_seed(2)
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])
+            _push(sender, "1", items, verify=True)
+            _change(items, 0.02, gen)
+            report = _push(sender, "2", items, verify=True)
+            assert report.delta_reason == {} and report.bytes_written < 0.2 * report.bytes
+            assert sender._update.verify_seconds > 0
+            _change(items, 0.02, gen)
+            real = delta_writes.UpdateDeltas.manifests
+
+            def forged(self, engines, every=()):
+                real(self, engines, every)
+                for e in engines:
+                    for m in e.end_extra.get("p2pw_delta", {}).values():
+                        m["records"] += 1
+            monkeypatch.setattr(delta_writes.UpdateDeltas, "manifests", forged)
+            with pytest.raises(UpdateFailed, match="records"):
+                _push(sender, "3", items, verify=True)
+            assert SglangEngine(engine.url).weight_version() == "2"
     finally:
         engine.close()

@@ -190,3 +190,24 @@ def test_a_sender_failing_before_any_write_fails_both_and_leaves_the_engines_gen
     assert "not paused" in f0["text"]
     assert _versions(engines) == before
     assert all(_generating(e) for e in engines)
+
+
+def test_a_group_writes_deltas_each_sender_to_its_own_ranks_and_sender_0_ends_for_all(cluster):
+    """Sender 0 claims each engine's last commit and ends with every sender's manifests; sender 1
+    follows its word. Pushing the same weights again writes nothing; new weights are exact."""
+    cfg, engines, senders = cluster
+    for version, seed in (("d1", 31), ("d2", 31), ("d3", 32)):
+        senders.update(version, seed, how=("plain", "plain"))
+        _, r0 = senders.expect(0, "done")
+        _, r1 = senders.expect(1, "done")
+        for e in engines:
+            assert check_weights_equal(e.url, hf_seed=seed)["success"]
+        if version == "d1":
+            continue
+        for r in (r0, r1):
+            assert r["delta_reason"] == {}, r["delta_reason"]
+            assert {x["delta"] for x in r["engines"]} == {True}
+            assert 0 < r["base_bytes"] <= r["bytes"]  # one base per prepared rank, shared by its engines
+        if version == "d2":  # nothing changed: nothing crossed the wire
+            assert r0["bytes_written"] == r1["bytes_written"] == 0
+    assert {x["engine"] for x in r0["engines"]} | {x["engine"] for x in r1["engines"]} == {e.name for e in engines}

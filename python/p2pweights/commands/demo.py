@@ -19,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that does not decide a rank's bytes is refused (default: %(default)s)")
     p.add_argument("--senders", type=int, default=2, help="sender processes, the trainer's data replicas (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
+    p.add_argument("--changed-fraction", type=_fraction, default=None, metavar="F",
+                   help="each step's weights differ from the previous step's in a fraction F of the elements, "
+                        "uniformly spread, as an RL step changes them (step k: version k of one seed's changed "
+                        "family; the equality check asks for the same version); the rows show the bytes written "
+                        "next to a full update's (default: off, a fresh random checkpoint per step)")
     p.add_argument("--transport", choices=("mooncake", "nixl", "auto"), default=None,
                    help="P2P transport; auto: nixl where its native C-API path loads (no GIL on the write path; "
                         "UCX shared memory on one host: each byte copied once, where Mooncake's TCP copies it twice "
@@ -34,6 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return f
 
 
 def pick_transport(name: str) -> tuple[str, str]:
@@ -79,22 +94,27 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=out, flush=True)
 
+    changed = f", {args.changed_fraction:g} of the elements changed per step" if args.changed_fraction is not None else ""
     progress(f"p2pweights demo: model {args.model}, {args.engines} engine(s) x {args.engine}, "
-             f"{args.senders} sender(s), {args.steps} step(s), transport {transport}{why}, modes {','.join(modes)}")
+             f"{args.senders} sender(s), {args.steps} step(s){changed}, transport {transport}{why}, "
+             f"modes {','.join(modes)}")
     results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
-                       progress=progress, verbose=args.verbose, verify=args.verify)
+                       progress=progress, verbose=args.verbose, verify=args.verify,
+                       changed_fraction=args.changed_fraction)
     if args.json:
         print(json.dumps(results_json(results), indent=2))
     else:
         print()
-        print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'seconds':>8}  {'GB/s':>6}  equal  "
-              f"sender CPU s")
+        reasons = any(r.delta_reason for r in results)  # the column only when an engine rank got a full write
+        print(f"{'mode':>9}  {'transport':>9}  {'step':>4}  {'bytes/engine rank':>17}  {'bytes written':>13}  "
+              f"{'seconds':>8}  {'GB/s':>6}  equal  {'sender CPU s':<12}" + ("  full write because" if reasons else ""))
         for r in results:
             eq = {True: "yes", False: "NO", None: "-"}[r.equal]
             cpu = "/".join(f"{c:.2f}" for c in r.sender_cpu_seconds) or "-"  # per sender process, P2P only
-            print(f"{r.label:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  {r.seconds:8.3f}  "
-                  f"{r.gbps:6.2f}  {eq:>5}  {cpu}")
+            print(f"{r.label:>9}  {r.transport:>9}  {r.step:>4}  {format_size(r.bytes):>17}  "
+                  f"{format_size(r.bytes_written):>13}  {r.seconds:8.3f}  {r.gbps:6.2f}  {eq:>5}  {cpu:<12}"
+                  + (f"  {r.delta_reason or '-'}" if reasons else ""))
         verified = [r.seconds for r in results if r.verified]
         plain = [r.seconds for r in results if r.mode == "p2p" and not r.verified]
         if verified and plain:

@@ -12,6 +12,11 @@ An FP8 block-quantized model (``deepseek-v3-fp8-tiny``): the P2P senders push th
 trainer holds (``trainer_tensors``) and quantize on send; the broadcast baseline sends the engine's
 checkpoint (FP8 weights + scales, quantized from the same seeded BF16). The equality check compares
 with sglang's loader on that FP8 checkpoint.
+
+``changed_fraction`` F (``--changed-fraction``): instead of a fresh seed per step, step k of each
+mode pushes version k of the run's changed family (``models.checkpoint``: each version differs from
+the previous one in a fraction F of the elements, uniformly spread), and the check asks for the same
+version. The rows show the bytes that crossed the transport next to a full update's.
 """
 from __future__ import annotations
 
@@ -45,6 +50,14 @@ class StepResult:
     # threads) and of it the thread that ran update() (loaders, staging; the rest is native writes)
     sender_cpu_seconds: list[float] = field(default_factory=list)
     sender_caller_cpu_seconds: list[float | None] = field(default_factory=list)
+    # what crossed the transport per engine rank (the largest; delta records included): P2P's
+    # report.bytes_written, else ``bytes``; and why engine ranks got a full write (P2P, deltas)
+    bytes_written: int | None = None  # None: ``bytes``
+    delta_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bytes_written is None:
+            self.bytes_written = self.bytes
 
     @property
     def label(self) -> str:
@@ -84,7 +97,8 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
             if cmd == "close":
                 break
             if cmd == "prepare":
-                tensors = list(random_checkpoint(specs, seed=arg))
+                seed, changed = arg
+                tensors = list(random_checkpoint(specs, seed=seed, changed=changed))
                 conn.send(("ready", None))
             elif cmd == "go":
                 version, verify = arg
@@ -93,7 +107,11 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
                         for name, t in tensors:
                             update.push(name, t)
                     r = update.report
+                    reasons = getattr(r, "delta_reason", {}) or {}  # engine rank -> why it got a full write
                     conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
+                                        "written_max": max((getattr(e, "bytes_written", e.bytes) for e in r.engines),
+                                                           default=0),
+                                        "reasons": sorted({v for v in reasons.values() if v}),
                                         "loading": r.loading_seconds, "waiting": r.waiting_seconds,
                                         "verify": update.verify_seconds, "report": str(r),
                                         "cpu": r.cpu_seconds, "caller_cpu": r.caller_cpu_seconds}))
@@ -160,9 +178,10 @@ class SenderPool:
             out.append((kind, payload))
         return out
 
-    def prepare(self, step: int) -> None:
+    def prepare(self, seed: int, changed: tuple[float, int] | None = None) -> None:
+        """Each sender makes ``random_checkpoint(specs, seed, changed=changed)``."""
         for c in self.conns:
-            c.send(("prepare", step))
+            c.send(("prepare", (seed, changed)))
         self._expect("ready", timeout=600)
 
     def go(self, version: str, timeout: float, verify: bool = False) -> list[tuple[str, Any]]:
@@ -183,20 +202,32 @@ class SenderPool:
 
 
 # -- the two modes ---------------------------------------------------------------------------------
-def _check(engines: Sequence[Any], seed: int, enabled: bool) -> tuple[bool | None, str]:
+def _version(step: int, seed_base: int, changed_fraction: float | None) -> tuple[int, tuple[float, int] | None]:
+    """(seed, changed) of a step's checkpoint: a fresh seed per step, or version ``step`` of the
+    run's changed family (one base seed per run)."""
+    if changed_fraction is None:
+        return seed_base + step, None
+    return seed_base, (changed_fraction, step)
+
+
+def _check(engines: Sequence[Any], seed: int, enabled: bool,
+           changed: tuple[float, int] | None = None) -> tuple[bool | None, str]:
     if not enabled:
         return None, ""
     from ..receiver import check_weights_equal
 
-    results = [check_weights_equal(e.url, hf_seed=seed) for e in engines]
+    version = {"changed_fraction": changed[0], "changed_steps": changed[1]} if changed else {}
+    results = [check_weights_equal(e.url, hf_seed=seed, **version) for e in engines]
     bad = [r["message"] for r in results if not r.get("success")]
     return not bad, "; ".join(bad)
 
 
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
             overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600,
-            pool: "SenderPool | None" = None, verbose: bool = False, verify: str = "off") -> list[StepResult]:
-    """verify: "off", "on" (every step verified), "alternate" (even steps verified: its cost, same run)."""
+            pool: "SenderPool | None" = None, verbose: bool = False, verify: str = "off",
+            changed_fraction: float | None = None) -> list[StepResult]:
+    """verify: "off", "on" (every step verified), "alternate" (even steps verified: its cost, same run).
+    changed_fraction: step k pushes version k of the changed family of ``seed_base`` (None: fresh seeds)."""
     from ..control import SglangEngine, UpdateSession
 
     clients = [SglangEngine(e.url, name=e.name) for e in engines]
@@ -209,8 +240,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
     results = []
     try:
         for step in range(1, steps + 1):
-            seed = seed_base + step
-            pool.prepare(seed)  # the step's HF tensors, made before the clock starts
+            seed, changed = _version(step, seed_base, changed_fraction)
+            pool.prepare(seed, changed)  # the step's HF tensors, made before the clock starts
             session = UpdateSession(clients, f"p2p-{step}")
             session.open()
             verified = verify == "on" or (verify == "alternate" and step % 2 == 0)
@@ -222,13 +253,15 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
                 session.commit()
             seconds = time.perf_counter() - session.paused_at
             nbytes = max((p["bytes_max"] for k, p in replies if k == "done"), default=0)
-            equal, why = _check(engines, seed, check) if not failed else (False, "; ".join(failed))
+            equal, why = _check(engines, seed, check, changed) if not failed else (False, "; ".join(failed))
             done = [p for k, p in replies if k == "done"]
             slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
                                       equal, why, slowest["loading"], slowest["waiting"], verified,
                                       max((p.get("verify", 0.0) for p in done), default=0.0),
-                                      [p["cpu"] for p in done], [p["caller_cpu"] for p in done]))
+                                      [p["cpu"] for p in done], [p["caller_cpu"] for p in done],
+                                      bytes_written=max((p["written_max"] for p in done), default=None),
+                                      delta_reason="; ".join(sorted({w for p in done for w in p["reasons"]}))))
             progress(_row_text(results[-1]))
             if verbose:
                 for i, p in enumerate(done):
@@ -241,7 +274,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
 
 
 def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool, progress: Callable[[str], None],
-                  seed_base: int = 1000, backend: str = "gloo") -> list[StepResult]:
+                  seed_base: int = 1000, backend: str = "gloo",
+                  changed_fraction: float | None = None) -> list[StepResult]:
     from ..baseline.broadcast import BroadcastSender
     from ..control import SglangEngine
     from ..models.checkpoint import checkpoint_tensors, random_checkpoint
@@ -255,12 +289,12 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
     results = []
     with BroadcastSender(clients, backend=backend) as bcast:
         for step in range(1, steps + 1):
-            seed = seed_base + step
-            tensors = list(random_checkpoint(specs, seed, scheme))
+            seed, changed = _version(step, seed_base, changed_fraction)
+            tensors = list(random_checkpoint(specs, seed, scheme, changed=changed))
             report = bcast.update(tensors, version=f"broadcast-{step}")
             seconds = report.seconds
             nbytes = sum(int(t.numel()) * t.element_size() for _, t in tensors)  # every rank receives every byte
-            equal, why = _check(engines, seed, check)
+            equal, why = _check(engines, seed, check, changed)
             results.append(StepResult("broadcast", backend, step, seconds, nbytes, nbytes / seconds / 1e9, equal, why))
             progress(_row_text(results[-1]))
     return results
@@ -268,16 +302,19 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
 
 def _row_text(r: StepResult) -> str:
     eq = {True: "yes", False: "NO", None: "-"}[r.equal]
-    return (f"{r.label:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank  "
+    written = f" ({format_size(r.bytes_written)} written)" if r.bytes_written != r.bytes else ""
+    return (f"{r.label:>9}  {r.transport:>8}  step {r.step}  {format_size(r.bytes):>10} per engine rank{written}  "
             f"{r.seconds:7.3f} s  {r.gbps:6.2f} GB/s  equal: {eq}"
             + (f"  sender CPU {'/'.join(f'{c:.2f}' for c in r.sender_cpu_seconds)} s" if r.sender_cpu_seconds else "")
+            + (f"  full write: {r.delta_reason}" if r.delta_reason else "")
             + (f"  ({r.detail})" if r.detail and not r.equal else ""))
 
 
 def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int = 2, steps: int = 2,
              transport: str = "mooncake", modes: Sequence[str] = ("p2p", "broadcast"), check: bool = True,
              overrides: dict | None = None, progress: Callable[[str], None] = print,
-             verbose: bool = False, verify: str = "off") -> list[StepResult]:
+             verbose: bool = False, verify: str = "off", changed_fraction: float | None = None) -> list[StepResult]:
+    """``changed_fraction``: step k of each mode writes version k of a changed family (module docstring)."""
     from ..receiver import LocalEngine
 
     t0 = time.perf_counter()
@@ -304,9 +341,10 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
         if "p2p" in modes:
             results += run_p2p(model, running, senders=senders, steps=steps, transport=transport, check=check,
                                overrides=overrides or {}, progress=progress, pool=pool, verbose=verbose,
-                               verify=verify)
+                               verify=verify, changed_fraction=changed_fraction)
         if "broadcast" in modes:
-            results += run_broadcast(model, running, steps=steps, check=check, progress=progress)
+            results += run_broadcast(model, running, steps=steps, check=check, progress=progress,
+                                     changed_fraction=changed_fraction)
     finally:
         for e in running:
             e.close()

@@ -14,6 +14,19 @@ from ..models.engine_layout import EngineLayout, parse_layout_spec
 from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
 from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
 from ..planner.cost import GATHER_GBPS, HOST_DEVICE_GBPS, NIC_GBPS, PRODUCTION_GBPS, Cost, Links, predict
+from ..planner.delta_cost import (
+    APPLY_GBPS,
+    AREA_FRACTION,
+    DETECT_GBPS,
+    ENGINE_APPLY,
+    FIRST_FULL,
+    DeltaPlan,
+    DeltaRates,
+    delta_unit,
+    not_built_yet,
+    parse_fractions,
+    predict_deltas,
+)
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
 PLAN_KEYS = frozenset({"tp_size", "ep_size", "attn_dp_size", "enable_dp_lm_head",
@@ -59,6 +72,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the trainer's gather bandwidth in GB/s: each sender gathers its stage's full "
                              "tensors from its TP/EP/FSDP shards (default "
                              f"{GATHER_GBPS:g}, NVLink inside a node: assumed, not measured)")
+    parser.add_argument("--changed-fraction", action="append", default=[], metavar="F[,F...]",
+                        help="also predict delta updates where a fraction F of the elements changed since the "
+                             "previous version (repeatable or a comma list, e.g. 0.01,0.03,0.1)")
+    parser.add_argument("--detect-gbps", type=float, default=DETECT_GBPS,
+                        help="a delta sender's change detection rate in GB/s of prepared bytes (default "
+                             f"{DETECT_GBPS:g}: the host codec, one thread, measured on the H200 host at 1%% changed)")
+    parser.add_argument("--apply-gbps", type=float, default=APPLY_GBPS,
+                        help="an engine rank's delta apply rate in GB/s of the bytes its records cover (default "
+                             f"{APPLY_GBPS:g}: the host codec, one thread, measured on the CPU VM at 1%% changed)")
+    parser.add_argument("--delta-area", type=float, default=AREA_FRACTION, metavar="FRACTION",
+                        help="an engine rank's delta area as a fraction of its bytes (default 1/8, "
+                             "P2PW_DELTA_AREA's default): records past it go as full writes")
     parser.add_argument("--json", action="store_true", help="print the plan and cost as JSON")
 
 
@@ -72,13 +97,19 @@ def run(args: argparse.Namespace) -> int:
                       production_gbps=args.production_gbps, gather_gbps=args.gather_gbps)
         plan = make_plan(trainer, engines, shape, balanced=args.balanced)
         cost = predict(plan, shape, links, args.dtype)
+        fractions = parse_fractions(args.changed_fraction)
+        rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area)
+        deltas = (predict_deltas(cost, fractions, delta_unit(shape, args.dtype), rates, not_built_yet(plan, links))
+                  if fractions else None)
     except PlanError as e:
         print(f"p2pweights plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(args, shape, plan, cost, links)))
+        print(json.dumps(plan_json(args, shape, plan, cost, links, deltas)))
     else:
         print(render(shape, plan, cost, links, args.dtype))
+        if deltas is not None:
+            print(render_deltas(deltas))
     return 0
 
 
@@ -146,9 +177,10 @@ def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = Non
     return [Engine(gpus=gpus, layout=layouts[gpus]) for gpus in sizes]
 
 
-def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost, links: Links) -> dict:
+def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost, links: Links,
+              deltas: DeltaPlan | None = None) -> dict:
     t = plan.trainer
-    return {
+    doc = {
         "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype,
                   "quantization": shape.fp8.describe() if shape.fp8 is not None else None},
         "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "fsdp": t.fsdp, "pp_gathered": t.pp_gathered},
@@ -166,6 +198,9 @@ def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cos
         "links": links.as_json(),
         "cost": cost.as_json(),
     }
+    if deltas is not None:
+        doc["delta"] = deltas.as_json()
+    return doc
 
 
 def weights_label(shape: ModelShape, dtype: str) -> str:
@@ -213,5 +248,56 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
         f"{'wire floor':<40} {cost.floor_seconds:>12.3f} s",
         f"{'bottleneck':<40} {cost.bottleneck:>14}",
         f"{'speed-up over broadcast':<40} {cost.broadcast_seconds / cost.p2p_seconds:>13.1f}x",
+    ]
+    return "\n".join(lines)
+
+
+def render_deltas(d: DeltaPlan) -> str:
+    """The delta updates' table: one column per changed fraction, beside the full update."""
+    full, ups = d.full, d.updates
+    w = 12
+
+    def row(label: str, first: str, cells: list[str]) -> str:
+        return f"{label:<40} {first:>{w}}" + "".join(f" {c:>{w}}" for c in cells)
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:.3f} GB"
+
+    r = d.rates
+    lines = [
+        "",
+        f"delta updates: {FIRST_FULL}",
+        f"delta      units of {d.unit} byte(s) compared; change detection {r.detect_gbps:g} GB/s, "
+        f"apply {r.apply_gbps:g} GB/s; delta area {r.area_fraction:g} of an engine rank's bytes",
+    ]
+    if r.measured_at_one_percent and any(u.changed_fraction not in (0.0, 0.01) for u in ups):
+        lines.append("           (default rates measured at 1% changed: slower at higher F, faster at lower F)")
+    if d.not_built:
+        lines.append("not built  yet (such updates are written in full today):")
+        lines += [f"           - {what}" for what in d.not_built]
+    lines += [
+        "",
+        row("quantity", "full", [f"F={u.changed_fraction:g}" for u in ups]),
+        row("record bytes / parameter bytes", "-", [f"{u.codec_ratio:.4f}" for u in ups]),
+        row("bytes on the wire / full", "1.0000", [f"{u.wire_ratio:.4f}" for u in ups]),
+        row("bytes per engine rank (max)", gb(full.bytes_per_engine_rank_max),
+            [gb(u.bytes_per_engine_rank_max) for u in ups]),
+        row("bytes written per sender (max)", gb(full.bytes_per_sender_max), [gb(u.bytes_per_sender_max) for u in ups]),
+    ]
+    full_s = dict(full.seconds_by_link)
+    for k, (link, _) in enumerate(ups[0].seconds_by_link if ups else ()):
+        first = f"{full_s[link]:.3f} s" if link in full_s else "-"
+        lines.append(row(("  " if link == ENGINE_APPLY else "  time on ") + link, first,
+                         [f"{u.seconds_by_link[k][1]:.3f} s" for u in ups]))
+    lines += [
+        row("P2P predicted", f"{full.p2p_seconds:.3f} s", [f"{u.p2p_seconds:.3f} s" for u in ups]),
+        row("delta / full", "1.00", [f"{u.p2p_seconds / full.p2p_seconds:.2f}" for u in ups]),
+    ]
+    lines += [f"{'bottleneck':<40} full: {full.bottleneck}"]
+    lines += [f"{'':<40} F={u.changed_fraction:g}: {u.bottleneck}" for u in ups]
+    lines += [
+        f"{'sender memory for bases (host, max)':<40} {gb(d.base_bytes_per_sender_max):>{w}}  "
+        "(a host copy of every byte a sender prepares)",
+        f"{'delta area per engine rank (max)':<40} {gb(d.area_bytes_per_engine_rank_max):>{w}}",
     ]
     return "\n".join(lines)

@@ -5,8 +5,9 @@ other ranks (:data:`RANK_BODIES`), and their JSON form: :func:`encode` and :func
 The one place a body is checked: every field's annotation is its JSON type, checked all the way
 down (``list[str]``: a list of strings; ``int``: a JSON integer, never a bool, within int64;
 ``float``: finite), with its choices; the p2pweights fields that ride in an ``extra`` field
-(``hf_seed``) are typed by the ``extra`` field's metadata. A body that fails is an
-InvalidRequest naming the field (a 400 on every server), never a crash in a hook.
+(``hf_seed``, ``changed_fraction``, ``changed_steps``) are typed by the ``extra`` field's metadata.
+A body that fails is an InvalidRequest naming the field (a 400 on every server), never a crash in
+a hook.
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ class UpdateWeightVersionReq(Body):
 
 @dataclass
 class CheckWeightsReq(Body):
-    """``extra``: fields sglang does not define (a receiver reads ``hf_seed`` for ``p2pw_compare``);
-    sent and received flat, next to sglang's fields."""
+    """``extra``: fields sglang does not define (a receiver reads ``hf_seed`` for ``p2pw_compare``,
+    and ``changed_fraction`` with ``changed_steps`` for a version of the seed's changed family,
+    ``models.checkpoint``); sent and received flat, next to sglang's fields."""
 
     LARGE: ClassVar[bool] = True
     SGLANG: ClassVar[str | None] = "CheckWeightsReqInput"
@@ -94,7 +96,10 @@ class CheckWeightsReq(Body):
     allow_quant_error: bool = False
     skip_tensor_list: list[str] | None = None
     selector: str = field(default="all", metadata=_choices(SELECTORS))
-    extra: dict = _extra(hf_seed=int)
+    extra: dict = _extra(hf_seed=int, changed_fraction=float, changed_steps=int)
+
+    def __post_init__(self) -> None:
+        _check_changed(self.extra.get("changed_fraction"), self.extra.get("changed_steps"))
 
 
 @dataclass
@@ -178,6 +183,21 @@ class WeightsDigestReq(Body):
     names: dict[str, list[str]] = field(default_factory=dict)
 
 
+@dataclass
+class ApplyDeltasReq(Body):
+    """p2pweights' ``POST /p2pw_apply_deltas`` (the session's owner; ``update(verify=True)`` with deltas):
+    apply the session's deltas now, before the digests, instead of at ``end_weight_update``.
+    ``manifests`` maps an engine rank (as a string) to what the owner wrote into its delta area
+    (deltas/area.py ``Manifest``)."""
+
+    manifests: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class RankApplyDeltasReq(Body):
+    manifests: dict[str, dict] = field(default_factory=dict)
+
+
 # ---- the bodies of a leader's calls to its other ranks (receiver.rank_server, EngineRank.call) -----
 
 @dataclass
@@ -194,10 +214,28 @@ class RankRevokeReq(Body):
 
 @dataclass
 class RankCompareReq(Body):
-    """The equality check on one rank: the update's ``random_checkpoint`` seed, names to skip."""
+    """The equality check on one rank: the update's ``random_checkpoint`` seed, names to skip, and
+    the version of the seed's changed family (``changed_fraction`` with ``changed_steps``, or neither)."""
 
     hf_seed: int
     skip: list[str] = field(default_factory=list)
+    changed_fraction: float | None = None
+    changed_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_changed(self.changed_fraction, self.changed_steps)
+
+
+def _check_changed(fraction: Any, steps: Any) -> None:
+    """A version of a changed checkpoint family: a fraction in [0, 1] and steps >= 0, both or neither
+    (their JSON types are checked first, where a body is decoded)."""
+    if (fraction is None) != (steps is None):
+        given, missing = ("changed_fraction", "changed_steps")[::1 if steps is None else -1]
+        raise InvalidRequest(f"field {missing!r} is required with {given!r}")
+    if fraction is not None and isinstance(fraction, (int, float)) and not 0.0 <= fraction <= 1.0:
+        raise InvalidRequest(f"field 'changed_fraction' must be in [0, 1], got {fraction}")
+    if steps is not None and isinstance(steps, int) and steps < 0:
+        raise InvalidRequest(f"field 'changed_steps' must be >= 0, got {steps}")
 
 
 @dataclass
@@ -210,7 +248,7 @@ RANK_BODIES: dict[str, type] = {
     "begin": RankBeginReq, "end": NoBody, "compare": RankCompareReq, "checksum": NoBody,
     "digest": WeightsDigestReq, "init_group": InitWeightsUpdateGroupReq,
     "update_from_distributed": UpdateWeightsFromDistributedReq, "destroy_group": DestroyWeightsUpdateGroupReq,
-    "ping": NoBody, "revoke": RankRevokeReq,
+    "ping": NoBody, "revoke": RankRevokeReq, "apply_deltas": RankApplyDeltasReq,
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .bodies import (
+    ApplyDeltasReq,
     BeginWeightUpdateReq,
     CheckWeightsReq,
     ContinueGenerationReq,
@@ -79,6 +80,8 @@ ROUTES: tuple[Route, ...] = (
     Route("renew_weight_update", "/renew_weight_update", "POST", _P, RenewWeightUpdateReq, p2pw=True),
     # p2pweights' own: digests of what engine ranks hold, for update(verify=True)
     Route("p2pw_weights_digest", "/p2pw_weights_digest", "POST", _P, WeightsDigestReq, p2pw=True),
+    # p2pweights' own: the session's deltas applied before the digests (update(verify=True) with deltas)
+    Route("p2pw_apply_deltas", "/p2pw_apply_deltas", "POST", _P, ApplyDeltasReq, p2pw=True),
     # the engine-info bootstrap server's routes (--engine-info-bootstrap-port, default 6789); a
     # receiver serves them on its one port
     Route("get_transfer_engine_info", "/get_transfer_engine_info", "GET", _G, query=("rank",), bootstrap=True),

@@ -140,6 +140,11 @@ class SglangEngine:
             "torch_empty_cache": bool(torch_empty_cache)}}
         return self._json("end_weight_update", body=bodies.EndWeightUpdateReq(extra={**extra, **self.end_extra}))
 
+    def p2pw_apply_deltas(self, manifests: dict[str, dict]) -> dict:
+        """``POST /p2pw_apply_deltas`` (a receiver's; the session's owner): apply the session's deltas now
+        (``{rank: manifest}``, deltas/area.py), before ``verify``'s digests, instead of at the end."""
+        return self._json("p2pw_apply_deltas", body=bodies.ApplyDeltasReq(manifests=dict(manifests)))
+
     def update_weight_version(self, version: str | int) -> dict:
         """``POST /update_weight_version {"new_version": str, "abort_all_requests": false}``.
 
@@ -152,7 +157,8 @@ class SglangEngine:
                         **extra: Any) -> dict:
         """``POST /weights_checker`` (sglang's CheckWeightsReqInput); answers ``success``, ``message``
         and, for checksums, ``ranks`` and ``per_engine_checksum``. ``extra`` fields are sent as they
-        are (sglang ignores them; a p2pweights receiver reads ``hf_seed`` for action ``p2pw_compare``)."""
+        are (sglang ignores them; a p2pweights receiver reads ``hf_seed`` for action ``p2pw_compare``, and
+        ``changed_fraction`` with ``changed_steps`` for a version of that seed's changed family)."""
         return self._json("weights_checker", body=bodies.CheckWeightsReq(
             action=action, allow_quant_error=bool(allow_quant_error),
             skip_tensor_list=list(skip_tensor_list) if skip_tensor_list is not None else None,

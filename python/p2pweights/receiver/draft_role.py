@@ -37,7 +37,7 @@ class DraftRole:
         tie_to_target(model, *target_embed_and_head(target))  # sglang's init_lm_head: the target's tensors
         self.model = model
         self._reference: "torch.nn.Module | None" = None
-        self._reference_seed: int | None = None
+        self._reference_seed: tuple | None = None  # (hf_seed, changed version) it was loaded from
 
     # -- what is published -------------------------------------------------------------------------
     def own_parameters(self) -> list[tuple[str, "torch.nn.Parameter"]]:
@@ -80,17 +80,21 @@ class DraftRole:
             self.model.load_weights(list(weights))
 
     # -- checks --------------------------------------------------------------------------------------
-    def compare(self, target_reference: "torch.nn.Module", hf_seed: int, skip: Sequence[str] = ()) -> Any:
-        """The draft against sglang's draft loaded from the same seeded checkpoint and post-processed
-        (tied to the target's reference, as the live draft is tied to the live target)."""
+    def compare(self, target_reference: "torch.nn.Module", hf_seed: int, skip: Sequence[str] = (), *,
+                changed: tuple[float, int] | None = None) -> Any:
+        """The draft against sglang's draft loaded from the same seeded checkpoint (``changed``: that
+        version of its changed family) and post-processed (tied to the target's reference, as the
+        live draft is tied to the live target)."""
+        from ..models.checkpoint import changed_version
         from ..replica.reference import compare_models
         from ..replica.role_check import reference_draft
 
-        if self._reference is None or self._reference_seed != int(hf_seed):
+        loaded_from = (int(hf_seed), changed_version(changed))
+        if self._reference is None or self._reference_seed != loaded_from:
             self._reference_seed = None
             self._reference = reference_draft(self.config, self.engine, self.rank, seed=int(hf_seed), post_process=True,
-                                              target=target_reference, model=self._reference)
-            self._reference_seed = int(hf_seed)
+                                              target=target_reference, model=self._reference, changed=loaded_from[1])
+            self._reference_seed = loaded_from
         # the shared embedding and head are the target's tensors: compared as the target's
         own_skip = [s[len(PREFIX):] for s in skip if s.startswith(PREFIX)]
         result = compare_models(self.model, self._reference, rank=self.rank, seed=int(hf_seed),
@@ -100,9 +104,9 @@ class DraftRole:
         return result
 
     def compare_into(self, result: Any, target_reference: "torch.nn.Module", hf_seed: int,
-                     skip: Sequence[str] = ()) -> Any:
+                     skip: Sequence[str] = (), *, changed: tuple[float, int] | None = None) -> Any:
         """Add the draft's comparison to the target's ``RankComparison`` (one answer per rank)."""
-        draft = self.compare(target_reference, hf_seed, skip)
+        draft = self.compare(target_reference, hf_seed, skip, changed=changed)
         result.compared += draft.compared
         result.bytes += draft.bytes
         result.mismatches += draft.mismatches

@@ -261,7 +261,8 @@ class LeaderHooks(ReceiverHooks):
             except (KeyError, TypeError, ValueError):
                 return {"success": False, "message": "action p2pw_compare needs hf_seed, an integer (the seed of "
                                                      "random_checkpoint the update was made from)"}
-            ranks = self.on_all("compare", {"hf_seed": seed,
+            changed = {k: request[k] for k in ("changed_fraction", "changed_steps") if request.get(k) is not None}
+            ranks = self.on_all("compare", {"hf_seed": seed, **changed,  # a version of the seed's changed family
                                             "skip": request.get("skip_tensor_list") or []})
             per_rank = [ranks[r] for r in sorted(ranks)]
             bad = [f"rank {r['rank']}: {m['name']}: {m['why']}" for r in per_rank for m in r["mismatches"]]
@@ -270,8 +271,9 @@ class LeaderHooks(ReceiverHooks):
                 shown = "; ".join(bad[:20]) + (f"; ... {len(bad) - 20} more" if len(bad) > 20 else "")
                 message = f"engine {self.local.name}: {len(bad)} tensor(s) differ from sglang's loader: {shown}"
             else:
+                version = "".join(f", {k} {v}" for k, v in changed.items())
                 message = (f"engine {self.local.name}: all {compared} tensors on {len(per_rank)} rank(s) equal "
-                           f"sglang's loader (hf_seed {request['hf_seed']})")
+                           f"sglang's loader (hf_seed {request['hf_seed']}{version})")
             return {"success": not bad, "message": message, "ranks": per_rank, "mismatches": bad}
         if action == "checksum":
             ranks = self.on_all("checksum")

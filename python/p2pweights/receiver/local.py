@@ -250,13 +250,17 @@ def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_pref
 
 
 def check_weights_equal(url: str, hf_seed: int, skip: Sequence[str] = (), timeout: float = RANK_TIMEOUT, *,
-                        api_key: str | None = None) -> dict:
+                        api_key: str | None = None, changed_fraction: float | None = None,
+                        changed_steps: int | None = None) -> dict:
     """Ask an engine (its leader's URL) for the equality check after an update made from
     ``random_checkpoint(specs, hf_seed)``: ``POST /weights_checker {"action": "p2pw_compare",
     "hf_seed": N}``. Returns the answer (``success``, ``message``, ``ranks``, ``mismatches``)
     whether equal or not; raises EngineError only when the check could not run. ``api_key``: the
-    engine's key (default ``P2PW_API_KEY``)."""
+    engine's key (default ``P2PW_API_KEY``). ``changed_fraction`` with ``changed_steps``: the update
+    was ``random_checkpoint(specs, hf_seed, changed=(changed_fraction, changed_steps))``."""
     body: dict[str, Any] = {"action": "p2pw_compare", "hf_seed": int(hf_seed)}
+    if changed_fraction is not None or changed_steps is not None:  # one without the other: the engine's 400
+        body.update(changed_fraction=changed_fraction, changed_steps=changed_steps)
     if skip:
         body["skip_tensor_list"] = list(skip)
     try:

@@ -165,11 +165,12 @@ class EngineRank:
                 Manifest.parse(manifest, f"engine {self.name} rank {self.rank}"), self.weight_regions)}
 
     # -- checks ------------------------------------------------------------------------------------
-    def compare(self, hf_seed: int, skip: Sequence[str] = ()) -> dict:
+    def compare(self, hf_seed: int, skip: Sequence[str] = (), *, changed: tuple[float, int] | None = None) -> dict:
+        """The live weights against sglang's loader on ``random_checkpoint(specs, hf_seed, changed=changed)``."""
         with self._lock:
-            result = self.reference.compare(self.model, int(hf_seed), skip)
+            result = self.reference.compare(self.model, int(hf_seed), skip, changed=changed)
             if self.draft is not None:  # the draft against sglang's draft tied to the target's reference
-                self.draft.compare_into(result, self.reference.model, int(hf_seed), skip)
+                self.draft.compare_into(result, self.reference.model, int(hf_seed), skip, changed=changed)
             return result.to_dict()
 
     def checksum(self) -> dict:
@@ -265,8 +266,10 @@ class EngineRank:
             return self.begin(body.get("selector", "all"))
         if verb == "end":
             return self.end()
-        if verb == "compare":
-            return self.compare(int(body["hf_seed"]), body.get("skip") or ())
+        if verb == "compare":  # changed_fraction and changed_steps: both or neither (RankCompareReq)
+            changed = body.get("changed_fraction"), body.get("changed_steps")
+            return self.compare(int(body["hf_seed"]), body.get("skip") or (),
+                                changed=None if None in changed else (float(changed[0]), int(changed[1])))
         if verb == "checksum":
             return self.checksum()
         if verb == "digest":

@@ -177,6 +177,9 @@ class RequestHandler(http_guard.GuardedHandler):
     def _do_p2pw_weights_digest(self, req: bodies.WeightsDigestReq, query: dict) -> tuple[int, Any]:
         return self.receiver._weights_digest(req)
 
+    def _do_p2pw_apply_deltas(self, req: bodies.ApplyDeltasReq, query: dict) -> tuple[int, Any]:
+        return p.OK, self.receiver._apply_now(req)
+
     def _do_init_weights_update_group(self, req: bodies.InitWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
         return self.receiver._init_weights_update_group(req)
 

@@ -263,28 +263,37 @@ class ReceiverServer:
                     f"takes full writes: the GPU apply is not built yet)")
         return ""
 
-    def _apply_deltas(self, req: bodies.EndWeightUpdateReq) -> None:
-        """The owner's manifests (end body ``p2pw_delta``: {rank: manifest}), applied before the post-processing."""
-        manifests = req.extra.get(DELTA_KEY)
+    def _apply_deltas(self, manifests: Any, verb: str = "end_weight_update") -> None:
+        """The owner's manifests (``{rank: manifest}``), applied before the post-processing; once per session."""
         if manifests is None:
             return
         if not self.base.accepted:
-            raise InvalidRequest("end_weight_update names deltas, but this session's begin did not accept any")
+            raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they "
+                                 f"were applied already)")
         if not isinstance(manifests, dict):
-            raise InvalidRequest(f"end_weight_update: {DELTA_KEY} must be {{rank: manifest}}")
+            raise InvalidRequest(f"{verb}: {DELTA_KEY} must be {{rank: manifest}}")
         parsed = {}
         for rank, m in manifests.items():
             if not (isinstance(rank, str) and rank.isdigit()):
-                raise InvalidRequest(f"end_weight_update: {DELTA_KEY} has a key {rank!r} that is not a rank")
-            parsed[int(rank)] = Manifest.parse(m, f"end_weight_update {DELTA_KEY}[{rank}]").to_dict()
+                raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
+            parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
+        self.base.accepted = False  # applied once: a second apply of the same records would be refused
         self.hooks.on_apply_deltas(parsed)
+
+    def _apply_now(self, req: bodies.ApplyDeltasReq) -> dict:
+        """``POST /p2pw_apply_deltas``: the deltas now, inside the session (verify=True digests after it)."""
+        with self._control_lock:
+            if not self.updating:
+                raise OutOfOrder(f"{p.NO_SESSION} is open; deltas are applied inside a session")
+            self._apply_deltas(req.manifests, "p2pw_apply_deltas")
+        return bodies.encode(bodies.Ack())
 
     def _end(self, req: bodies.EndWeightUpdateReq) -> dict:
         then = bodies.end_then(req)  # checked before anything runs
         with self._control_lock:
             if not self.updating:
                 raise OutOfOrder(f"{p.NO_SESSION} is open; call begin_weight_update() first")
-            self._apply_deltas(req)
+            self._apply_deltas(req.extra.get(DELTA_KEY))
             self.hooks.on_end_update()
             self.updating, self.update_selector = False, None
             base = self.base.commit(self.session.epoch)  # the weights now: a new identity for the next delta

@@ -276,7 +276,7 @@ class SessionKeeper:
 #: the verbs the owner rules govern; the others (reading, checks, publications) are anyone's
 GATED = frozenset({"pause_generation", "continue_generation", "begin_weight_update", "end_weight_update",
                    "update_weight_version", "update_weights_from_distributed", "init_weights_update_group",
-                   "destroy_weights_update_group", "renew_weight_update"})
+                   "destroy_weights_update_group", "renew_weight_update", "p2pw_apply_deltas"})
 #: gated verbs that run outside the server's control lock: joining a group waits for every member;
 #: a renewal must get through while the owner's own end_weight_update holds the lock
 UNLOCKED = frozenset({"init_weights_update_group", "destroy_weights_update_group", "renew_weight_update"})

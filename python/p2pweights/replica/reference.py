@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..models import load_config
-from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..models.checkpoint import changed_version, checkpoint_tensors, random_checkpoint
 from ..models.quant import quant_scheme
 from . import sglang_env
 
@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 
 
 def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_process: bool = False,
-                    model: "torch.nn.Module | None" = None) -> "torch.nn.Module":
+                    model: "torch.nn.Module | None" = None,
+                    changed: "tuple[float, int] | None" = None) -> "torch.nn.Module":
     """sglang's own loader into a fully materialized, zeroed CPU model of the rank (every HF tensor of
     ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))``: for an FP8 config the
     engine's checkpoint, quantized from seeded BF16 tensors). ``post_process``: also run what an update
     session runs around a loader (restore before, ``postprocess_weights`` after). ``model``: reload
-    this reference (built by an earlier call) instead of building a new one."""
+    this reference (built by an earlier call) instead of building a new one. ``changed=(fraction,
+    steps)``: that version of the seed's changed family (``models.checkpoint``)."""
     import torch
 
     if model is None:
@@ -49,7 +51,8 @@ def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_
         if post_process:
             DefaultModelLoader.restore_weights_before_loading(model, cpu)
         cfg = load_config(config)  # an FP8 config: quantized seeded BF16, as a sender quantizing on send makes it
-        model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg)))  # + post_load_weights
+        model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg),
+                                             changed=changed))  # + post_load_weights
         if post_process:
             DefaultModelLoader.postprocess_weights(model, cpu)
     return model
@@ -100,13 +103,15 @@ class RankComparison:
     mismatches: list[Mismatch] = field(default_factory=list)
     seconds: float = 0.0
     reference_seconds: float = 0.0
+    changed: tuple[float, int] | None = None  # the version of the seed's changed family compared with
 
     @property
     def equal(self) -> bool:
         return not self.mismatches
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "equal": self.equal, "hf_seed": self.seed, "compared": self.compared,
+        version = {"changed_fraction": self.changed[0], "changed_steps": self.changed[1]} if self.changed else {}
+        return {"rank": self.rank, "equal": self.equal, "hf_seed": self.seed, **version, "compared": self.compared,
                 "bytes": self.bytes, "mismatches": [m.to_dict() for m in self.mismatches],
                 "seconds": round(self.seconds, 4), "reference_seconds": round(self.reference_seconds, 4)}
 
@@ -153,28 +158,32 @@ def compare_models(live: "torch.nn.Module", reference: "torch.nn.Module", *, ran
 
 class ReferenceModel:
     """The post-processed :func:`reference_model` of one engine rank, kept by an engine-rank
-    process: built on first use, reloaded only when the seed changes."""
+    process: built on first use, reloaded only when the checkpoint (seed, changed version) changes."""
 
     def __init__(self, config: Any, engine: Any, rank: int):
         self.config, self.engine, self.rank = config, engine, int(rank)
         self.model: "torch.nn.Module | None" = None
         self.seed: int | None = None
+        self.changed: tuple[float, int] | None = None
         self._lock = threading.Lock()
 
-    def loaded(self, seed: int) -> tuple["torch.nn.Module", float]:
-        """The reference loaded from seed ``seed`` (and the seconds spent loading it now, 0 if cached)."""
+    def loaded(self, seed: int, changed: tuple[float, int] | None = None) -> tuple["torch.nn.Module", float]:
+        """The reference loaded from seed ``seed``, version ``changed`` of its changed family (and the
+        seconds spent loading it now, 0 if cached)."""
+        changed = changed_version(changed)
         with self._lock:
-            if self.model is not None and self.seed == seed:
+            if self.model is not None and self.seed == seed and self.changed == changed:
                 return self.model, 0.0
             t0 = time.perf_counter()
             self.seed = None
             self.model = reference_model(self.config, self.engine, self.rank, seed=int(seed), post_process=True,
-                                         model=self.model)
-            self.seed = int(seed)
+                                         model=self.model, changed=changed)
+            self.seed, self.changed = int(seed), changed
             return self.model, time.perf_counter() - t0
 
-    def compare(self, live: "torch.nn.Module", seed: int, skip: Iterable[str] = ()) -> RankComparison:
-        reference, seconds = self.loaded(seed)
+    def compare(self, live: "torch.nn.Module", seed: int, skip: Iterable[str] = (), *,
+                changed: tuple[float, int] | None = None) -> RankComparison:
+        reference, seconds = self.loaded(seed, changed)
         result = compare_models(live, reference, rank=self.rank, seed=int(seed), skip=skip)
-        result.reference_seconds = seconds
+        result.reference_seconds, result.changed = seconds, self.changed
         return result

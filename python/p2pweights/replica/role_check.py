@@ -27,19 +27,21 @@ if TYPE_CHECKING:
     from .model_replica import ModelReplicas
 
 
-def _random_inputs(config: Any, seed: int) -> Any:
-    """The seeded HF tensors the target's reference loads (an FP8 config's engine checkpoint too)."""
+def _random_inputs(config: Any, seed: int, changed: "tuple[float, int] | None" = None) -> Any:
+    """The seeded HF tensors the target's reference loads (an FP8 config's engine checkpoint too);
+    ``changed``: that version of the seed's changed family."""
     cfg = load_config(config)
-    return random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg))
+    return random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg), changed=changed)
 
 
 def reference_draft(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0, post_process: bool = False,
-                    target: "torch.nn.Module | None" = None,
-                    model: "torch.nn.Module | None" = None) -> "torch.nn.Module":
+                    target: "torch.nn.Module | None" = None, model: "torch.nn.Module | None" = None,
+                    changed: "tuple[float, int] | None" = None) -> "torch.nn.Module":
     """sglang's draft model of the rank, materialized on the CPU, loaded by its own loader from the
     seeded random checkpoint. ``target``: the target reference to tie its embedding and head to (as
     sglang's worker does); without it they stay untied (not the draft's parameters: check-layout).
-    ``post_process``: also what an update session runs around a loader. ``model``: reload it."""
+    ``post_process``: also what an update session runs around a loader. ``model``: reload it.
+    ``changed``: that version of the seed's changed family (``models.checkpoint``)."""
     import torch
 
     if model is None:
@@ -52,7 +54,7 @@ def reference_draft(config: Any, engine: EngineLayout, rank: int, *, seed: int =
     with sglang_env.activate(model):
         if post_process:
             DefaultModelLoader.restore_weights_before_loading(model, cpu)
-        model.load_weights(_random_inputs(config, seed))  # runs the draft's post_load_weights
+        model.load_weights(_random_inputs(config, seed, changed))  # runs the draft's post_load_weights
         if post_process:
             DefaultModelLoader.postprocess_weights(model, cpu)
     return model

@@ -18,8 +18,9 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
 4. ``manifests`` go into each delta engine's end body; ``committed`` keeps the identities the end
    answers.
 
-Only a sender alone (no group) with host slots writes deltas for now; the others write in full and
-say why (docs/deltas.md).
+A group's sender 0 claims and ends for every sender: the others follow its word (``follow``,
+``follow_commit``) and hand it their manifests (``written``). Host slots only for now; the others
+write in full and say why (docs/deltas.md).
 """
 from __future__ import annotations
 
@@ -84,9 +85,12 @@ class UpdateDeltas:
         self.buffers = buffers
         self.targets = {t.name: _Target(t) for p in self.ranks for t in p.targets}
         self.off_reason = off_reason or ("" if wanted else "delta=False for this update")
+        for x in self.targets.values():  # reported as is when no claim is made (control=False)
+            x.reason = self.off_reason or FIRST
         self.encoded = 0  # bytes of records written (prefixes included), all targets
         self.changed = 0  # bytes found changed
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
+        self.applied = False  # apply_now ran: the ends carry no manifests
         self._slot: int | None = None
         self._spare_used = 0
         self._scratch = np.empty(0, dtype=np.uint8)
@@ -101,6 +105,7 @@ class UpdateDeltas:
             if not why and any(x.area is None for x in ranks):
                 why = "its ranks publish no delta area (sglang's own server, or weights on a GPU)"
             e.begin_extra = {DELTA_KEY: identity} if not why else {}
+            e.begin_claim, e.begin_answer = (identity if not why else None), {}
             for x in ranks:
                 x.reason = why
 
@@ -112,27 +117,76 @@ class UpdateDeltas:
                 continue
             answer = answers.get(x.t.engine.name)
             said = answer.get(DELTA_KEY) if isinstance(answer, dict) else None
+            x.t.engine.begin_answer = said if isinstance(said, dict) else {}
             if isinstance(said, dict) and said.get("accepted") is True:
                 x.delta = True
             else:
                 x.reason = "the engine refused the base: " + (str(said.get("reason")) if isinstance(said, dict)
                                                               else "it answered no delta decision")
 
-    def manifests(self, engines: Sequence[Any]) -> None:
-        """Set each delta engine's end body: what this sender wrote into each rank's area."""
-        for e in engines:
-            ranks = {str(x.t.rank): Manifest(x.cursor, x.records, x.hash.hexdigest()).to_dict()
-                     for x in self.targets.values() if x.delta and x.t.engine.name == e.name}
-            e.end_extra = {DELTA_KEY: ranks} if ranks else {}
+    # -- a group of senders: sender 0 opens and ends; every sender writes its own engine ranks ------
+    def said(self, engines: Sequence[Any]) -> dict:
+        """Sender 0's word at the opened step: each engine's answer and the identity it claimed."""
+        return {e.name: {"claimed": e.begin_claim, "answer": e.begin_answer} for e in engines}
 
-    def committed(self, engines: Sequence[Any], answers: Mapping[str, Any], ok: bool) -> None:
-        """After the commit (``answers``: each engine's end answer): keep the identities it gave."""
+    def follow(self, said: Mapping[str, Any]) -> None:
+        """Another sender (not sender 0): its ranks take deltas where the engine accepted sender 0's
+        claim and that claim is the identity this sender holds too (its bases are that commit's)."""
+        for name, word in said.items():
+            mine = self.bases.identities.pop(name, None)
+            for x in (x for x in self.targets.values() if x.t.engine.name == name):
+                answer = word.get("answer") or {}
+                if self.off_reason or mine is None or mine != word.get("claimed"):
+                    x.reason = self.off_reason or (FIRST if mine is None else "sender 0 claimed another commit")
+                elif answer.get("accepted") is True:
+                    x.delta, x.reason = True, ""
+                else:
+                    x.reason = "the engine refused the base: " + str(answer.get("reason"))
+
+    def written(self) -> dict:
+        """This sender's manifests, ``{engine: {rank: manifest}}`` (every sender's go to sender 0)."""
+        out: dict[str, dict] = {}
+        for x in self.targets.values():
+            if x.delta:
+                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = Manifest(
+                    x.cursor, x.records, x.hash.hexdigest()).to_dict()
+        return out
+
+    def apply_now(self, engines: Sequence[Any]) -> None:
+        """verify=True (a sender alone): each delta engine applies its deltas now, before the digests."""
+        self.manifests(engines)
+        for e in engines:
+            extra, e.end_extra = e.end_extra, {}
+            if extra:
+                e.p2pw_apply_deltas(extra[DELTA_KEY])
+        self.applied = True
+
+    def manifests(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
+        """Set each delta engine's end body: what every sender wrote into each rank's area."""
+        if self.applied:
+            return
+        merged: dict[str, dict] = {}
+        for word in (self.written(), *every):
+            for engine, ranks in word.items():
+                merged.setdefault(engine, {}).update(ranks)
+        for e in engines:
+            e.end_extra = {DELTA_KEY: merged[e.name]} if e.name in merged else {}
+
+    def committed(self, engines: Sequence[Any], answers: Mapping[str, Any], ok: bool) -> dict:
+        """After the commit (``answers``: each engine's end answer): keep the identities it gave;
+        they are returned for the group's other senders (:meth:`follow_commit`)."""
         for e in engines:
             e.end_extra = {}
             answer = answers.get(e.name)
             base = answer.get(BASE_KEY) if isinstance(answer, dict) else None
             if ok and isinstance(base, dict) and isinstance(base.get("token"), str):
                 self.bases.identities[e.name] = {"epoch": base.get("epoch"), "token": base["token"]}
+        return {e.name: self.bases.identities[e.name] for e in engines if e.name in self.bases.identities}
+
+    def follow_commit(self, identities: Mapping[str, dict], ok: bool) -> None:
+        """Another sender: sender 0's commit is this sender's too (its writes were in it)."""
+        if ok and not self.off_reason:
+            self.bases.identities.update(identities)
 
     # -- data ------------------------------------------------------------------------------------
     def new_slot(self) -> None:
@@ -142,13 +196,13 @@ class UpdateDeltas:
         """Writer rows for one prepared rank's parameters in the open slot (see the module)."""
         full = {id(x.t) for x in self.targets.values() if not x.delta}
         rows: list = []
-        host = self.keep and isinstance(filler, HostSlotFiller) and self.buffers.device == "cpu"
+        # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
+        host = (self.keep and isinstance(filler, HostSlotFiller) and self.buffers.device == "cpu"
+                and any(self.targets[t.name].area for t in p.targets))
         if not host:
             for param, _, _ in entries:  # written without a base update: no delta against it next time
                 self.bases.arrays.pop((p.layout_key, p.rank, param), None)
-            for x in (self.targets[t.name] for t in p.targets):
-                if x.delta:
-                    x.delta, x.reason = False, "a slot this update filled on a GPU (inputs on a GPU: staged slots)"
+            # a delta target stays one: the records already in its area must be named at the end
             full = {id(t) for t in p.targets}
         slot = self.buffers.slot_array(filler.slot) if host else None
         if host:

@@ -34,6 +34,7 @@ from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
 from .inputs import TrainerInputs, check_version_order
 from .open_gate import OpenGate
+from .outcomes import KEPT_PAUSED, LEFT_PAUSED, NOT_CONTROLLED, ON_FAILURE, ROLLED_BACK, UNTOUCHED, control_failures
 from .pipeline import SlotPipeline
 from .prepared import PreparedRank
 from .report import UpdateReport, UpdateTimes
@@ -46,15 +47,6 @@ from .writer import PipelinedWriter, WriteReport
 
 logger = logging.getLogger("p2pweights.sender")
 
-#: the failure policies an update offers (the engines serving partly written weights is not one of them)
-ON_FAILURE = (FailurePolicy.RESUME_IF_UNWRITTEN, FailurePolicy.LEAVE_PAUSED)
-UNTOUCHED = "nothing was written and the engines were not paused"
-ROLLED_BACK = "nothing was written: the engines ended the session without a version bump and generate again"
-LEFT_PAUSED = ("writes may have landed: the engines stay paused with their session open at their old version; "
-               "the next complete update heals them")
-KEPT_PAUSED = ("on_failure='leave_paused': the engines stay paused with their session open at their old version; "
-               "the next complete update heals them")
-NOT_CONTROLLED = "this update does not control the engines (control=False): their coordinator decides"
 
 
 class Update:
@@ -172,7 +164,8 @@ class Update:
             except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
                 error = e
         epochs = dict(self._session.epochs) if self._session is not None else {}
-        statuses = self._gather(SenderStatus(me, _control_failures(error), epochs=epochs))
+        said = self._deltas.said(self._engines) if self._deltas is not None and self._session is not None else {}
+        statuses = self._gather(SenderStatus(me, control_failures(error), epochs=epochs, deltas=said))
         if error is not None:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise error
@@ -180,9 +173,11 @@ class Update:
         if failures:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise self._failed(failures, f"opening weight update {self.version}", UNTOUCHED)
-        if self._session is None:  # not the controller: the controller's epochs, before the first write
+        if self._session is None:  # not the controller: the controller's epochs (and deltas), before the first write
             follow_epochs({n: e for s in statuses for n, e in s.epochs.items()}, self._follow_epochs, self._writer,
                           self._ranks, None)
+            if self._deltas is not None:
+                self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
         self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
@@ -247,7 +242,7 @@ class Update:
                 self.pipeline.abort()
             finally:
                 self._writer.finish(raise_on_failure=False)
-            self._count_failure(_control_failures(self._open_error))
+            self._count_failure(control_failures(self._open_error))
             raise self._open_error
         self._phase = "open"
         self._t0 = self._session.paused_at  # the time users care about runs from the pause returning
@@ -334,7 +329,8 @@ class Update:
         me = self._group.index
         differ = self._verify(rep)  # verify=True: before any engine is told to end (it stays paused)
         statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
-                                             written=self._written))
+                                             written=self._written,
+                                             deltas=self._deltas.written() if self._deltas is not None else {}))
         failures = all_failures(statuses)
         if failures:
             self._end_failed(statuses, "; ".join(f"{n}: {why}" for n, why in failures.items()))
@@ -342,17 +338,21 @@ class Update:
         error: Exception | None = None
         if self._session is not None:
             try:
-                if self._deltas is not None:
-                    self._deltas.manifests(self._engines)  # the delta engines' end bodies
+                if self._deltas is not None:  # the delta engines' end bodies: every sender's manifests
+                    self._deltas.manifests(self._engines, [s.deltas for s in statuses if s.sender != me])
                 self._control(self._session.commit)  # end_weight_update, update_weight_version, continue_generation
             except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
                 error = e
-            if self._deltas is not None:  # the identities the ends answered: the next update's claims
-                self._deltas.committed(self._engines, self._session.answers, ok=error is None)
             logger.info("update %s: ended, versioned and continued %d engine(s): %s", self.version,
                         len(self._engines), self._verbs_text("end_weight_update", "update_weight_version",
                                                               "continue_generation"))
-        statuses = self._gather(SenderStatus(me, _control_failures(error)))
+        identities = {}  # the identities the ends answered: the next update's claims, every sender's
+        if self._deltas is not None and self._session is not None:
+            identities = self._deltas.committed(self._engines, self._session.answers, ok=error is None)
+        statuses = self._gather(SenderStatus(me, control_failures(error), deltas=identities))
+        if self._deltas is not None and self._session is None:
+            self._deltas.follow_commit({n: i for s in statuses for n, i in s.deltas.items()},
+                                       ok=error is None and not all_failures(statuses))
         self._phase = "done"
         failures = all_failures(statuses)
         if error is not None or failures:
@@ -377,9 +377,14 @@ class Update:
             return {}
         t0 = time.perf_counter()
         try:
+            if self._deltas is not None and self._session is not None:  # the digests see the deltas applied
+                self._control(lambda: self._deltas.apply_now(self._engines))
             verify_written(self._ranks, self._digests, self.version)
         except UpdateFailed as e:
             return {n: e.errors.get(n) or P2PWeightsError(why) for n, why in e.failures.items()}
+        except P2PWeightsError as e:  # an apply refused (deltas/area.py): its engine's ranks did not verify
+            named = {t.name: e for p in self._ranks for t in p.targets if t.engine.name == getattr(e, "engine", "")}
+            return named or {"engines": e}
         finally:
             self.verify_seconds = time.perf_counter() - t0
             logger.info("update %s: verified in %.3f s", self.version, self.verify_seconds)
@@ -488,12 +493,3 @@ class Update:
                             pause_seconds=self._pause_seconds, deltas=self._deltas,
                             skipped=list(self._inputs.skipped) if self._inputs is not None else [],
                             verbs={n.strip("_"): s for n, s in self._verbs.items()})
-
-
-def _control_failures(error: Exception | None) -> dict[str, str]:
-    """What sender 0's failed control step tells the others: engine -> why."""
-    if error is None:
-        return {}
-    if isinstance(error, UpdateFailed):
-        return dict(error.failures)
-    return {getattr(error, "engine", None) or "engines": f"{type(error).__name__}: {error}"}

@@ -414,10 +414,10 @@ class WeightSender:
         if delta not in ("auto", True, False):
             raise ValueError(f'delta must be "auto", True or False, got {delta!r}')
         why, keep = ("" if delta in ("auto", True) else "delta=False for this update"), True
-        if verify and not why:  # its digests are taken before the end applies the deltas
-            why = "verify=True: this update writes in full (verify with deltas is not built yet)"
-        if self.group.size > 1 or not control:
-            why, keep = "a sender of a group (or control=False): group deltas are not built yet", False
+        if verify and not why and self.group.size > 1:  # a sender alone applies them before its digests
+            why = "verify=True in a group of senders: this update writes in full (not built yet)"
+        if not control or self.pp_size > 1:  # a coordinator's session; stages sharing an engine rank's area
+            why, keep = "control=False or pipeline stages: deltas need one session owner and one writer per rank", False
         elif self.settings.open_beside_slots:
             why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
         elif self.settings.buffer_device != "cpu":

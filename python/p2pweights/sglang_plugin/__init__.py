@@ -1,0 +1,74 @@
+"""p2pweights inside a real sglang server: the general plugin sglang loads from the entry point
+``p2pweights`` in group ``sglang.srt.plugins`` (pyproject.toml), and, for hosts without CUDA, an
+out-of-tree platform (``cpu_platform``, group ``sglang.srt.platforms``).
+
+sglang calls :func:`register` early in each of its processes (``sglang.srt.plugins.load_plugins``:
+the launcher that also serves HTTP, the scheduler of every rank, the detokenizer, the DP
+controller), then applies the hooks registered. ``SGLANG_PLUGINS`` (sglang's comma-separated
+allow-list of plugin names) leaves the plugin out when it does not name ``p2pweights``.
+
+Built so far: :func:`register` records which process kind loaded it (:data:`LOADS`) and adds
+``p2pw_plugin`` to ``/server_info`` (``server_info.py``); before registering any hook it checks
+every hooked sglang function against the ones it was written for (``version_guard.py``) and, on a
+mismatch, refuses to attach: an error in the log and in ``p2pw_plugin.error``. docs/sglang.md.
+
+Every sglang process imports this module: it imports nothing of sglang but the hook registry.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from .. import __version__
+from ..models.sglang_version import sglang_version
+from . import server_info, version_guard
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "p2pweights"  # the entry-point name: what SGLANG_PLUGINS must list to keep it
+
+# sglang's function that called load_plugins() -> the kind of process it runs in
+_PROCESS_KINDS = {
+    "run_scheduler_process": "scheduler",
+    "run_detokenizer_process": "detokenizer",
+    "run_data_parallel_controller_process": "dp_controller",
+}
+
+# One entry per register() in this process: {"kind", "pid", "error"}.
+LOADS: list[dict[str, Any]] = []
+
+
+def process_kind() -> str:
+    """Which sglang process is loading the plugin, read from the function that called
+    ``load_plugins()``: ``scheduler``, ``detokenizer``, ``dp_controller``, or ``main`` (the launcher,
+    which also runs the HTTP server; an offline ``sglang.Engine``'s process)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("p2pweights.sglang_plugin") or module.startswith("sglang.srt.plugins")):
+            return _PROCESS_KINDS.get(frame.f_code.co_name, "main")
+        frame = frame.f_back
+    return "main"
+
+
+def register() -> None:
+    """sglang's entry point: check the hooked functions, then register the hooks (or only the report
+    of the refusal). Never raises: sglang logs a failing plugin and starts without it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    kind = process_kind()
+    problems = version_guard.mismatches()
+    error = None
+    if problems:
+        error = (f"p2pweights {__version__} refuses to attach to sglang {sglang_version()} "
+                 f"(written for {version_guard.WRITTEN_FOR}): " + "; ".join(problems.values()))
+        logger.error(error)  # ERROR reaches stderr even before sglang configures logging
+    LOADS.append({"kind": kind, "pid": os.getpid(), "error": error})
+    logger.info("p2pweights sglang plugin %s loaded in the %s process (pid %d)", __version__, kind, os.getpid())
+    if server_info.TARGET not in problems:  # else only the log can say it
+        HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error), HookType.AFTER)
+    # The receiver's hooks (sessions, fencing, digests, deltas, publications) will register here,
+    # only when error is None, each with its target listed in version_guard.HOOKED.
+
