@@ -92,6 +92,7 @@ class UpdateDeltas:
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
         self.applied = False  # apply_now ran: the ends carry no manifests
         self._slot: int | None = None
+        self._spare_array: np.ndarray | None = None
         self._spare_used = 0
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -212,8 +213,7 @@ class UpdateDeltas:
                 self.full_bytes[t.name] += nbytes
             writes = [self.targets[t.name] for t in p.targets if id(t) not in full]
             if slot is None:
-                rows += [(offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr)
-                         for t in p.targets]
+                rows += [_full_row(t, param, offset, nbytes) for t in p.targets]
                 continue
             rows += self._param_rows(p, param, slot, offset, nbytes, writes, full)
         return rows
@@ -224,12 +224,10 @@ class UpdateDeltas:
         cur = slot[offset:offset + nbytes]
         base = self.bases.arrays.get(key)
         targets = p.targets
-        rows = [(offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr)
-                for t in targets if id(t) in full]
+        rows = [_full_row(t, param, offset, nbytes) for t in targets if id(t) in full]
         if base is None or base.nbytes != nbytes:
             self.bases.arrays[key] = cur.copy()
-            return rows + [(offset, nbytes, x.t.writer_id, x.t.publication.target(param, nbytes, x.t.name).data_ptr)
-                           for x in writes]
+            return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
         if not writes:
             np.copyto(base, cur)
             return rows
@@ -242,7 +240,7 @@ class UpdateDeltas:
             span = record_span(n)
             if (rec is None or mode == "dense" or x.cursor + span > x.area[1]
                     or self._spare_used + PREFIX.size > self._spare_view().nbytes):
-                rows.append((offset, nbytes, x.t.writer_id, x.t.publication.target(param, nbytes, x.t.name).data_ptr))
+                rows.append(_full_row(x.t, param, offset, nbytes))
                 continue
             at = self._spare(PREFIX.size)
             dest = x.t.publication.target(param, nbytes, x.t.name).data_ptr
@@ -282,16 +280,14 @@ class UpdateDeltas:
         return at, n, mode, changed
 
     def _spare_view(self) -> np.ndarray:
-        return self.buffers.spare_array(self._current_slot())
-
-    def _current_slot(self) -> int:
-        assert self._slot is not None
-        return self._slot
+        assert self._spare_array is not None  # bind() came first
+        return self._spare_array
 
     def bind(self, slot: int) -> None:
         """The open slot (its spare holds this slot's records)."""
         if self._slot != slot:
             self._slot, self._spare_used = slot, 0
+            self._spare_array = self.buffers.spare_array(slot)  # one view per slot, not one per parameter
 
     def _spare(self, n: int) -> int:
         at = self._spare_used
@@ -305,3 +301,7 @@ class UpdateDeltas:
     def reasons(self) -> dict[str, str]:
         return {name: ("" if x.delta else x.reason) for name, x in self.targets.items()}
 
+
+def _full_row(t: Any, param: str, offset: int, nbytes: int) -> tuple[int, int, int, int]:
+    """The parameter's usual write to target ``t`` (its bytes checked against the target's table)."""
+    return offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr
