@@ -73,7 +73,7 @@ def test_bytes_arrive_and_report_counts_equal_what_was_submitted(rig):
         r.writer.submit(s, writes)
     report = r.writer.finish()
     assert {e.engine: e.bytes for e in report.engines} == submitted
-    assert all(e.state == "ok" and e.writes == 4 and e.batches == 4 for e in report.engines)
+    assert all(e.state is EngineState.OK and e.writes == 4 and e.batches == 4 for e in report.engines)
     for e in (0, 1):
         np.testing.assert_array_equal(r.regions[e], expected[e])
 
@@ -109,12 +109,13 @@ def test_stuck_engine_delays_only_its_own_writes(rig):
     report = info.value.report
     assert set(info.value.failures) == {"engine-1"}
     assert "transfer timeout" in info.value.failures["engine-1"]
-    for e in (0, 2):  # neighbours finished on time, long before the stuck engine's deadline
-        assert report.engine(f"engine-{e}").state == "ok"
-        assert report.engine(f"engine-{e}").seconds < 0.5
+    for e in (0, 2):  # neighbours finished before the stuck engine's deadline (2 s), not at or after it
+        assert report.engine(f"engine-{e}").state is EngineState.OK
+        assert report.engine(f"engine-{e}").seconds < 2.0
         assert r.regions[e][:4096].tolist() == [1] * 4096 and r.regions[e][4096:8192].tolist() == [2] * 4096
-    # one timeout in all: the stuck engine's batches are cancelled together or skipped, never waited for in turn
-    assert elapsed < 2.0 + 1.0
+    # one timeout in all: the stuck engine's batches are cancelled together or skipped, never waited
+    # for in turn (two timeouts in turn: >= 4 s)
+    assert elapsed < 2 * 2.0
     stuck = report.engine("engine-1")
     assert stuck.batches + stuck.skipped_batches == 2 and stuck.bytes == 0
     assert stuck.state is EngineState.FAILED  # the core's word, read as the enum
@@ -168,7 +169,7 @@ def test_disconnected_engine_fails_naming_it_and_the_next_update_succeeds_after_
     r.transport.connect(1, "loopback")
     s = r.writer.acquire()
     r.writer.submit(s, [(0, 4096, 1, r.addr(1))])
-    assert r.writer.finish().engine("engine-1").state == "ok"
+    assert r.writer.finish().engine("engine-1").state is EngineState.OK
 
 
 @pytest.mark.parametrize(
@@ -289,7 +290,7 @@ def test_a_batch_submitted_while_the_first_is_polled_is_posted_at_once(rig):
     s1 = r.writer.acquire()
     r.writer.submit(s1, [(0, 4096, 0, r.addr(0, 4096))])
     report = r.writer.finish().engine("engine-0")
-    assert report.state == "ok" and report.batches == 2
+    assert report.state is EngineState.OK and report.batches == 2
     assert report.peak_inflight == 2
 
 
@@ -418,17 +419,17 @@ def test_finish_is_bounded_by_the_transfer_timeout_when_a_post_blocks(py_rig):
 
     t = threading.Thread(target=finish)
     t.start()
-    t.join(timeout=4.0)
+    t.join(timeout=10.0)
     unblock.set()  # lets the stuck post return, so the writer can be closed either way
     t.join()
     error, elapsed = outcome[0]
     assert isinstance(error, UpdateFailed), error
-    assert elapsed < 1.0 + 1.0
+    assert elapsed < 10.0  # bounded by the 1 s timeout, not by the post (which blocks until unblocked at 10 s)
     assert "had not returned after" in error.failures["engine-0"]
     # The late post lands in no later report; the slot comes free once its write is released.
     assert writer.acquire(timeout=5.0) == 0
     writer.release_slot(0)
-    assert writer.finish().engine("engine-0").state == "idle"
+    assert writer.finish().engine("engine-0").state is EngineState.IDLE
 
 
 def test_a_write_the_transport_cannot_cancel_keeps_its_slot_until_it_ends(py_rig):
@@ -457,7 +458,7 @@ def test_an_update_whose_slots_are_all_held_by_a_failed_engine_fails_naming_it(p
     t0 = time.monotonic()
     with pytest.raises(UpdateFailed, match="engine-0") as info:
         writer.acquire()  # the next slot of the same update
-    assert time.monotonic() - t0 < 0.5 + 1.0
+    assert time.monotonic() - t0 < 0.5 + 5.0  # the 0.5 s deadline, not a hang (the backend never lets go)
     assert "transfer timeout" in info.value.failures["engine-0"]
     backend._release = None  # let go, so the fixture can close
 

@@ -101,8 +101,19 @@ def collect() -> dict:
     findings["transports"] = _transports()
     findings["transport"] = _default_transport()
     findings["torch"] = _version("torch")
-    findings["sglang"] = _version("sglang")
+    findings["sglang"] = _sglang_version()
     return findings
+
+
+def _sglang_version() -> str | None:
+    """sglang's version as both sides read it (``models.sglang_version``: package metadata, else a
+    source tree's ``__version__``); a source tree that fails to import is reported, not fatal."""
+    from ..models.sglang_version import sglang_version
+
+    try:
+        return sglang_version()
+    except Exception as e:  # noqa: BLE001 - doctor reports a broken import, it does not die of it
+        return f"(import failed: {type(e).__name__}: {e})"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -296,8 +296,8 @@ def render_deltas(d: DeltaPlan) -> str:
     lines += [f"{'bottleneck':<40} full: {full.bottleneck}"]
     lines += [f"{'':<40} F={u.changed_fraction:g}: {u.bottleneck}" for u in ups]
     lines += [
-        f"{'sender memory for bases (host, max)':<40} {gb(d.base_bytes_per_sender_max):>{w}}  "
-        "(a host copy of every byte a sender prepares)",
+        f"{'sender memory for bases (max)':<40} {gb(d.base_bytes_per_sender_max):>{w}}  "
+        "(a copy of every byte a sender prepares, in its slots' memory)",
         f"{'delta area per engine rank (max)':<40} {gb(d.area_bytes_per_engine_rank_max):>{w}}",
     ]
     return "\n".join(lines)

@@ -137,9 +137,7 @@ def wire_share(codec_ratio: float, mode: str, room: float) -> tuple[float, float
 def not_built_yet(plan: Plan, links: Links) -> tuple[str, ...]:
     """What a delta update of this plan needs that is not built yet (docs/deltas.md: such updates
     are written in full today)."""
-    out = ["engine ranks holding their weights on a GPU (sglang's): the GPU apply kernel"]
-    if not links.host_slots:
-        out.append("GPU slots: change detection runs on host slots only")
+    out = ["sglang servers: their ranks publish a delta area only with the p2pweights sglang plugin"]
     if plan.trainer.stages > 1:
         out.append(f"{plan.trainer.stages} trainer PP stages: deltas need one writer per engine rank's delta area")
     return tuple(out)

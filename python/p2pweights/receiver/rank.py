@@ -74,9 +74,10 @@ class EngineRank:
         self.draft = draft_role(self.config, self.engine, self.rank, self.model, self.device)
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
         self.weight_regions = [(r.address, r.nbytes) for r in regions]
-        # host weights take deltas (deltas/area.py); a GPU rank's apply kernel is not built yet: full writes
+        # the rank's delta area (deltas/area.py), next to its weights: host memory or this GPU's
         self.delta_area = DeltaArea(area_bytes(sum(r.nbytes for r in regions), setting("P2PW_DELTA_AREA")),
-                                    self.rank, name) if self.device == "cpu" else None
+                                    self.rank, name, device=self.device)
+        self._weight_tensors = [r.storage for r in regions]  # index records are applied through them
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
         arch, version = device_arch(self.device), sglang_version() or ""
 
@@ -162,7 +163,8 @@ class EngineRank:
             raise InvalidWrite(f"engine {self.name} rank {self.rank} has no delta area (weights on {self.device})")
         with self._lock:
             return {"rank": self.rank, **self.delta_area.apply(
-                Manifest.parse(manifest, f"engine {self.name} rank {self.rank}"), self.weight_regions)}
+                Manifest.parse(manifest, f"engine {self.name} rank {self.rank}"), self.weight_regions,
+                self._weight_tensors)}
 
     # -- checks ------------------------------------------------------------------------------------
     def compare(self, hf_seed: int, skip: Sequence[str] = (), *, changed: tuple[float, int] | None = None) -> dict:

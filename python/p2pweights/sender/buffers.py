@@ -20,7 +20,7 @@ class TransferBuffers:
                  spare_bytes: int = 0):
         self.device = device
         self._gpu_tensor = None
-        # host slots may carry spare bytes after their data (a delta update's records, sender/delta_writes.py):
+        # slots may carry spare bytes after their data (a delta update's records, sender/delta_writes.py):
         # the writer posts from both parts; the loaders see the data part only
         self._data_bytes = slot_size(slot_bytes) if spare_bytes else 0
         if device == "cpu":
@@ -32,7 +32,7 @@ class TransferBuffers:
             import torch  # GPU slots only: the native core itself never links torch
 
             align = _native.TransferBuffer.alignment
-            slot = (int(slot_bytes) + align - 1) // align * align
+            slot = (int(slot_bytes) + int(spare_bytes) + align - 1) // align * align
             self._gpu_tensor = torch.empty(slot * int(num_slots), dtype=torch.uint8, device=device)
             index = self._gpu_tensor.device.index or 0
             self._native = _native.TransferBuffer.wrap(self._gpu_tensor.data_ptr(), slot, int(num_slots), f"cuda:{index}")
@@ -86,9 +86,18 @@ class TransferBuffers:
         import torch
 
         if self._gpu_tensor is not None:
-            n = self.slot_bytes
-            return self._gpu_tensor[i * n:(i + 1) * n]
+            at = i * self._native.slot_bytes
+            return self._gpu_tensor[at:at + self.slot_bytes]
         return torch.frombuffer(self._native.slot_view(i), dtype=torch.uint8)[:self.slot_bytes]
+
+    def spare_tensor(self, i: int):
+        """Slot i's spare bytes as a uint8 torch tensor on the slot's device (no copy)."""
+        import torch
+
+        if self._gpu_tensor is not None:
+            at = i * self._native.slot_bytes
+            return self._gpu_tensor[at + self.slot_bytes:at + self._native.slot_bytes]
+        return torch.frombuffer(self._native.slot_view(i), dtype=torch.uint8)[self.slot_bytes:]
 
     def close(self) -> None:
         self._native.close()

@@ -19,8 +19,8 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
    answers.
 
 A group's sender 0 claims and ends for every sender: the others follow its word (``follow``,
-``follow_commit``) and hand it their manifests (``written``). Host slots only for now; the others
-write in full and say why (docs/deltas.md).
+``follow_commit``) and hand it their manifests (``written``). Staged slots (GPU tensors into host
+slots) write in full (docs/deltas.md).
 """
 from __future__ import annotations
 
@@ -30,32 +30,57 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import _native
+from ..deltas import index_records
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import raise_for_status
 from .fillers import HostSlotFiller
 
 FIRST = "the first update after connect writes in full"
+#: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
+INDEX_RECORDS_ON_HOST = False
 
 
-def spare_bytes(slot_bytes: int) -> int:
-    """Spare bytes per host slot for its encoded records (a quarter of the slot, at least 1 MiB)."""
-    return max(1 << 20, int(slot_bytes) // 4)
+def spare_bytes(slot_bytes: int, bases: Any = True) -> int:
+    """Spare bytes per slot for its encoded records (a quarter of the slot, at least 1 MiB); none
+    for a sender that keeps no bases (``bases`` None: delta="off")."""
+    return max(1 << 20, int(slot_bytes) // 4) if bases is not None else 0
 
 
 class DeltaBases:
     """The sender's bases (host copies of what it wrote) and the identities its engines committed."""
 
     def __init__(self) -> None:
-        self.arrays: dict[tuple[str, int, str], np.ndarray] = {}
+        # (layout, rank, parameter) -> its base: a host array, or a view of the rank's GPU base
+        self.arrays: dict[tuple[str, int, str], Any] = {}
+        # GPU slots: (layout, rank) -> (one device tensor for the rank's parameters, parameter -> offset)
+        self.ranks: dict[tuple[str, int], tuple[Any, dict[str, int]]] = {}
         self.identities: dict[str, dict] = {}  # engine name -> {"epoch", "token"} of its last commit by us
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        return (sum(a.nbytes for a in self.arrays.values() if isinstance(a, np.ndarray))
+                + sum(t.nbytes for t, _ in self.ranks.values()))
+
+    def rank_base(self, p: Any, device: Any) -> tuple[Any, dict[str, int]]:
+        """Rank ``p``'s GPU base (made on first use, zeroed: no parameter has a base until written)."""
+        got = self.ranks.get((p.layout_key, p.rank))
+        if got is None or got[0].device != device:
+            import torch
+
+            offsets, total = {}, 0
+            for name, t in sorted(p.targets[0].publication.params.items()):
+                offsets[name] = total
+                total += -(-t.nbytes // 256) * 256
+            got = (torch.zeros(max(total, 1), dtype=torch.uint8, device=device), offsets)
+            self.ranks[(p.layout_key, p.rank)] = got
+            for key in [k for k in self.arrays if k[:2] == (p.layout_key, p.rank)]:
+                del self.arrays[key]  # views of a base that is gone
+        return got
 
     def clear(self) -> None:
         self.arrays.clear()
+        self.ranks.clear()
         self.identities.clear()
 
 
@@ -93,6 +118,7 @@ class UpdateDeltas:
         self.applied = False  # apply_now ran: the ends carry no manifests
         self._slot: int | None = None
         self._spare_array: np.ndarray | None = None
+        self._spare_t: Any = None  # the open GPU slot's spare (index records)
         self._spare_used = 0
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -104,7 +130,7 @@ class UpdateDeltas:
             ranks = [x for x in self.targets.values() if x.t.engine.name == e.name]
             why = self.off_reason or ("" if identity else FIRST)
             if not why and any(x.area is None for x in ranks):
-                why = "its ranks publish no delta area (sglang's own server, or weights on a GPU)"
+                why = "its ranks publish no delta area (sglang's own server)"
             e.begin_extra = {DELTA_KEY: identity} if not why else {}
             e.begin_claim, e.begin_answer = (identity if not why else None), {}
             for x in ranks:
@@ -198,8 +224,10 @@ class UpdateDeltas:
         full = {id(x.t) for x in self.targets.values() if not x.delta}
         rows: list = []
         # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
-        host = (self.keep and isinstance(filler, HostSlotFiller) and self.buffers.device == "cpu"
-                and any(self.targets[t.name].area for t in p.targets))
+        kept = self.keep and isinstance(filler, HostSlotFiller) and any(self.targets[t.name].area for t in p.targets)
+        host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST
+        if kept and not host:  # a GPU slot: index records, built on its device
+            return self._index_rows(p, entries, filler.slot)
         if not host:
             for param, _, _ in entries:  # written without a base update: no delta against it next time
                 self.bases.arrays.pop((p.layout_key, p.rank, param), None)
@@ -254,6 +282,71 @@ class UpdateDeltas:
             x.cursor += span
             x.records += 1
             self.encoded += span
+        return rows
+
+    def _index_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], slot_index: int) -> list:
+        """A GPU slot's rows (index_records.py): per unit size, one record of what changed in the
+        parameters ``entries`` of rank ``p`` hold, its payload written once into the slot's spare
+        and its header and table once per delta target. The bases are one GPU tensor per rank."""
+        slot = self.buffers.slot_tensor(slot_index)
+        if self._slot != slot_index:
+            self._slot, self._spare_used = slot_index, 0
+            self._spare_t = self.buffers.spare_tensor(slot_index)
+        base, offsets = self.bases.rank_base(p, slot.device)
+        deltas = [self.targets[t.name] for t in p.targets if self.targets[t.name].delta]
+        rows = [_full_row(t, param, o, n) for param, o, n in entries for t in p.targets
+                if not self.targets[t.name].delta]
+        by_unit: dict[int, list] = {}
+        for param, o, n in entries:
+            for t in p.targets:
+                self.full_bytes[t.name] += n
+            key, at = (p.layout_key, p.rank, param), offsets.get(param)
+            unit = p.targets[0].publication.params[param].element_size
+            unit = unit if unit in index_records.UNITS and o % unit == 0 and n % unit == 0 else 1
+            if key not in self.bases.arrays or not deltas:  # no base yet (a full write now), or nobody takes deltas
+                base[at:at + n].copy_(slot[o:o + n])
+                self.bases.arrays[key] = base[at:at + n]
+                rows += [_full_row(x.t, param, o, n) for x in deltas]
+            else:
+                by_unit.setdefault(unit, []).append((param, o, n, at))
+        for unit, params in by_unit.items():
+            rows += self._index_record(unit, params, slot, base, deltas)
+        return rows
+
+    def _index_record(self, unit: int, params: list, slot: Any, base: Any, deltas: list) -> list:
+        import torch
+
+        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit)
+        self.changed += found.count * unit
+        if not found.count:
+            return []
+        nrec = index_records.record_bytes(len(params), found.count, unit)
+        payload = index_records.payload_bytes(found.count, unit)
+        heads = nrec - payload + PREFIX.size
+        if (nrec >= sum(n for _, _, n, _ in params)  # dense: the usual writes are cheaper
+                or self._spare_used + payload + heads * len(deltas) > self._spare_t.numel()):
+            return [_full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
+        at = self._spare(payload)
+        check = index_records.write_payload(found, self._spare_t[at:at + payload])
+        rows = []
+        for x in deltas:
+            if x.cursor + PREFIX.size + nrec > x.area[1]:
+                rows += [_full_row(x.t, param, o, n) for param, o, n, _ in params]
+                continue
+            table, pos = [], 0
+            for param, _, n, _ in params:
+                table.append((pos, n // unit, x.t.publication.target(param, n, x.t.name).data_ptr))
+                pos += n // unit
+            head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, table, check)
+            hat = self._spare(len(head))
+            self._spare_t[hat:hat + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            remote = x.area[0] + x.cursor
+            rows += [(self._spare_offset(hat), len(head), x.t.writer_id, remote),
+                     (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]
+            x.hash.update(head)
+            x.cursor += PREFIX.size + nrec
+            x.records += 1
+            self.encoded += PREFIX.size + nrec
         return rows
 
     def _encode(self, cur: np.ndarray, base: np.ndarray, unit: int, nbytes: int) -> tuple[int | None, int, str, int]:

@@ -30,15 +30,16 @@ class EarlySlots:
     step are in ``seconds`` (they overlap the caller's own work)."""
 
     def __init__(self, make_transport: Callable[[], Any], slot_bytes: int, num_slots: int, *, pin: str,
-                 device: str):
+                 device: str, spare_bytes: int = 0):
         self.seconds: dict[str, float] = {}
         self._result: tuple[Any, TransferBuffers | None] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(make_transport, slot_bytes, num_slots, pin, device),
+        self._thread = threading.Thread(target=self._run, args=(make_transport, slot_bytes, num_slots, pin, device, spare_bytes),
                                         name="p2pw-early-slots", daemon=True)
         self._thread.start()
 
-    def _run(self, make_transport: Callable[[], Any], slot_bytes: int, num_slots: int, pin: str, device: str) -> None:
+    def _run(self, make_transport: Callable[[], Any], slot_bytes: int, num_slots: int, pin: str, device: str,
+             spare_bytes: int) -> None:
         transport = buffers = None
         try:
             t0 = time.perf_counter()
@@ -46,7 +47,7 @@ class EarlySlots:
             self.seconds = {"transport agent": time.perf_counter() - t0}
             if device != "cpu":  # host slots: after the replicas (the module's docstring says why)
                 t1 = time.perf_counter()
-                buffers = TransferBuffers(slot_bytes, num_slots, pin=pin, device=device)
+                buffers = TransferBuffers(slot_bytes, num_slots, pin=pin, device=device, spare_bytes=spare_bytes)
                 t2 = time.perf_counter()
                 transport.register_memory(buffers.address, buffers.total_bytes, buffers.location)
                 self.seconds.update({"buffer allocation + pinning": t2 - t1, "registration": time.perf_counter() - t2})

@@ -259,7 +259,8 @@ class WeightSender:
                 self._writer = PipelinedWriter(self._transport, self._buffers,
                                                transfer_timeout=self.settings.transfer_timeout)
             self.connect_phases.overlapped(early.seconds)
-        if self._buffers is not None and self._buffers.slot_bytes >= need:
+        spare = spare_bytes(need, self._bases)
+        if self._buffers is not None and self._buffers.slot_bytes >= need and self._buffers.spare_bytes >= spare:
             return
         if self._buffers is not None:
             # Slots must grow: this only happens when a new, larger layout joins.
@@ -271,7 +272,6 @@ class WeightSender:
             self._transport = self._make_transport()
             phases.count("agents created")
         phases.lap("transport agent")
-        spare = spare_bytes(need) if self._bases is not None and self.settings.buffer_device == "cpu" else 0
         self._buffers = TransferBuffers(need, self.settings.num_slots, pin=self.settings.pin,
                                         device=self.settings.buffer_device, spare_bytes=spare)
         phases.lap("buffer allocation + pinning")
@@ -298,8 +298,9 @@ class WeightSender:
             self.connect_phases.lap("waiting for warm-up")
 
     def _early_slots(self) -> EarlySlots:
-        return EarlySlots(self._make_transport, slot_size(self.settings.buffer_size), self.settings.num_slots,
-                          pin=self.settings.pin, device=self.settings.buffer_device)
+        need = slot_size(self.settings.buffer_size)
+        return EarlySlots(self._make_transport, need, self.settings.num_slots, pin=self.settings.pin,
+                          device=self.settings.buffer_device, spare_bytes=spare_bytes(need, self._bases))
 
     def _make_transport(self) -> Any:
         return transports.make_sender_transport(self.transport, nixl_api=self.settings.nixl_api,
@@ -420,8 +421,6 @@ class WeightSender:
             why, keep = "control=False or pipeline stages: deltas need one session owner and one writer per rank", False
         elif self.settings.open_beside_slots:
             why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
-        elif self.settings.buffer_device != "cpu":
-            why, keep = "GPU slots: change detection runs on host slots (its GPU kernel is not built yet)", False
         return UpdateDeltas(self._bases, self._ranks, self._buffers, wanted=not why, off_reason=why, keep=keep)
 
     def _follow_epochs(self, epochs: dict[str, int]) -> list[str]:

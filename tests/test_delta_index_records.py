@@ -1,0 +1,220 @@
+"""Index records (deltas/index_records.py), the GPU slots' delta encoding, through an engine rank's
+delta area (deltas/area.py): exact round trips at several densities and units, and each way a
+record can be wrong refused whole, with the weights untouched. On the CPU here; the CUDA cases run
+where a GPU is (the same code, on the device)."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from p2pweights.deltas import index_records as ir
+from p2pweights.deltas.area import PREFIX, DeltaArea, Manifest
+from p2pweights.errors import InvalidWrite
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Rank:
+    """An engine rank's weights (one region) and its area; params placed at 256-byte boundaries."""
+
+    def __init__(self, params: list[torch.Tensor], device: str):
+        self.offsets, at = [], 0
+        for p in params:
+            self.offsets.append(at)
+            at += -(-p.numel() * p.element_size() // 256) * 256
+        self.weights = torch.zeros(at, dtype=torch.uint8, device=device)
+        for p, o in zip(params, self.offsets):
+            self.weights[o:o + p.numel() * p.element_size()] = p.reshape(-1).view(torch.uint8)
+        self.area = DeltaArea(1 << 20, device=device)
+        self.cursor, self.records, self.hash = 0, 0, hashlib.sha256()
+
+    @property
+    def regions(self):
+        return [(self.weights.data_ptr(), self.weights.numel())]
+
+    def param(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return self.weights[self.offsets[k]:self.offsets[k] + n].view(like.dtype).view(like.shape)
+
+    def write(self, found: ir.Found, table: list, *, payload_edit=None, head_edit=None) -> None:
+        """What a sender writes: prefix + header + table, then the payload (its checksum on the device)."""
+        payload = torch.zeros(ir.payload_bytes(found.count, found.unit), dtype=torch.uint8, device=self.weights.device)
+        check = ir.write_payload(found, payload)
+        if payload_edit is not None:
+            payload_edit(payload)
+            check = ir.checksum(payload)
+        head = PREFIX.pack(0, ir.record_bytes(len(table), found.count, found.unit)) + ir.header_and_table(
+            found, table, check)
+        if head_edit is not None:
+            head = head_edit(head)
+        self.hash.update(head)
+        raw = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.weights.device)
+        at = self.cursor
+        target = self.area.tensor if self.area.device != "cpu" else torch.from_numpy(self.area.array)
+        target[at:at + len(head)] = raw
+        target[at + len(head):at + len(head) + payload.numel()] = payload
+        self.cursor += len(head) + payload.numel()
+        self.records += 1
+
+    def manifest(self) -> Manifest:
+        return Manifest(self.cursor, self.records, self.hash.hexdigest())
+
+    def apply(self) -> dict:
+        return self.area.apply(self.manifest(), self.regions, [self.weights])
+
+
+def _laid_out(params: list[torch.Tensor], gap: int) -> tuple[torch.Tensor, list[int]]:
+    """The parameters' bytes one after another, each on a 256-byte boundary after ``gap`` bytes."""
+    offsets, at = [], 0
+    for p in params:
+        at += gap
+        offsets.append(at)
+        at += -(-p.numel() * p.element_size() // 256) * 256
+    out = torch.full((at,), 0xAB, dtype=torch.uint8, device=params[0].device)
+    for p, o in zip(params, offsets):
+        out[o:o + p.numel() * p.element_size()] = p.reshape(-1).view(torch.uint8)
+    return out, offsets
+
+
+def _find(old: list[torch.Tensor], new: list[torch.Tensor], unit: int):
+    """find_changes as a sender runs it: the new bytes in a slot, the old ones in the rank's base
+    (other offsets than the slot's). Returns what it found and the base's parameters after it."""
+    slot, so = _laid_out(new, 512)
+    base, bo = _laid_out(old, 256)
+    found = ir.find_changes(slot, base, [(s, b, p.numel() * p.element_size()) for s, b, p in zip(so, bo, new)], unit)
+    return found, [base[b:b + p.numel() * p.element_size()] for b, p in zip(bo, new)]
+
+
+def _changed(t: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    out = t.clone()
+    flat = out.view(-1)
+    k = int(flat.numel() * fraction)
+    if k:
+        idx = torch.randperm(flat.numel(), generator=gen)[:k]
+        flat[idx] = (flat[idx].float() + 1).to(t.dtype)
+    return out
+
+
+def _table(rank: Rank, params: list[torch.Tensor], unit: int) -> list:
+    rows, pos = [], 0
+    for k, p in enumerate(params):
+        n = p.numel() * p.element_size() // unit
+        rows.append((pos, n, rank.weights.data_ptr() + rank.offsets[k]))
+        pos += n
+    return rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2), (torch.float32, 4), (torch.uint8, 1)])
+def test_a_record_applied_leaves_exactly_the_new_bytes(device, fraction, dtype, unit):
+    gen = torch.Generator().manual_seed(1)
+    old = [torch.randn(n, generator=gen).to(dtype).to(device) for n in (1000, 37, 4096)]
+    new = [_changed(p.cpu(), fraction, k).to(device) for k, p in enumerate(old)]
+    rank = Rank(old, device)
+    found, bases = _find(old, new, unit)
+    expect = sum(int((a.view(torch.uint8).view(ir._dtype(unit)) != b.view(torch.uint8).view(ir._dtype(unit))).sum())
+                 for a, b in zip(old, new))
+    assert found.count == expect
+    for b, p in zip(bases, new):  # the base follows
+        assert torch.equal(b, p.reshape(-1).view(torch.uint8))
+    if found.count:
+        rank.write(found, _table(rank, old, unit))
+    assert rank.apply()["records"] == (1 if found.count else 0)
+    for k, p in enumerate(new):
+        assert torch.equal(rank.param(k, p).view(torch.uint8), p.view(torch.uint8)), f"param {k}"
+
+
+def _one(device: str = "cpu"):
+    gen = torch.Generator().manual_seed(2)
+    old = [torch.randn(512, generator=gen).bfloat16().to(device), torch.randn(64, generator=gen).bfloat16().to(device)]
+    new = [_changed(p.cpu(), 0.05, 3 + k).to(device) for k, p in enumerate(old)]
+    rank = Rank(old, device)
+    found, _ = _find(old, new, 2)
+    return old, rank, found
+
+
+def _refused(rank: Rank, old: list, match: str) -> None:
+    before = rank.weights.clone()
+    with pytest.raises(InvalidWrite, match=match):
+        rank.apply()
+    assert torch.equal(rank.weights, before), "a refused area changed the weights"
+    for k, p in enumerate(old):
+        assert torch.equal(rank.param(k, p), p)
+
+
+def test_a_payload_changed_after_the_owner_wrote_it_is_refused():
+    old, rank, found = _one()
+    rank.write(found, _table(rank, old, 2))
+    at = rank.cursor - 8
+    rank.area.array[at] ^= 1  # a late or stale write into the payload
+    _refused(rank, old, "checksum differs")
+
+
+def test_a_table_changed_after_the_owner_wrote_it_is_refused():
+    old, rank, found = _one()
+    rank.write(found, _table(rank, old, 2))
+    rank.area.array[PREFIX.size + ir.HEADER.size + ir.ENTRY.size + 16] ^= 0x02  # row 1's dest, 2 bytes over
+    _refused(rank, old, "SHA-256 differs")
+
+
+def test_a_destination_outside_the_weights_is_refused():
+    old, rank, found = _one()
+    table = _table(rank, old, 2)
+    table[1] = (table[1][0], table[1][1], rank.weights.data_ptr() + rank.weights.numel() - 8)
+    rank.write(found, table)
+    _refused(rank, old, "outside this rank's weights")
+
+
+def test_positions_out_of_order_or_past_the_table_are_refused():
+    old, rank, found = _one()
+
+    def swap(payload):
+        pos = payload[:4 * found.count].view(torch.int32)
+        pos[0], pos[1] = int(pos[1]), int(pos[0])
+
+    rank.write(found, _table(rank, old, 2), payload_edit=swap)
+    _refused(rank, old, "not ascending")
+    _, rank, found = _one()
+
+    def past(payload):
+        payload[:4 * found.count].view(torch.int32)[-1] = 512 + 64
+
+    rank.write(found, _table(rank, old, 2), payload_edit=past)
+    _refused(rank, old, "not ascending inside")
+
+
+def test_a_table_that_does_not_tile_the_positions_is_refused():
+    old, rank, found = _one()
+    table = _table(rank, old, 2)
+    table[1] = (table[1][0] + 1, table[1][1], table[1][2])
+    rank.write(found, table)
+    _refused(rank, old, "table row 1 starts at")
+
+
+def test_one_bad_record_refuses_the_good_ones_before_them():
+    old, rank, found = _one()
+    rank.write(found, _table(rank, old, 2))
+    good_end = rank.cursor
+    rank.write(found, _table(rank, old, 2), head_edit=lambda h: h[:PREFIX.size] + b"P2PY" + h[PREFIX.size + 4:])
+    assert good_end < rank.cursor
+    _refused(rank, old, f"the record at byte {good_end}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU area needs CUDA (runs on the GPU machine)")
+def test_a_gpu_area_takes_index_records_only():
+    from p2pweights.deltas.codec import encode
+
+    old, rank, found = _one("cuda")
+    cur = torch.randn(64).bfloat16().view(torch.uint8).numpy()
+    record = encode(cur, cur.copy(), 2)
+    data = record.data.tobytes()
+    prefix = PREFIX.pack(rank.weights.data_ptr(), len(data))
+    body = prefix + data + b"\0" * (-len(data) % 8)
+    rank.area.tensor[:len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8).cuda()
+    rank.cursor, rank.records = len(body), 1
+    rank.hash.update(body)
+    _refused(rank, old, "not an index record")
