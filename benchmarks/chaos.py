@@ -62,7 +62,7 @@ CHILD = textwrap.dedent('''
     from p2pweights.sender import WeightSender
 
     cfg, transport = sys.argv[1:3]
-    if os.environ.get("P2PW_CHAOS_UNFENCED") == "1":  # --unfenced: the harness's self-check
+    if os.environ.get("CHAOS_UNFENCED") == "1":  # --unfenced: the harness's self-check
         from p2pweights.sender.update import Update
         Update._fence_writes = lambda self, engine, deadline: None
     urls = sys.argv[3:]
@@ -485,7 +485,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown fault(s) {sorted(unknown)}; known: {FAULTS}")
     if a.unfenced:
-        os.environ["P2PW_CHAOS_UNFENCED"] = "1"
+        os.environ["CHAOS_UNFENCED"] = "1"
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1 << 31)
     print(f"# chaos seed {a.seed} (--seed {a.seed} replays the draws)", file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ class Rank:
         for p, o in zip(params, self.offsets):
             self.weights[o:o + p.numel() * p.element_size()] = p.reshape(-1).view(torch.uint8)
         self.area = DeltaArea(1 << 20, device=device)
-        self.cursor, self.records, self.hash = 0, 0, hashlib.sha256()
+        self.cursor, self.records, self.hash, self.checks = 0, 0, hashlib.sha256(), []
 
     @property
     def regions(self):
@@ -45,11 +45,11 @@ class Rank:
         if payload_edit is not None:
             payload_edit(payload)
             check = ir.checksum(payload)
-        head = PREFIX.pack(0, ir.record_bytes(len(table), found.count, found.unit)) + ir.header_and_table(
-            found, table, check)
+        head = PREFIX.pack(0, ir.record_bytes(len(table), found.count, found.unit)) + ir.header_and_table(found, table)
         if head_edit is not None:
             head = head_edit(head)
         self.hash.update(head)
+        self.checks.append(check)
         raw = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.weights.device)
         at = self.cursor
         target = self.area.tensor if self.area.device != "cpu" else torch.from_numpy(self.area.array)
@@ -59,7 +59,9 @@ class Rank:
         self.records += 1
 
     def manifest(self) -> Manifest:
-        return Manifest(self.cursor, self.records, self.hash.hexdigest())
+        digest = self.hash.copy()
+        digest.update(ir.checksum_words(self.checks))
+        return Manifest(self.cursor, self.records, digest.hexdigest())
 
     def apply(self) -> dict:
         return self.area.apply(self.manifest(), self.regions, [self.weights])
@@ -151,7 +153,7 @@ def test_a_payload_changed_after_the_owner_wrote_it_is_refused():
     rank.write(found, _table(rank, old, 2))
     at = rank.cursor - 8
     rank.area.array[at] ^= 1  # a late or stale write into the payload
-    _refused(rank, old, "checksum differs")
+    _refused(rank, old, "SHA-256 differs")
 
 
 def test_a_table_changed_after_the_owner_wrote_it_is_refused():
@@ -178,7 +180,7 @@ def test_positions_out_of_order_or_past_the_table_are_refused():
 
     rank.write(found, _table(rank, old, 2), payload_edit=swap)
     _refused(rank, old, "not ascending")
-    _, rank, found = _one()
+    old, rank, found = _one()
 
     def past(payload):
         payload[:4 * found.count].view(torch.int32)[-1] = 512 + 64
@@ -218,3 +220,37 @@ def test_a_gpu_area_takes_index_records_only():
     rank.cursor, rank.records = len(body), 1
     rank.hash.update(body)
     _refused(rank, old, "not an index record")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_changes_than_the_limit_make_a_dense_record_and_the_bases_still_follow(device):
+    gen = torch.Generator().manual_seed(5)
+    old = [torch.randn(n, generator=gen).bfloat16().to(device) for n in (700, 300)]
+    new = [_changed(p.cpu(), 0.2, 9 + k).to(device) for k, p in enumerate(old)]
+    slot, so = _laid_out(new, 512)
+    base, bo = _laid_out(old, 256)
+    params = [(s, b, p.numel() * 2) for s, b, p in zip(so, bo, new)]
+    found = ir.find_changes(slot, base, params, 2, limit=10)
+    assert found.count > 10 and found.positions is None  # dense: no positions gathered
+    for b, p in zip(bo, new):
+        assert torch.equal(base[b:b + p.numel() * 2], p.view(torch.uint8))
+    again = ir.find_changes(slot, base, params, 2, limit=10)
+    assert again.count == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unit", [1, 2, 4])
+def test_the_word_compare_finds_what_the_element_compare_finds(device, unit):
+    """Parameters on 8-byte boundaries are compared in words first: the same positions and values
+    as element by element (a parameter of an odd size takes the element path)."""
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[unit]
+    gen = torch.Generator().manual_seed(11)
+    for sizes in ((4096, 1024), (4095, 1024)):  # the second: not a multiple of 8 bytes at unit 1 or 2
+        old = [torch.randn(n, generator=gen).to(dtype).to(device) for n in sizes]
+        new = [_changed(p.cpu(), 0.02, 20 + k).to(device) for k, p in enumerate(old)]
+        found, _ = _find(old, new, unit)
+        flat_old = torch.cat([p.reshape(-1).view(torch.uint8).view(ir._dtype(unit)) for p in old])
+        flat_new = torch.cat([p.reshape(-1).view(torch.uint8).view(ir._dtype(unit)) for p in new])
+        expect = (flat_old != flat_new).nonzero().squeeze(1)
+        assert torch.equal(found.positions.long(), expect)
+        assert torch.equal(found.values, flat_new[expect])

@@ -28,6 +28,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_gpu_delta  # noqa: E402  (beside this file)
+
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GiB = 1 << 30
 
@@ -329,72 +332,6 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
     return rows
 
 
-def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: float = 0.01,
-                         steps: int = 3) -> list[dict]:
-    """Delta updates (issue 24): GPU slots, NIXL, into a VRAM receiver, every step checked byte for
-    byte. Version 0 of a changed family (full: the first update), versions 1..steps (``fraction`` of
-    the elements changed: deltas), the last version again with delta=False (a steady full update, same
-    run), then two fresh checkpoints (every element new) with delta="auto" and delta=False. Then the
-    change detection alone on one 256 MiB slot of BF16 (``index_records.find_changes``)."""
-    import torch
-
-    from p2pweights.control import SglangEngine
-    from p2pweights.deltas import index_records
-    from p2pweights.models import resolve_model
-    from p2pweights.models.checkpoint import random_tensor, trainer_tensors
-    from p2pweights.receiver import check_weights_equal, start_engine
-    from p2pweights.sender import WeightSender
-
-    cfg = resolve_model(model)
-    rows = []
-    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
-                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
-    try:
-        specs = trainer_tensors(cfg)
-        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
-        sender.connect([SglangEngine(engine.url, name="vram-engine")])
-        if getattr(sender, "recorder", None) is not None:
-            sender.recorder.wait()
-        plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
-        plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
-        for label, version, delta in plan:
-            changed = version if isinstance(version, tuple) else None
-            seed = 7 if changed else version
-            tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
-            torch.cuda.synchronize()
-            with sender.update(label, delta=delta) as u:
-                for n, t in tensors:
-                    u.push(n, t)
-            r = u.report
-            check = check_weights_equal(engine.url, hf_seed=seed, changed_fraction=changed[0] if changed else None,
-                                        changed_steps=changed[1] if changed else None)
-            rows.append({"model": model, "engine": spec, "update": label, "delta": str(delta), "bytes": r.bytes,
-                         "bytes_written": r.bytes_written, "written_ratio": r.bytes_written / r.bytes,
-                         "seconds": r.seconds, "data_s": r.data_seconds, "control_s": r.control_seconds,
-                         "loading_s": r.loading_seconds, "writing_s": r.writing_seconds, "changed_bytes": r.changed_bytes,
-                         "base_bytes": r.base_bytes, "reasons": sorted(set(r.delta_reason.values())),
-                         "equal": bool(check["success"])})
-            del tensors
-        sender.close()
-    finally:
-        engine.close()
-    slot = 256 << 20
-    cur = torch.randn(slot // 2, device="cuda").bfloat16().view(torch.uint8)
-    base = cur.clone()
-    base.view(torch.int16)[::100] += 1  # 1% of the elements differ
-    whole = [(0, 0, slot)]
-    for _ in range(3):
-        index_records.find_changes(cur, base.clone(), whole, 2)
-    torch.cuda.synchronize()
-    t0, n = time.perf_counter(), 10
-    for _ in range(n):
-        index_records.find_changes(cur, base, whole, 2)  # moves the base on: change it again (not timed apart)
-        base.view(torch.int16)[::100] += 1
-    torch.cuda.synchronize()
-    rows.append({"change_detection_slot_bytes": slot, "gbps": slot * n / (time.perf_counter() - t0) / 1e9})
-    return rows
-
-
 def fp8_config(layers: int = 2, experts: int = 32) -> str:
     """kimi-k2-fp8 cut to ``layers`` decoder layers (one dense) of ``experts`` routed experts, no MTP:
     the real hidden/expert/vocab sizes and FP8 128x128 blocks, small enough to build and check."""
@@ -430,8 +367,8 @@ def section_connect(model: str = "qwen3-4b", spec: str = "tp=2") -> list[dict]:
 SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
             "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
             "update_profile": lambda: section_update(profile=True),
-            "update_fp8": section_update_fp8, "update_delta": section_update_delta,
-            "update_delta_fp8": lambda: section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
+            "update_fp8": section_update_fp8, "update_delta": lambda: bench_gpu_delta.section_update_delta(),
+            "update_delta_fp8": lambda: bench_gpu_delta.section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
             "tests": section_tests, "profile": section_profile, "connect": section_connect}
 
 

@@ -15,7 +15,7 @@ torch on the device of the weights). A rank whose weights are on a GPU keeps its
 
 The session's owner names, in its end call, how many bytes and records it wrote and the SHA-256 of
 what it wrote (:class:`Manifest`): every codec record's bytes, every index record's prefix, header
-and table (its payload is proven by its own checksum, computed on the device). :meth:`DeltaArea.apply`
+and table, then every index record's payload checksum (computed on the device; index_records.py). :meth:`DeltaArea.apply`
 refuses the whole area unless the bytes are exactly those, every record passes its checks and every
 destination lies inside the rank's weight regions — before the first byte is applied. A refused
 apply fails the end: the engine is torn, as after any failed update (docs/deltas.md).
@@ -148,10 +148,15 @@ class DeltaArea:
                 digest.update(used[pos:pos + span])
                 out.append(("runs", *self._check_runs(used, pos, n, dest, regions)))
             pos += span
+        indexed = [r[1] for r in out if r[0] == "index"]
+        digest.update(index_records.checksum_words([r.checksum for r in indexed]))  # one wait for all
         if digest.hexdigest() != manifest.sha256:
             self._refuse(InvalidWrite, "its bytes are not the ones the session's owner wrote (SHA-256 differs)")
         if len(out) != manifest.records:
             self._refuse(InvalidWrite, f"the manifest names {manifest.records} records; the area holds {len(out)}")
+        bad = index_records.any_bad(indexed)
+        if bad:
+            self._refuse(InvalidWrite, f"index record {bad[0]}: its positions are not ascending inside its table")
         return out
 
     def _check_runs(self, used: np.ndarray, pos: int, n: int, dest: int,

@@ -12,11 +12,12 @@ one prepared rank loaded into one slot, concatenated in the order of its table::
             concatenation, its elements, the engine address of its first byte
     payload count x int32 positions (ascending), zero-padded to 8 | count x unit values, padded to 8
 
-``checksum`` is a 64-bit sum of the payload's words, each times an odd multiplier of its position,
+A payload's checksum is a 64-bit sum of its words, each times an odd multiplier of its position,
 computed on the device on both sides (a changed word always changes it). The area's manifest
-(area.py) takes the SHA-256 of every record's prefix, header and table, so the owner's word covers
-the whole record without moving its payload to a host: the digest proves where each byte goes and
-how many there are, the checksum that the payload is the one the owner wrote.
+(area.py) is the SHA-256 of every record's prefix, header and table followed by every index
+record's checksum, so the owner's word covers the whole record without moving its payload to a
+host, and each side waits for the device once for all its checksums, not once per record. The
+header's ``checksum`` field is reserved (0).
 
 The engine rank checks a record whole before any is applied (:func:`check`: the table inside its
 weights, positions ascending and inside the concatenation, the checksum), then applies it
@@ -56,41 +57,55 @@ def record_bytes(entries: int, count: int, unit: int) -> int:
     return HEADER.size + ENTRY.size * entries + payload_bytes(count, unit)
 
 
-def checksum(payload: Any) -> int:
-    """The payload's checksum (a uint8 tensor of a multiple of 8 bytes, on any device)."""
+def checksum(payload: Any) -> Any:
+    """The payload's checksum as a device scalar (int64; a uint8 tensor of a multiple of 8 bytes,
+    on any device): read it with :func:`checksum_words`, once for many."""
     import torch
 
     words = payload.view(torch.int64)
-    if not words.numel():
-        return 0
     weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64).mul_(2).add_(1).mul_(_MULT)
-    return int(words.mul(weights).sum().item())
+    return words.mul(weights).sum()
+
+
+def checksum_words(checks: Sequence[Any]) -> bytes:
+    """The checksums (device scalars from :func:`checksum`) as the bytes the manifest's digest ends
+    with: one wait for the device for all of them."""
+    import torch
+
+    if not checks:
+        return b""
+    values = torch.stack([c.to(torch.int64) for c in checks]).cpu().tolist()
+    return b"".join(struct.pack("<Q", v & (2**64 - 1)) for v in values)
 
 
 @dataclass(frozen=True)
 class Found:
-    """What one encode found: the changed positions and their values (device tensors)."""
+    """What one encode found: ``count`` changed elements of ``elements``; their positions and
+    values (device tensors) unless the record would be dense (``positions`` None)."""
 
     unit: int
     elements: int
-    positions: Any  # int32, ascending
-    values: Any  # the unit's integer dtype
-
-    @property
-    def count(self) -> int:
-        return int(self.positions.numel())
+    count: int
+    positions: Any = None  # int32, ascending
+    values: Any = None  # the unit's integer dtype
 
 
-def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int) -> Found:
+def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
+                 limit: int | None = None) -> Found:
     """Compare the parameters a slot holds with their bases and move the bases on: ``slot`` and
     ``base`` are uint8 tensors on one device, ``params`` = [(slot offset, base offset, bytes)], every
-    offset and size a multiple of ``unit``. Positions are in the concatenation of ``params``.
+    offset and size a multiple of ``unit``. Positions are in the concatenation of ``params``. More
+    than ``limit`` changes: dense (the positions are not gathered, the bases are copied).
 
-    Three passes over the slot's bytes: the compare (slot and base read, one mask byte written per
-    element), ``nonzero`` over the mask (the one synchronization), then the changed elements alone
-    are gathered and scattered into the base."""
+    Where every offset and size is a multiple of 8 (parameters are), the compare runs on 8-byte
+    words: one mask byte per word, counted (a wait for the device; more changed words than
+    ``limit``: dense), ``nonzero`` over it, then the changed words alone are compared element by
+    element and scattered whole into the base. A dense record's ``count`` is then the changed words'
+    elements (an upper bound)."""
     import torch
 
+    if unit < 8 and all(so % 8 == 0 and bo % 8 == 0 and n % 8 == 0 for so, bo, n in params):
+        return _find_by_words(slot, base, params, unit, limit)
     dt = _dtype(unit)
     su, bu = slot.view(dt), base.view(dt)
     elements = [n // unit for _, _, n in params]
@@ -104,21 +119,67 @@ def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], u
         starts.append(at)
         at += e
     positions = mask.nonzero().squeeze(1)
-    if positions.numel() and len(params) > 1:
-        row = torch.searchsorted(torch.tensor(starts, device=slot.device), positions, right=True) - 1
-        shifts = torch.tensor([[so // unit - c, bo // unit - c] for (so, bo, _), c in zip(params, starts)],
-                              device=slot.device)[row]
-        at_slot, at_base = positions + shifts[:, 0], positions + shifts[:, 1]
-    else:
-        at_slot = positions + params[0][0] // unit if params else positions
-        at_base = positions + params[0][1] // unit if params else positions
+    count = int(positions.numel())
+    if limit is not None and count > limit:
+        for (so, bo, _), e in zip(params, elements):
+            bu[bo // unit:bo // unit + e].copy_(su[so // unit:so // unit + e])
+        return Found(unit, total, count)
+    at_slot, at_base = _placed(positions, params, starts, unit, slot.device)
     values = su[at_slot]
     bu.index_copy_(0, at_base, values)
-    return Found(unit, total, positions.to(torch.int32), values)
+    return Found(unit, total, count, positions.to(torch.int32), values)
 
 
-def write_payload(found: Found, out: Any) -> int:
-    """Write the payload into ``out`` (uint8, 8-aligned, on the device): its checksum."""
+def _placed(positions: Any, params: Sequence[tuple[int, int, int]], starts: Sequence[int], size: int,
+            device: Any) -> tuple[Any, Any]:
+    """Positions in the concatenation of ``params`` (in ``size``-byte items) -> (slot, base) item indices."""
+    import torch
+
+    if len(params) == 1:
+        return positions + params[0][0] // size, positions + params[0][1] // size
+    row = torch.searchsorted(torch.tensor(starts, device=device), positions, right=True) - 1
+    shifts = torch.tensor([[so // size - c, bo // size - c] for (so, bo, _), c in zip(params, starts)],
+                          device=device)[row]
+    return positions + shifts[:, 0], positions + shifts[:, 1]
+
+
+def _find_by_words(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
+                   limit: int | None) -> Found:
+    import torch
+
+    dt, per = _dtype(unit), 8 // unit
+    sw, bw = slot.view(torch.int64), base.view(torch.int64)
+    words = [n // 8 for _, _, n in params]
+    total = sum(words) * per
+    if total > MAX_POSITIONS:
+        raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
+    mask = torch.empty(sum(words), dtype=torch.bool, device=slot.device)
+    starts, at = [], 0
+    for (so, bo, _), w in zip(params, words):
+        torch.ne(sw[so // 8:so // 8 + w], bw[bo // 8:bo // 8 + w], out=mask[at:at + w])
+        starts.append(at)
+        at += w
+    nwords = int(mask.sum().item())  # the mask is an eighth of the bytes: counting first is cheap
+    if not nwords:
+        return Found(unit, total, 0, torch.empty(0, dtype=torch.int32, device=slot.device), sw[:0].view(dt))
+    if limit is not None and nwords > limit:  # each holds at least one changed element: dense
+        for (so, bo, _), w in zip(params, words):
+            bw[bo // 8:bo // 8 + w].copy_(sw[so // 8:so // 8 + w])
+        return Found(unit, total, nwords * per)
+    changed = mask.nonzero().squeeze(1)  # the changed words
+    at_slot, at_base = _placed(changed, params, starts, 8, slot.device)
+    cur = sw[at_slot]
+    inside = (cur.view(dt) != bw[at_base].view(dt)).nonzero().squeeze(1)  # the changed elements of those words
+    bw.index_copy_(0, at_base, cur)  # whole words: their other elements are equal
+    count = int(inside.numel())
+    if limit is not None and count > limit:
+        return Found(unit, total, count)
+    positions = changed[inside // per] * per + inside % per
+    return Found(unit, total, count, positions.to(torch.int32), cur.view(dt)[inside])
+
+
+def write_payload(found: Found, out: Any) -> Any:
+    """Write the payload into ``out`` (uint8, 8-aligned, on the device): its checksum (a device scalar)."""
     import torch
 
     n4 = _pad8(4 * found.count)
@@ -129,17 +190,33 @@ def write_payload(found: Found, out: Any) -> int:
     return checksum(out[:n4 + nv])
 
 
-def header_and_table(found: Found, table: Sequence[tuple[int, int, int]], check: int) -> bytes:
+def header_and_table(found: Found, table: Sequence[tuple[int, int, int]]) -> bytes:
     """The record's header and table (host bytes): ``table`` = [(position, elements, dest)]."""
-    return HEADER.pack(MAGIC, VERSION, found.unit, len(table), 0, found.count, check & (2**64 - 1)) + b"".join(
+    return HEADER.pack(MAGIC, VERSION, found.unit, len(table), 0, found.count, 0) + b"".join(
         ENTRY.pack(*row) for row in table)
 
 
 @dataclass
 class Checked:
-    """A checked record, ready to apply: per weight region, the element indices and values."""
+    """A record checked on the host, ready to apply once its device checks pass: per weight region,
+    the element indices and values; ``checksum`` and ``bad`` are device scalars (read for all
+    records at once: :func:`checksum_words`, :func:`any_bad`)."""
 
     scatters: list  # [(region tensor viewed as the unit's dtype, int64 indices, values)]
+    checksum: Any = None
+    bad: Any = None
+
+
+def any_bad(records: Sequence[Checked]) -> list[int]:
+    """The indices of the records whose positions are not ascending inside their table (one wait)."""
+    import torch
+
+    flags = [r.bad for r in records if r.bad is not None]
+    if not flags:
+        return []
+    got = torch.stack(flags).cpu().tolist()
+    at = [i for i, r in enumerate(records) if r.bad is not None]
+    return [at[k] for k, b in enumerate(got) if b]
 
 
 def parse_header(head: bytes) -> tuple[int, int, int, int]:
@@ -155,11 +232,12 @@ def parse_header(head: bytes) -> tuple[int, int, int, int]:
 
 
 def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, int, Any]]) -> Checked:
-    """Check one record whole (``regions``: the rank's weights as (address, bytes, uint8 tensor));
-    ValueError names the first fault. Nothing is applied."""
+    """Check one record's header and table (``regions``: the rank's weights as (address, bytes,
+    uint8 tensor)); ValueError names the first fault. Its device checks (checksum, positions) are
+    read later, for all records at once. Nothing is applied."""
     import torch
 
-    unit, entries, count, want = parse_header(head)
+    unit, entries, count, _ = parse_header(head)
     if len(table) != ENTRY.size * entries:
         raise ValueError(f"the table holds {len(table)} bytes for {entries} rows")
     if payload.numel() != payload_bytes(count, unit):
@@ -175,19 +253,16 @@ def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, 
                              f"or off its {unit}-byte elements")
         rows.append((position, elements, where[0], (dest - regions[where[0]][0]) // unit))
         at += elements
-    got = checksum(payload) & (2**64 - 1)
-    if got != want:
-        raise ValueError("its payload is not the one the owner wrote (checksum differs)")
+    check = checksum(payload)
     if count == 0:
-        return Checked([])
+        return Checked([], check)
     n4 = _pad8(4 * count)
     positions = payload[:4 * count].view(torch.int32).to(torch.int64)
     values = payload[n4:n4 + unit * count].view(_dtype(unit))
     bad = (positions[0] < 0) | (positions[-1] >= at)
     if count > 1:
         bad = bad | (positions[1:] <= positions[:-1]).any()
-    if bool(bad.item()):
-        raise ValueError(f"its positions are not ascending inside the record's {at} elements")
+    positions = positions.clamp(0, at - 1)  # a bad record is refused before any scatter; no stray index meanwhile
     starts = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=positions.device)
     row = torch.searchsorted(starts, positions, right=True) - 1
     shift = torch.tensor([r[3] - r[0] for r in rows], dtype=torch.int64, device=positions.device)
@@ -201,7 +276,7 @@ def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, 
             continue
         in_region = torch.tensor([r[2] == region for r in rows], device=positions.device)[row]
         scatters.append((tensor, index[in_region], values[in_region]))
-    return Checked(scatters)
+    return Checked(scatters, check, bad)
 
 
 def apply(checked: Checked) -> None:

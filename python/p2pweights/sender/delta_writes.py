@@ -94,7 +94,14 @@ class _Target:
         self.cursor = 0
         self.records = 0
         self.hash = hashlib.sha256()
+        self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
         self.area = t.publication.delta_area
+
+    def manifest(self) -> Manifest:
+        """The owner's word on this rank's area: the digest ends with the index records' checksums."""
+        digest = self.hash.copy()
+        digest.update(index_records.checksum_words(self.checks))
+        return Manifest(self.cursor, self.records, digest.hexdigest())
 
 
 class UpdateDeltas:
@@ -175,8 +182,7 @@ class UpdateDeltas:
         out: dict[str, dict] = {}
         for x in self.targets.values():
             if x.delta:
-                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = Manifest(
-                    x.cursor, x.records, x.hash.hexdigest()).to_dict()
+                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = x.manifest().to_dict()
         return out
 
     def apply_now(self, engines: Sequence[Any]) -> None:
@@ -316,16 +322,18 @@ class UpdateDeltas:
     def _index_record(self, unit: int, params: list, slot: Any, base: Any, deltas: list) -> list:
         import torch
 
-        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit)
+        full = sum(n for _, _, n, _ in params)
+        heads = PREFIX.size + index_records.record_bytes(len(params), 0, unit)
+        room = (self._spare_t.numel() - self._spare_used - heads * len(deltas)) // (4 + unit) - 2
+        limit = min((full - heads) // (4 + unit), room)  # more changes: the usual writes (dense, or no room)
+        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit, limit)
         self.changed += found.count * unit
         if not found.count:
             return []
+        if found.positions is None:
+            return [_full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
         nrec = index_records.record_bytes(len(params), found.count, unit)
         payload = index_records.payload_bytes(found.count, unit)
-        heads = nrec - payload + PREFIX.size
-        if (nrec >= sum(n for _, _, n, _ in params)  # dense: the usual writes are cheaper
-                or self._spare_used + payload + heads * len(deltas) > self._spare_t.numel()):
-            return [_full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
         at = self._spare(payload)
         check = index_records.write_payload(found, self._spare_t[at:at + payload])
         rows = []
@@ -337,13 +345,14 @@ class UpdateDeltas:
             for param, _, n, _ in params:
                 table.append((pos, n // unit, x.t.publication.target(param, n, x.t.name).data_ptr))
                 pos += n // unit
-            head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, table, check)
+            head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, table)
             hat = self._spare(len(head))
             self._spare_t[hat:hat + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
             remote = x.area[0] + x.cursor
             rows += [(self._spare_offset(hat), len(head), x.t.writer_id, remote),
                      (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]
             x.hash.update(head)
+            x.checks.append(check)
             x.cursor += PREFIX.size + nrec
             x.records += 1
             self.encoded += PREFIX.size + nrec

@@ -1,0 +1,112 @@
+"""GPU delta updates (issue 24), sections of bench_gpu.py (``update_delta``, ``update_delta_fp8``):
+whole updates into a VRAM receiver with their byte-for-byte checks, the change detection alone and
+an engine rank's apply alone."""
+from __future__ import annotations
+
+import time
+
+
+def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: float = 0.01,
+                         steps: int = 3) -> list[dict]:
+    """Delta updates (issue 24): GPU slots, NIXL, into a VRAM receiver, every step checked byte for
+    byte. Version 0 of a changed family (full: the first update), versions 1..steps (``fraction`` of
+    the elements changed: deltas), the last version again with delta=False (a steady full update, same
+    run), then two fresh checkpoints (every element new) with delta="auto" and delta=False. Then the
+    change detection alone on one 256 MiB slot of BF16 (``index_records.find_changes``)."""
+    import torch
+
+    from p2pweights.control import SglangEngine
+    from p2pweights.deltas import index_records
+    from p2pweights.models import resolve_model
+    from p2pweights.models.checkpoint import random_tensor, trainer_tensors
+    from p2pweights.receiver import check_weights_equal, start_engine
+    from p2pweights.sender import WeightSender
+
+    cfg = resolve_model(model)
+    rows = []
+    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+    try:
+        specs = trainer_tensors(cfg)
+        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
+        sender.connect([SglangEngine(engine.url, name="vram-engine")])
+        if getattr(sender, "recorder", None) is not None:
+            sender.recorder.wait()
+        plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
+        plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
+        for label, version, delta in plan:
+            changed = version if isinstance(version, tuple) else None
+            seed = 7 if changed else version
+            tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
+            torch.cuda.synchronize()
+            with sender.update(label, delta=delta) as u:
+                for n, t in tensors:
+                    u.push(n, t)
+            r = u.report
+            check = check_weights_equal(engine.url, hf_seed=seed, changed_fraction=changed[0] if changed else None,
+                                        changed_steps=changed[1] if changed else None)
+            rows.append({"model": model, "engine": spec, "update": label, "delta": str(delta), "bytes": r.bytes,
+                         "bytes_written": r.bytes_written, "written_ratio": r.bytes_written / r.bytes,
+                         "seconds": r.seconds, "data_s": r.data_seconds, "control_s": r.control_seconds,
+                         "loading_s": r.loading_seconds, "writing_s": r.writing_seconds, "changed_bytes": r.changed_bytes,
+                         "base_bytes": r.base_bytes, "reasons": sorted(set(r.delta_reason.values())),
+                         "equal": bool(check["success"])})
+            del tensors
+        sender.close()
+    finally:
+        engine.close()
+    slot = 256 << 20
+    cur = torch.randn(slot // 2, device="cuda").bfloat16().view(torch.uint8)
+    base = cur.clone()
+    base.view(torch.int16)[::100] += 1  # 1% of the elements differ
+    whole = [(0, 0, slot)]
+    for _ in range(3):
+        index_records.find_changes(cur, base.clone(), whole, 2)
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 10
+    for _ in range(n):
+        index_records.find_changes(cur, base, whole, 2)  # moves the base on: change it again (not timed apart)
+        base.view(torch.int16)[::100] += 1
+    torch.cuda.synchronize()
+    rows.append({"change_detection_slot_bytes": slot, "gbps": slot * n / (time.perf_counter() - t0) / 1e9})
+    return rows + engine_apply_rows()
+
+
+def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20) -> list[dict]:
+    """An engine rank's apply alone, in this process: 1% of a rank's BF16 elements changed, one index
+    record per 256 MiB slot in a GPU delta area (as a sender writes them), then ``DeltaArea.apply``:
+    the host walk and checks, the device checks, the scatters. Checked equal after."""
+    import hashlib
+
+    import torch
+
+    from p2pweights.deltas import index_records
+    from p2pweights.deltas.area import PREFIX, DeltaArea, Manifest
+
+    weights = torch.randn(weight_bytes // 2, device="cuda").bfloat16().view(torch.uint8)
+    new = weights.clone()
+    new.view(torch.int16)[::100] += 1
+    base = weights.clone()
+    area = DeltaArea(weight_bytes // 8, device="cuda")
+    digest, checks, cursor, records = hashlib.sha256(), [], 0, 0
+    for at in range(0, weight_bytes, slot):
+        found = index_records.find_changes(new, base, [(at, at, slot)], 2)
+        nrec = index_records.record_bytes(1, found.count, 2)
+        head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, [(0, slot // 2, weights.data_ptr() + at)])
+        area.tensor[cursor:cursor + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).cuda()
+        checks.append(index_records.write_payload(found, area.tensor[cursor + len(head):cursor + PREFIX.size + nrec]))
+        digest.update(head)
+        cursor += PREFIX.size + nrec
+        records += 1
+    digest.update(index_records.checksum_words(checks))
+    manifest = Manifest(cursor, records, digest.hexdigest())
+    torch.cuda.synchronize()
+    rows = []
+    for run in ("first", "again"):  # the first pays CUDA's lazy kernel loading; again: the same records re-applied
+        t0 = time.perf_counter()
+        figures = area.apply(manifest, [(weights.data_ptr(), weight_bytes)], [weights])
+        seconds = time.perf_counter() - t0
+        rows.append({"engine_apply_weight_bytes": weight_bytes, "run": run, "records": records, "area_bytes": cursor,
+                     "seconds": seconds, "check_s": figures["check_s"], "apply_s": figures["apply_s"],
+                     "equal": bool(torch.equal(weights, new))})
+    return rows
