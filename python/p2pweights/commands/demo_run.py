@@ -2,11 +2,13 @@
 
 E engines of T ranks each run as receiver processes (real sglang model classes of their ranks, real
 Mooncake or NIXL registration). S sender processes each run a WeightSender (the planner picks the
-engine ranks each one prepares). Per step: every sender makes the step's full HF tensors (random
-weights, outside the timed part), the coordinator pauses and opens the update on every engine, the
-senders push, the coordinator ends the update and bumps the version; seconds run from
-pause_generation returning to the update returning. Then every engine rank checks, byte for byte,
-that its weights equal what sglang's own load_weights makes of the same HF tensors.
+engine ranks each one prepares) and join one gloo process group, as a trainer's ranks do: sender 0
+of the group pauses the engines, opens and ends their session, bumps the version and continues
+them; every sender writes. Per step: every sender makes the step's full HF tensors (random
+weights, outside the timed part), then on "go" runs ``sender.update(version)`` with control;
+seconds are sender 0's ``report.seconds`` (pause_generation returning to the update returning, as
+the broadcast baseline measures). Then every engine rank checks, byte for byte, that its weights
+equal what sglang's own load_weights makes of the same HF tensors.
 
 An FP8 block-quantized model (``deepseek-v3-fp8-tiny``): the P2P senders push the BF16 tensors a
 trainer holds (``trainer_tensors``) and quantize on send; the broadcast baseline sends the engine's
@@ -16,19 +18,24 @@ with sglang's loader on that FP8 checkpoint.
 ``changed_fraction`` F (``--changed-fraction``): instead of a fresh seed per step, step k of each
 mode pushes version k of the run's changed family (``models.checkpoint``: each version differs from
 the previous one in a fraction F of the elements, uniformly spread), and the check asks for the same
-version. The rows show the bytes that crossed the transport next to a full update's.
+version. After the first update the engines take only the changed bytes, as delta records
+(docs/deltas.md); the rows show the bytes that crossed the transport next to a full update's.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Sequence
 
 from ..settings import format_size
+
+STEP_TIMEOUT = 600.0  # seconds a sender may take to answer a step; also its group's collective timeout
 
 
 @dataclass
@@ -36,7 +43,7 @@ class StepResult:
     mode: str          # "p2p" | "broadcast"
     transport: str     # mooncake | nixl | gloo | nccl
     step: int
-    seconds: float     # pause returned -> update returned
+    seconds: float     # pause returned -> update returned (P2P: sender 0's report.seconds)
     bytes: int         # bytes per engine rank (the largest)
     gbps: float
     equal: bool | None  # None when the check was skipped
@@ -73,9 +80,11 @@ class StepResult:
 
 
 # -- sender processes ------------------------------------------------------------------------------
-def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict, log_path: str | None) -> None:
-    """A sender process: wait for the engines, connect once, then per step make the tensors, wait
-    for "go", push, report."""
+def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overrides: dict, log_path: str | None,
+                 timeout: float) -> None:
+    """A sender process, as a trainer rank: join the senders' gloo group, wait for the engines,
+    connect once, then per step make the tensors, wait for "go", run the update (sender 0 of the
+    group controls the engines' session), report."""
     if log_path:
         # The transports' native logs (Mooncake's glog) go to a file, not over the demo's rows;
         # failures still reach the coordinator through the pipe, with the traceback.
@@ -83,11 +92,18 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
         os.dup2(fd, 2)
         os.close(fd)
     try:
+        import datetime
+
+        import torch.distributed as dist
+
         from ..control import SglangEngine
         from ..models.checkpoint import random_checkpoint
         from ..sender.weight_sender import WeightSender
 
-        sender = WeightSender(model, sender_index=index, num_senders=count, **overrides)
+        # the group's collectives time out with the coordinator's step: a sender that died fails the others
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=count,
+                                timeout=datetime.timedelta(seconds=timeout))
+        sender = WeightSender(model, group=dist.group.WORLD, **overrides)
         _, (urls, names) = conn.recv()  # ("connect", (urls, names))
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
         specs = _trainer_specs(sender)
@@ -103,24 +119,39 @@ def _sender_main(conn: Any, model: str, index: int, count: int, overrides: dict,
             elif cmd == "go":
                 version, verify = arg
                 try:
-                    with sender.update(version, control=False, verify=verify) as update:
+                    with sender.update(version, verify=verify) as update:
                         for name, t in tensors:
                             update.push(name, t)
-                    r = update.report
-                    reasons = getattr(r, "delta_reason", {}) or {}  # engine rank -> why it got a full write
-                    conn.send(("done", {"bytes_max": max((e.bytes for e in r.engines), default=0),
-                                        "written_max": max((getattr(e, "bytes_written", e.bytes) for e in r.engines),
-                                                           default=0),
-                                        "reasons": sorted({v for v in reasons.values() if v}),
-                                        "loading": r.loading_seconds, "waiting": r.waiting_seconds,
-                                        "verify": update.verify_seconds, "report": str(r),
-                                        "cpu": r.cpu_seconds, "caller_cpu": r.caller_cpu_seconds}))
+                    conn.send(("done", _step_answer(update)))
                 except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
-                    conn.send(("failed", f"{type(e).__name__}: {e}"))
+                    conn.send(("failed", f"sender {index}: {type(e).__name__}: {e}"))
                 tensors = None
         sender.close()
+        dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _step_answer(update: Any) -> dict:
+    """What a sender tells the coordinator of its finished update (sender 0's ``seconds`` is the step's)."""
+    r = update.report
+    reasons = r.delta_reason  # engine rank -> why it got a full write
+    text = str(r)
+    if r.control:  # sender 0: where its control plane went (--verbose)
+        verbs = ", ".join(f"{n} {s:.3f} s" for n, s in r.control.items())
+        text += (f"\n  before the pause {r.validate_seconds:.3f} s; pause + begin {r.pause_seconds:.3f} s; "
+                 f"control {r.control_seconds:.3f} s ({verbs})")
+    return {"seconds": r.seconds, "bytes_max": max((e.bytes for e in r.engines), default=0),
+            "written_max": max((e.bytes_written for e in r.engines), default=0),
+            "reasons": sorted({v for v in reasons.values() if v}),
+            "loading": r.loading_seconds, "waiting": r.waiting_seconds, "verify": update.verify_seconds,
+            "report": text, "cpu": r.cpu_seconds, "caller_cpu": r.caller_cpu_seconds}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _trainer_specs(sender: Any) -> dict:
@@ -141,52 +172,73 @@ def _trainer_specs(sender: Any) -> dict:
 
 
 class SenderPool:
-    """S sender processes driven in lock step by the coordinator.
+    """S sender processes in one gloo group, driven in lock step by the coordinator.
 
     The senders fork from a forkserver that imported sglang once (``p2pweights.replica.preload``),
     so each skips the ~10 s import; the server starts at once, while the engines start.
+    ``timeout``: the group's collective timeout, seconds (a sender that died fails the others).
     """
 
-    def __init__(self, model: str, count: int, overrides: dict, log_dir: str | None = None):
+    def __init__(self, model: str, count: int, overrides: dict, log_dir: str | None = None,
+                 timeout: float = STEP_TIMEOUT):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["p2pweights.replica.preload"])
         self.conns, self.procs = [], []
         self.log_dir = log_dir
+        port = _free_port()  # the group's rendezvous (sender 0 listens on it)
         for i in range(count):
             parent, child = ctx.Pipe()
             log = os.path.join(log_dir, f"sender{i}.log") if log_dir else None
-            p = ctx.Process(target=_sender_main, args=(child, model, i, count, overrides, log),
+            p = ctx.Process(target=_sender_main, args=(child, model, i, count, port, overrides, log, timeout),
                             name=f"p2pw-sender-{i}", daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
 
-    def connect(self, urls: Sequence[str], names: Sequence[str], timeout: float = 600) -> None:
-        for c in self.conns:
-            c.send(("connect", (list(urls), list(names))))
+    def connect(self, urls: Sequence[str], names: Sequence[str], timeout: float = STEP_TIMEOUT) -> None:
+        self._tell("connect", (list(urls), list(names)))
         self._expect("connected", timeout=timeout)
 
-    def _expect(self, what: str, timeout: float) -> list[Any]:
-        out = []
+    def _where(self, i: int) -> str:
+        return f" (its log: {self.log_dir}/sender{i}.log)" if self.log_dir else ""
+
+    def _tell(self, cmd: str, arg: Any) -> None:
         for i, c in enumerate(self.conns):
-            if not c.poll(timeout):
-                raise TimeoutError(f"sender {i} did not answer {what!r} within {timeout:.0f} s")
-            kind, payload = c.recv()
-            if kind == "error":
-                where = f" (its log: {self.log_dir}/sender{i}.log)" if self.log_dir else ""
-                raise RuntimeError(f"sender {i} failed{where}:\n{payload}")
-            out.append((kind, payload))
-        return out
+            try:
+                c.send((cmd, arg))
+            except (BrokenPipeError, ConnectionResetError):
+                raise RuntimeError(f"sender {i} exited (before {cmd!r} reached it){self._where(i)}") from None
+
+    def _expect(self, what: str, timeout: float) -> list[Any]:
+        """Every sender's answer, in sender order; the first sender that failed or exited raises at
+        once (the others may be waiting for it in a collective of the group)."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(self.conns):
+            pending = [c for i, c in enumerate(self.conns) if i not in answers]
+            ready = mp_wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [i for i in range(len(self.conns)) if i not in answers]
+                raise TimeoutError(f"sender(s) {', '.join(map(str, late))} did not answer {what!r} within "
+                                   f"{timeout:.0f} s")
+            for c in ready:
+                i = self.conns.index(c)
+                try:
+                    kind, payload = c.recv()
+                except EOFError:
+                    raise RuntimeError(f"sender {i} exited (before answering {what!r}){self._where(i)}") from None
+                if kind == "error":
+                    raise RuntimeError(f"sender {i} failed{self._where(i)}:\n{payload}")
+                answers[i] = (kind, payload)
+        return [answers[i] for i in range(len(self.conns))]
 
     def prepare(self, seed: int, changed: tuple[float, int] | None = None) -> None:
         """Each sender makes ``random_checkpoint(specs, seed, changed=changed)``."""
-        for c in self.conns:
-            c.send(("prepare", (seed, changed)))
-        self._expect("ready", timeout=600)
+        self._tell("prepare", (seed, changed))
+        self._expect("ready", timeout=STEP_TIMEOUT)
 
     def go(self, version: str, timeout: float, verify: bool = False) -> list[tuple[str, Any]]:
-        for c in self.conns:
-            c.send(("go", (version, verify)))
+        self._tell("go", (version, verify))
         return self._expect("done", timeout=timeout)
 
     def close(self) -> None:
@@ -223,18 +275,16 @@ def _check(engines: Sequence[Any], seed: int, enabled: bool,
 
 
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
-            overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = 600,
+            overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = STEP_TIMEOUT,
             pool: "SenderPool | None" = None, verbose: bool = False, verify: str = "off",
             changed_fraction: float | None = None) -> list[StepResult]:
     """verify: "off", "on" (every step verified), "alternate" (even steps verified: its cost, same run).
-    changed_fraction: step k pushes version k of the changed family of ``seed_base`` (None: fresh seeds)."""
-    from ..control import SglangEngine, UpdateSession
-
-    clients = [SglangEngine(e.url, name=e.name) for e in engines]
+    changed_fraction: step k pushes version k of the changed family of ``seed_base`` (None: fresh seeds).
+    Sender 0 of the pool's group controls each step's session; its report times the step."""
     t0 = time.perf_counter()
     if pool is None:
-        pool = SenderPool(model, senders, {"transport": transport, **overrides})
-    progress(f"p2p: {senders} sender process(es) ({transport}) build their replicas and connect")
+        pool = SenderPool(model, senders, {"transport": transport, **overrides}, timeout=timeout)
+    progress(f"p2p: {senders} sender process(es) ({transport}) in one gloo group build their replicas and connect")
     pool.connect([e.url for e in engines], [e.name for e in engines])
     progress(f"p2p: senders connected in {time.perf_counter() - t0:.1f} s")
     results = []
@@ -242,19 +292,17 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
         for step in range(1, steps + 1):
             seed, changed = _version(step, seed_base, changed_fraction)
             pool.prepare(seed, changed)  # the step's HF tensors, made before the clock starts
-            session = UpdateSession(clients, f"p2p-{step}")
-            session.open()
             verified = verify == "on" or (verify == "alternate" and step % 2 == 0)
+            sent = time.perf_counter()
             replies = pool.go(f"p2p-{step}", timeout, verified)
-            failed = [p for k, p in replies if k == "failed"]
-            if failed:
-                session.abort("; ".join(failed))
-            else:
-                session.commit()
-            seconds = time.perf_counter() - session.paused_at
-            nbytes = max((p["bytes_max"] for k, p in replies if k == "done"), default=0)
-            equal, why = _check(engines, seed, check, changed) if not failed else (False, "; ".join(failed))
+            round_trip = time.perf_counter() - sent
+            failed = [p for k, p in replies if k == "failed"]  # a group fails every sender together: each says what it saw
             done = [p for k, p in replies if k == "done"]
+            # pause returned -> update returned, as sender 0 measured it (the broadcast's clock); a failed
+            # step has no report: the coordinator's round trip, an upper bound
+            seconds = replies[0][1]["seconds"] if replies[0][0] == "done" else round_trip
+            nbytes = max((p["bytes_max"] for p in done), default=0)
+            equal, why = _check(engines, seed, check, changed) if not failed else (False, "; ".join(failed))
             slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
                                       equal, why, slowest["loading"], slowest["waiting"], verified,
@@ -326,7 +374,7 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
             e.start(wait=False)
         if "p2p" in modes:
             log_dir = None if verbose else tempfile.mkdtemp(prefix="p2pw-demo-")
-            pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})}, log_dir)
+            pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})}, log_dir, timeout=STEP_TIMEOUT)
         for e in running:
             e.wait_ready()
     except BaseException:

@@ -218,7 +218,7 @@ class UpdateDeltas:
 
     def follow_commit(self, identities: Mapping[str, dict], ok: bool) -> None:
         """Another sender: sender 0's commit is this sender's too (its writes were in it)."""
-        if ok and not self.off_reason:
+        if ok and self.keep:  # its bases followed its writes, deltas or not (delta=False, verify in a group)
             self.bases.identities.update(identities)
 
     # -- data ------------------------------------------------------------------------------------
