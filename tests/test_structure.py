@@ -31,17 +31,10 @@ LAZY_IMPORTS = {
     "p2pweights.commands.serve": "start-up: the CLI parser",
     "p2pweights.benchmarking.transport_vs_vendor": "each vendor's transport is imported only when its row runs",
     "p2pweights.transport": "Mooncake and NIXL import their vendor library: only the one chosen is loaded",
-    "p2pweights.transport.peer": "the transport package's factory, chosen per engine (see above)",
-    "p2pweights.models.checkpoint": "FP8 checkpoints import torch's float8 helpers only when asked for",
-    # the engine side imports sglang (seconds) only in the rank processes, never in the launcher
-    "p2pweights.receiver.draft_role": "sglang: rank processes only",
-    "p2pweights.receiver.launcher": "sglang: the forked rank process only",
-    "p2pweights.receiver.rank": "sglang: rank processes only",
-    "p2pweights.receiver.region": "sglang: rank processes only",
-    "p2pweights.sender.warmup": "sglang: imported on the warm-up thread, off the trainer's path",
-    "p2pweights.sender.weight_sender": "sglang: the replica is built at connect, not at import",
-    "p2pweights.replica.model_replica": "the package version, read when a replica key is made",
-    "p2pweights.replica.role_check": "sglang: check-layout per role",
+    # ``import p2pweights`` reaches the sender; replica/ (sglang_env, probe, roles, ...: ~0.1 s of modules, no
+    # sglang) loads only when a sender is built, connects or warms up
+    "p2pweights.sender.warmup": "start-up: replica/ loads on the warm-up thread, not at `import p2pweights`",
+    "p2pweights.sender.weight_sender": "start-up: replica/ loads at WeightSender() and connect, not at `import p2pweights`",
     "p2pweights.sglang_plugin": "every sglang process imports it: cpu_platform (torch, sglang's platforms) only on a "
                                 "host without CUDA, sessions (starlette, the session keeper) only in the HTTP process",
 }
@@ -50,9 +43,7 @@ LAZY_IMPORTS = {
 # imports them (its ``__init__`` imports the sender, which reaches them): the root is half-initialized
 # while they load, so that import only works inside a function, a cycle the checks above cannot see
 # (they skip edges to a module's own ancestors). Each entry is a gap to close, not a reason to keep.
-ROOT_NAME_IMPORTS_TO_REMOVE = {
-    "p2pweights.replica.model_replica": "reads __version__ from the root: read _native.__version__ (the same value)",
-}
+ROOT_NAME_IMPORTS_TO_REMOVE: dict[str, str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:

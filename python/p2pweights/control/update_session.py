@@ -128,6 +128,10 @@ CONTINUED_UNFINISHED = "generating, session open"  # CONTINUE_UNFINISHED: servin
 FAILED = "failed"                    # a control call on this engine failed; see errors
 
 
+class UpdateSessionState(str, Enum):  # an UpdateSession, as its controller sees it: new -> opening -> open -> committed | aborted
+    NEW, OPENING, OPEN, COMMITTED, ABORTED = "new", "opening", "open", "committed", "aborted"
+
+
 class UpdateSession:
     """The control plane of one weight update on many engines, as a context manager::
 
@@ -212,7 +216,7 @@ class UpdateSession:
         self.owner_label = owner_label()  # what engines, logs and errors show of it (protocol.SESSION_LABEL_HEADER)
         self.lease = float(setting("P2PW_SESSION_LEASE", lease))
         self._renewer = LeaseRenewer(self.lease, call_engines)
-        self._state = "new"              # new -> open -> committed | aborted
+        self._state = UpdateSessionState.NEW
         self._check_in: _InThread | None = None  # check_in_soon's check-in, overlapping the last writes
         self.folds: set[str] = set()     # engines whose end may bump the version and continue (protocol.END_FOLDS)
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
@@ -229,7 +233,7 @@ class UpdateSession:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._state != "open":
+        if self._state is not UpdateSessionState.OPEN:
             return False
         if exc_type is None:
             self.commit()
@@ -243,13 +247,13 @@ class UpdateSession:
         """pause_generation then begin_weight_update on every engine; on any failure, roll back
         (see the class doc) and raise one EngineError naming each failed engine."""
         with self._lock:
-            if self._state != "new":
-                raise RuntimeError(f"UpdateSession.open() called twice (state {self._state})")
-            self._state = "opening"
+            if self._state is not UpdateSessionState.NEW:
+                raise RuntimeError(f"UpdateSession.open() called twice (state {self._state.value})")
+            self._state = UpdateSessionState.OPENING
         try:
             CLAIMS.claim(self.engines, self.owner)  # before anything is sent
         except SessionConflict as e:
-            self._state = "aborted"
+            self._state = UpdateSessionState.ABORTED
             self.errors[e.engine] = e
             self.outcome = {n.name: RESUMED_GENERATION if n.name != e.engine else FAILED for n in self.engines}
             raise UpdateRefused(dict(self.errors), what="opening the weight update") from None
@@ -266,7 +270,7 @@ class UpdateSession:
             self.answers.update(begun.results)
             self.errors.update(begun.errors)
         if not self.errors:
-            self._state = "open"
+            self._state = UpdateSessionState.OPEN
             self._renewer.start()
             return
         # roll back: nothing has been written yet; an engine another controller owns is not touched
@@ -290,7 +294,7 @@ class UpdateSession:
                 self.outcome[n] = ROLLED_BACK
             else:
                 self.outcome[n] = RESUMED_GENERATION
-        self._state = "aborted"
+        self._state = UpdateSessionState.ABORTED
         self._renewer.release([by_name[n] for n in self.resumed])  # taken over torn: torn again
         self._done()
         if owned_elsewhere:  # an EnginesFailed that is also a SessionConflict
@@ -375,13 +379,9 @@ class UpdateSession:
             if failed == "end_weight_update":
                 not_ended.add(name)
         for e in self.engines:
-            if e.name not in self.errors:
-                self.outcome[e.name] = UPDATED
-            elif e.name in not_ended:
-                self.outcome[e.name] = LEFT_PAUSED
-            else:
-                self.outcome[e.name] = FAILED
-        self._state = "committed"
+            self.outcome[e.name] = (UPDATED if e.name not in self.errors else LEFT_PAUSED if e.name in not_ended
+                                    else FAILED)
+        self._state = UpdateSessionState.COMMITTED
         self._renewer.release([e for e in self.engines if e.name in not_ended])  # torn until healed
         self._done()
         if self.errors:
@@ -395,7 +395,7 @@ class UpdateSession:
             self.roll_back(reason)
             return
         self._require_open("abort")
-        self._state = "aborted"
+        self._state = UpdateSessionState.ABORTED
         self._settle_check_in()
         if reason:
             logger.warning("weight update %s failed (%s): engines %s", self.version, reason,
@@ -419,7 +419,7 @@ class UpdateSession:
         failed ``open`` does. Engines whose session a previous update had left open (``resumed``:
         torn weights) stay paused. Never raises for the engines' sake."""
         self._require_open("roll_back")
-        self._state = "aborted"
+        self._state = UpdateSessionState.ABORTED
         self._settle_check_in()
         fresh = [e for e in self.engines if e.name not in self.resumed]
         if reason:
@@ -493,5 +493,5 @@ class UpdateSession:
         CLAIMS.release(self.engines, self.owner)
 
     def _require_open(self, what: str) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"UpdateSession.{what}() needs an open session (state {self._state})")
+        if self._state is not UpdateSessionState.OPEN:
+            raise RuntimeError(f"UpdateSession.{what}() needs an open session (state {self._state.value})")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 from ..errors import UnsupportedLayout
+from .fp8_format import quantize_block_fp8
 from .quant import FP8_DTYPE, Fp8Scheme, engine_checkpoint, quant_scheme, weight_name
 from .registry import architecture_of, load_config, registered
 
@@ -238,8 +239,6 @@ class RandomCheckpoint:
 
     def _quantized(self, weight: str) -> tuple[Any, Any]:
         if self._last is None or self._last[0] != weight:
-            from .fp8_format import quantize_block_fp8
-
             assert self.scheme is not None
             source = random_tensor(weight, TensorSpec(self.specs[weight].shape, self.scheme.source_dtype), self.seed,
                                    changed=self.changed)

@@ -16,6 +16,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..control.weights_digest import parameter_digests
+from ..errors import UnknownParameter
+from ..models.checkpoint import changed_version
+from ..replica import sglang_env
+from ..replica.draft_model import build_role_model, shared_with_target, target_embed_and_head, tie_to_target
+from ..replica.reference import compare_models, named_state
+from ..replica.role_check import reference_draft
+from ..replica.roles import roles_of
 from .region import WeightRegion, place_parameters
 
 if TYPE_CHECKING:
@@ -28,8 +35,6 @@ class DraftRole:
     """sglang's draft model of one engine rank, placed and tied to the target model."""
 
     def __init__(self, config: str, engine: Any, rank: int, target: "torch.nn.Module", device: str = "cpu"):
-        from ..replica.draft_model import build_role_model, shared_with_target, target_embed_and_head, tie_to_target
-
         self.config, self.engine, self.rank, self.device = config, engine, int(rank), device
         model = build_role_model(config, engine, rank, "draft")  # the shared tensors untied: not placed
         self.shared = shared_with_target(model)
@@ -53,8 +58,6 @@ class DraftRole:
         import torch
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
-        from ..replica import sglang_env
-
         with sglang_env.activate(self.model):
             DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
 
@@ -64,8 +67,6 @@ class DraftRole:
         import torch
         from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
 
-        from ..replica import sglang_env
-
         with sglang_env.activate(self.model):
             if not loaded_weights:
                 post_load_weights(self.model)
@@ -74,8 +75,6 @@ class DraftRole:
     def load_weights(self, weights: Sequence[tuple[str, "torch.Tensor"]]) -> None:
         """sglang's broadcast path: the draft runner loads what the target received (it keeps the MTP
         layer's tensors and skips the rest)."""
-        from ..replica import sglang_env
-
         with sglang_env.activate(self.model):
             self.model.load_weights(list(weights))
 
@@ -85,10 +84,6 @@ class DraftRole:
         """The draft against sglang's draft loaded from the same seeded checkpoint (``changed``: that
         version of its changed family) and post-processed (tied to the target's reference, as the
         live draft is tied to the live target)."""
-        from ..models.checkpoint import changed_version
-        from ..replica.reference import compare_models
-        from ..replica.role_check import reference_draft
-
         loaded_from = (int(hf_seed), changed_version(changed))
         if self._reference is None or self._reference_seed != loaded_from:
             self._reference_seed = None
@@ -115,14 +110,10 @@ class DraftRole:
 
     def named_state(self) -> dict[str, "torch.Tensor"]:
         """Every tensor of the draft but the shared ones, role-prefixed (checksums)."""
-        from ..replica.reference import named_state
-
         return {PREFIX + n: t for n, t in named_state(self.model).items() if n not in self.shared}
 
     def digest(self, names: Sequence[str], engine: str) -> dict[str, str]:
         """Digests of the draft's parameters named ``draft.<name>``."""
-        from ..errors import UnknownParameter
-
         own = {n for n, _ in self.own_parameters()}
         missing = [n for n in names if n[len(PREFIX):] not in own]
         if missing:
@@ -143,8 +134,6 @@ class DraftRole:
 def draft_role(config: str, engine: Any, rank: int, target: "torch.nn.Module", device: str = "cpu") -> DraftRole | None:
     """The rank's draft role when its layout runs one (replica/roles.py decides; a draft the replica
     cannot build raises UnsupportedLayout with the reason), else None."""
-    from ..replica.roles import roles_of
-
     if "draft" not in roles_of(config, engine):
         return None
     return DraftRole(config, engine, rank, target, device)

@@ -32,7 +32,9 @@ import time
 from typing import Any, Callable
 
 from ..errors import EngineError
+from ..replica import sglang_env
 from .rank_process import READY_EVENT
+from .rank_process import main as run_rank_process
 
 LAUNCHER_MODULE = "p2pweights.receiver.launcher"
 
@@ -122,9 +124,7 @@ def _fork_rank(req: dict, wake: tuple[int, int]) -> int:
         sys.stdin = open(os.devnull)
         sys.stderr = os.fdopen(2, "w", buffering=1)
         os.environ.update(env)
-        from .rank_process import main
-
-        main(argv + ["--parent-pid", str(os.getppid())])
+        run_rank_process(argv + ["--parent-pid", str(os.getppid())])
     except BaseException:  # noqa: BLE001 - into the rank's log, then exit
         import traceback
 
@@ -136,8 +136,6 @@ def _fork_rank(req: dict, wake: tuple[int, int]) -> int:
 
 def run_launcher() -> int:
     """The fork server: import sglang once, then fork rank processes on request, from one thread."""
-    from ..replica import sglang_env
-
     sglang_env.prepare()                       # the slow part (seconds), done once
     parent = os.getppid()
     children: set[int] = set()

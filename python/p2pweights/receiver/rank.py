@@ -19,7 +19,10 @@ from ..deltas.area import DeltaArea, Manifest, area_bytes
 from ..errors import InvalidWrite
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
+from ..replica import sglang_env
+from ..replica.reference import ReferenceModel, named_state, tensor_bytes
 from ..settings import value as setting
+from ..transport import params_table
 from ..transport.revocation import RevocableRegions
 from .build_report import device_arch
 from .draft_role import draft_role, split_names
@@ -50,10 +53,6 @@ class EngineRank:
 
     def __init__(self, config: str, engine: Any, rank: int, transport: str = "mooncake", name: str = "engine",
                  broadcast: BroadcastReceiver | None = None):
-        from ..replica import sglang_env
-        from ..replica.reference import ReferenceModel
-        from ..transport import params_table
-
         t0 = time.perf_counter()
         self.config = os.fspath(config)
         self.engine = engine if isinstance(engine, EngineLayout) else EngineLayout.parse(str(engine))
@@ -127,8 +126,6 @@ class EngineRank:
         import torch
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
-        from ..replica import sglang_env
-
         with self._lock, sglang_env.activate(self.model):
             DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
             self.loaded_weights = False
@@ -141,8 +138,6 @@ class EngineRank:
         process_weights_after_loading of every module with a quant method."""
         import torch
         from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
-
-        from ..replica import sglang_env
 
         with self._lock, sglang_env.activate(self.model):
             if not self.loaded_weights:
@@ -176,8 +171,6 @@ class EngineRank:
             return result.to_dict()
 
     def checksum(self) -> dict:
-        from ..replica.reference import named_state, tensor_bytes
-
         h = hashlib.sha256()
         with self._lock:
             state = {**named_state(self.model), **(self.draft.named_state() if self.draft is not None else {})}
@@ -223,8 +216,6 @@ class EngineRank:
 
     def update_from_distributed(self, request: dict) -> None:
         import torch
-
-        from ..replica import sglang_env
 
         group = self._groups.get(request["group_name"])
         if group is None:

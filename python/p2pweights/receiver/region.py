@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..replica import sglang_env
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,8 +42,6 @@ def place_parameters(model: "torch.nn.Module", alignment: int = PARAM_ALIGNMENT,
     """Put every parameter of a meta-built model into one zeroed, page-aligned allocation (host, or
     GPU memory with ``device="cuda:N"``), in ``named_parameters`` order, each on an ``alignment``
     boundary; buffers and derived tensors get zeroed host storage of their own."""
-    from ..replica import sglang_env
-
     offsets: dict[str, tuple[int, int]] = {}
     total = 0
     for name, p in model.named_parameters():

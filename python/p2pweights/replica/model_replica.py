@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
+from .. import _native
 from ..errors import LayoutMismatch, MissingTensors, UnknownParameter
 from ..models import load_config, resolve_model
 from ..models.checkpoint import TensorSpec, checkpoint_tensors
@@ -44,10 +45,9 @@ class ReplicaKey:
     role: str = "target"
 
     def digest(self) -> str:
-        from .. import __version__
-
-        text = json.dumps(
-            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, sglang_version(), __version__],
+        text = json.dumps(  # _native.__version__ is the package's (p2pweights/__init__.py reads it there)
+            [_CACHE_FORMAT, self.config_hash, self.layout.args, self.rank, self.role, sglang_version(),
+             _native.__version__],
             sort_keys=True,
             default=str,
         )

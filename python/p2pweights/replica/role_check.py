@@ -17,14 +17,13 @@ from ..models.checkpoint import checkpoint_tensors, random_checkpoint
 from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
 from . import sglang_env
+from .check import RankCheck, check_rank, compare_with_reference
 from .draft_model import build_role_model, target_embed_and_head, tie_to_target
+from .model_replica import ModelReplicas
 from .roles import roles_of
 
 if TYPE_CHECKING:
     import torch
-
-    from .check import RankCheck
-    from .model_replica import ModelReplicas
 
 
 def _random_inputs(config: Any, seed: int, changed: "tuple[float, int] | None" = None) -> Any:
@@ -64,9 +63,6 @@ def check_rank_roles(config: Any, engine: EngineLayout, rank: int, *, seed: int 
                      replicas: "ModelReplicas | None" = None) -> dict[str, "RankCheck"]:
     """check-layout of one engine rank, per role: the replica path against sglang's own loader of
     that role (``{"target": RankCheck, "draft": RankCheck}``; only the target without a draft)."""
-    from .check import check_rank, compare_with_reference
-    from .model_replica import ModelReplicas
-
     replicas = replicas or ModelReplicas(cache_dir="")
     out = {"target": check_rank(config, engine, rank, seed=seed, replicas=replicas)}
     for role in roles_of(config, engine)[1:]:

@@ -49,9 +49,6 @@ class GroupTransform:
         return (load,)
 
 
-Identity = GroupTransform
-
-
 def apply_transforms(transforms: Sequence[GroupTransform], load: GroupLoad) -> list[GroupLoad]:
     """The loads one staged group becomes after every transform, in order."""
     loads = [load]

@@ -26,6 +26,7 @@ from ..control import FailurePolicy, SglangEngine
 from ..control.lease import new_owner_id
 from ..copyplans import PlanRecorder, ReplayOrder
 from ..errors import EngineError, P2PWeightsError, SenderGroupError
+from ..models.checkpoint import load_config
 from ..models.engine_layout import EngineLayout
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
@@ -81,8 +82,7 @@ class WeightSender:
                  pp_stage: int = 0, pp_size: int = 1, replicas: Any = None,
                  transforms: Sequence[GroupTransform] = (), group: Any = None, metrics: Any = None,
                  **overrides: Any):
-        from ..models.checkpoint import load_config
-        from ..replica import model_replicas
+        from ..replica import model_replicas  # replica/ (~0.1 s of modules) loads here, not at `import p2pweights`
 
         self.group = SenderGroup(group)
         from_group = group is not None and pp_size == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Protocol
 
 from .. import _native
+from ..errors import LayoutMismatch, TransportError, WrongTransport
 from ..settings import TRANSPORTS, value
 from .publication import (
     EnginePublication,
@@ -78,7 +79,6 @@ def resolve_transport(name: str | None = None) -> tuple[str, str]:
         return _check_name(name), ""
     import ctypes
 
-    from ..errors import TransportError
     from . import nixl, nixl_native
 
     path = nixl_native.data_path()
@@ -114,8 +114,6 @@ def transport_for_engines(name: str | None, engines: Iterable[tuple[str, dict]])
     by_engine = {engine: engine_transport(info) for engine, info in engines}
     published = sorted(set(by_engine.values()))
     if len(published) > 1:
-        from ..errors import WrongTransport
-
         shown = ", ".join(f"'{e}': {t}" for e, t in by_engine.items())
         raise WrongTransport(f"the engines publish their weights for different transports ({shown}); one sender "
                              f"writes over one transport: restart them all for one, or connect a sender per transport")
@@ -226,8 +224,6 @@ def writable_regions(publication: EnginePublication, name: str = "") -> list[tup
     why = ("it is not a range the rank registered" if publication.registered and area not in publication.registered
            else "it overlaps the rank's weights" if any(s < a + n and a < s + m for s, m in regions) else "")
     if why:
-        from ..errors import LayoutMismatch
-
         raise LayoutMismatch(f"engine rank {name or publication.rank} published a delta area [{a:#x}, +{n}) that "
                              f"cannot be written: {why}; refusing to connect", engine=name or None,
                              hint="the engine's publication is corrupt or forged; restart the engine")

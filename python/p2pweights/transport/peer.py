@@ -31,6 +31,7 @@ import numpy as np
 
 from ..settings import parse_size
 from .publication import EnginePublication
+from .revocation import RevocableRegions
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -53,8 +54,6 @@ def layout(size: int, params: int, gap: int) -> list[tuple[str, int, int]]:
 
 # -- the receiver process ------------------------------------------------------------------------
 def _serve(args: argparse.Namespace) -> int:
-    from .revocation import RevocableRegions
-
     # The protocol owns the real stdout; whatever the libraries print goes to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
