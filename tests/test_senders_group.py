@@ -207,7 +207,7 @@ def test_a_group_writes_deltas_each_sender_to_its_own_ranks_and_sender_0_ends_fo
         for r in (r0, r1):
             assert r["delta_reason"] == {}, r["delta_reason"]
             assert {x["delta"] for x in r["engines"]} == {True}
-            assert 0 < r["base_bytes"] <= r["bytes"]  # one base per prepared rank, shared by its engines
+            assert 0 < r["base_bytes"] < 1.1 * r["bytes"]  # one base per prepared rank (256 B boundaries), shared
         if version == "d2":  # nothing changed: nothing crossed the wire
             assert r0["bytes_written"] == r1["bytes_written"] == 0
     assert {x["engine"] for x in r0["engines"]} | {x["engine"] for x in r1["engines"]} == {e.name for e in engines}

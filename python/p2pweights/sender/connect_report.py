@@ -32,6 +32,7 @@ PHASES = (
     "registration",
     "peer connect",
     "transforms",
+    "delta bases",
 )
 COUNTS = ("replicas built", "replica disk hits", "agents created", "registrations", "peer connects")
 

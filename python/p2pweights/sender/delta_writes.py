@@ -59,20 +59,35 @@ class DeltaBases:
 
     @property
     def nbytes(self) -> int:
-        return (sum(a.nbytes for a in self.arrays.values() if isinstance(a, np.ndarray))
-                + sum(t.nbytes for t, _ in self.ranks.values()))
+        return sum(t.nbytes for t, _ in self.ranks.values())
+
+    def prepare(self, ranks: Sequence[Any], device: str, phases: Any) -> None:
+        """At connect: the bases of every rank whose targets publish a delta area, made and touched
+        now, so that the first update does not pay the first touch of fresh memory."""
+        for p in ranks:
+            if any(t.publication.delta_area for t in p.targets):
+                self.rank_base(p, device)
+        phases.lap("delta bases")
 
     def rank_base(self, p: Any, device: Any) -> tuple[Any, dict[str, int]]:
-        """Rank ``p``'s GPU base (made on first use, zeroed: no parameter has a base until written)."""
+        """Rank ``p``'s base, one buffer for its parameters (each on a 256-byte boundary): a numpy
+        array for host slots (``device`` "cpu"), else a tensor on that torch device. Made on first
+        use; no parameter has a base until it is written once."""
+        host = isinstance(device, str) and device == "cpu"
         got = self.ranks.get((p.layout_key, p.rank))
-        if got is None or got[0].device != device:
-            import torch
-
+        if got is None or isinstance(got[0], np.ndarray) != host or (not host and got[0].device != device):
             offsets, total = {}, 0
             for name, t in sorted(p.targets[0].publication.params.items()):
                 offsets[name] = total
                 total += -(-t.nbytes // 256) * 256
-            got = (torch.zeros(max(total, 1), dtype=torch.uint8, device=device), offsets)
+            if host:
+                buffer = np.zeros(max(total, 1), dtype=np.uint8)
+                buffer[::4096] = 1  # every page touched now
+            else:
+                import torch
+
+                buffer = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
+            got = (buffer, offsets)
             self.ranks[(p.layout_key, p.rank)] = got
             for key in [k for k in self.arrays if k[:2] == (p.layout_key, p.rank)]:
                 del self.arrays[key]  # views of a base that is gone
@@ -260,7 +275,9 @@ class UpdateDeltas:
         targets = p.targets
         rows = [_full_row(t, param, offset, nbytes) for t in targets if id(t) in full]
         if base is None or base.nbytes != nbytes:
-            self.bases.arrays[key] = cur.copy()
+            buffer, offsets = self.bases.rank_base(p, "cpu")
+            base = self.bases.arrays[key] = buffer[offsets[param]:offsets[param] + nbytes]
+            np.copyto(base, cur)
             return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
         if not writes:
             np.copyto(base, cur)

@@ -220,6 +220,8 @@ class WeightSender:
             for transform in self.transforms:
                 transform.connect(ranks)
             phases.lap("transforms")
+            if self._bases is not None:  # the bases' first touch here, not in the first update
+                self._bases.prepare(ranks, self.settings.buffer_device, phases)
         except BaseException:
             self._detach(attached)
             raise
