@@ -39,7 +39,9 @@ def test_a_real_sglang_server_reports_the_plugin_in_server_info(server_infos):
     info = server_infos["installed"]
     assert info["version"] == version_guard.WRITTEN_FOR  # really sglang's own server
     assert info["device"] == "cpu" and info["load_format"] == "dummy"
-    assert info["p2pw_plugin"] == {"version": p2pweights.__version__, "protocol": server_info.PROTOCOL}, info.get("p2pw_plugin")
+    # offers sessions: the HTTP server's hooked function passed the version guard in the real launcher
+    assert info["p2pw_plugin"] == {"version": p2pweights.__version__, "protocol": server_info.PROTOCOL,
+                                   "offers": ["sessions"]}, info.get("p2pw_plugin")
 
 
 def test_sglang_plugins_that_does_not_name_p2pweights_leaves_it_out(server_infos):
@@ -51,9 +53,12 @@ def test_sglang_plugins_that_does_not_name_p2pweights_leaves_it_out(server_infos
 # -- in this process, against sglang 0.5.23's own functions ----------------------------------------
 @pytest.fixture
 def registered(monkeypatch) -> list[tuple]:
-    """The hooks register() hands sglang's HookRegistry (captured, never applied in this process)."""
+    """The hooks register() hands sglang's HookRegistry (captured, never applied in this process).
+    The HTTP server's function is left out of the guard's table here: importing sglang's HTTP server
+    costs minutes on a loaded 2-core host (and needs torchvision); the real servers check it."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    monkeypatch.setattr(version_guard, "HOOKED", version_guard.hooked_in("scheduler"))
     calls: list[tuple] = []
     monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, hook, hook_type, **kw: calls.append(
         (target, hook, hook_type))))
@@ -61,7 +66,10 @@ def registered(monkeypatch) -> list[tuple]:
 
 
 def test_the_guard_accepts_the_sglang_it_was_written_for():
-    assert version_guard.mismatches() == {}
+    # every process's targets; the HTTP server's (main only) is checked by the real servers above
+    assert version_guard.mismatches(kind="scheduler") == {}
+    assert set(version_guard.hooked_in("main")) == set(version_guard.HOOKED)
+    assert not set(version_guard.hooked_in("scheduler")) & version_guard.HTTP_PROCESS_ONLY
 
 
 def test_the_guard_names_a_missing_function_and_a_changed_signature():
@@ -78,11 +86,27 @@ def test_the_guard_names_a_missing_function_and_a_changed_signature():
 def test_register_adds_the_plugin_to_what_build_server_info_returns(registered):
     from sglang.srt.plugins.hook_registry import HookType
 
-    sglang_plugin.register()
-    (target, hook, hook_type), = registered
-    assert (target, hook_type) == (server_info.TARGET, HookType.AFTER)
-    answer = hook({"version": "0.5.23"}, object(), {})
-    assert answer == {"version": "0.5.23", "p2pw_plugin": {"version": p2pweights.__version__, "protocol": server_info.PROTOCOL}}
+    from p2pweights.sglang_plugin import sessions
+
+    sglang_plugin.register()  # kind main: the launcher, which serves HTTP
+    hooks = {target: (hook, hook_type) for target, hook, hook_type in registered}
+    assert set(hooks) == {server_info.TARGET, sessions.TARGET}
+    assert hooks[sessions.TARGET] == (sessions.before_http_server, HookType.BEFORE)
+    assert sessions.TARGET in version_guard.HTTP_PROCESS_ONLY  # checked and hooked in the launcher only
+    hook, hook_type = hooks[server_info.TARGET]
+    assert hook_type is HookType.AFTER
+    answer = hook({"version": "0.5.23"}, object(), {})  # no app served in this process: no sessions
+    assert answer == {"version": "0.5.23", "p2pw_plugin": {"version": p2pweights.__version__,
+                                                           "protocol": server_info.PROTOCOL, "offers": []}}
+
+
+def test_a_scheduler_process_registers_no_http_hook(registered):
+    def run_scheduler_process():  # named as sglang's scheduler entry, which calls load_plugins()
+        sglang_plugin.register()
+
+    run_scheduler_process()
+    assert sglang_plugin.LOADS[-1]["kind"] == "scheduler"
+    assert [target for target, _, _ in registered] == [server_info.TARGET]
 
 
 def test_register_refuses_loudly_when_a_hooked_function_is_missing(registered, monkeypatch, caplog):

@@ -1,5 +1,8 @@
 """The receiver's record of its engine's weight-update session: who owns it, the owner's lease, and
-whether the engine's weights are torn (docs/protocol.md, "Sessions: owner and lease").
+whether the engine's weights are torn (docs/protocol.md, "Sessions: owner and lease"). Two hosts use
+it: the receiver's own server (:func:`gated`, :func:`renew`) and, inside a real sglang server's HTTP
+process, the p2pweights sglang plugin (``sglang_plugin/sessions.py``: :func:`admit`, :func:`settle`,
+:func:`renew_lease` around sglang's own routes).
 
 A session belongs to the controller whose ``begin_weight_update`` opened it: its **owner token**
 is the ``X-P2PW-Session-Owner`` header (``protocol.SESSION_OWNER_HEADER``) every call of that
@@ -271,7 +274,7 @@ class SessionKeeper:
                 f"{now - self.renewed_at:.1f}s ago, lease {self.lease:g}s)")
 
 
-# ---- the server's side: one call through the owner rules ---------------------------------------
+# ---- the host's side: one call through the owner rules -----------------------------------------
 
 #: the verbs the owner rules govern; the others (reading, checks, publications) are anyone's
 GATED = frozenset({"pause_generation", "continue_generation", "begin_weight_update", "end_weight_update",
@@ -282,42 +285,64 @@ GATED = frozenset({"pause_generation", "continue_generation", "begin_weight_upda
 UNLOCKED = frozenset({"init_weights_update_group", "destroy_weights_update_group", "renew_weight_update"})
 
 
+def admit(host: Any, verb: str, owner: str) -> None:
+    """The owner rules before ``verb`` of ``owner`` runs on ``host`` (a receiver's server, or the sglang
+    plugin's HTTP process: anything with a ``session`` (:class:`SessionKeeper`) and ``revoke_epoch()``),
+    inside the host's control lock: another owner's call of a live session, or a torn engine's call it
+    does not accept, is refused (409); a begin with a guessable owner token is refused (400); a begin
+    that takes a lost owner's session over first revokes what that owner could still reach."""
+    host.session.check(verb, owner)
+    if verb == "begin_weight_update":
+        check_owner_token(owner)
+        if host.session.lost:  # a takeover: the lost owner's writes in flight must not land
+            host.revoke_epoch()
+
+
+def settle(session: SessionKeeper, verb: str, headers: Any, owner: str, lease: float | None, status: int,
+           answer: Any) -> Any:
+    """Record what ``verb`` did once it answered ``status`` (still inside the host's control lock): a
+    begin that succeeded opens ``owner``'s session and its answer gains the ``lease`` granted (at most
+    the engine's ``lease_max``), ``took_over`` and ``epoch``; an end that succeeded closes it. The
+    answer, as the caller sends it."""
+    if p.ok(status) and verb == "begin_weight_update":
+        took_over = session.begin(owner, lease, label_of(headers, owner))
+        return {**(answer if isinstance(answer, dict) else {}), "lease": session.lease,
+                "lease_max": session.max_lease, "took_over": took_over, "epoch": session.epoch}
+    if p.ok(status) and verb == "end_weight_update":
+        session.end()
+    return answer
+
+
 def gated(server: Any, verb: str, headers: Any, call: Callable[[], tuple[int, Any]]) -> tuple[int, Any]:
     """Run one call of ``verb`` (``call`` -> (status, answer)) under ``server.session``'s owner
-    rules: the check and the call are one step under the server's control lock (a reentrant lock:
-    the verb takes it again); a begin or end that succeeded is recorded, and begin answers the
-    ``lease`` granted (at most the engine's ``lease_max``). A begin with a guessable owner token is
-    refused (400) before it runs."""
+    rules: :func:`admit`, the call and :func:`settle` are one step under the server's control lock (a
+    reentrant lock: the verb takes it again)."""
     if verb not in GATED:
         return call()
     owner, lease = owner_of(headers), lease_of(headers)
     lock = server._control_lock if verb not in UNLOCKED else contextlib.nullcontext()
     with lock:
-        server.session.check(verb, owner)
-        if verb == "begin_weight_update":
-            check_owner_token(owner)
-            if server.session.lost:  # a takeover: the lost owner's writes in flight must not land
-                server.revoke_epoch()
+        admit(server, verb, owner)
         status, answer = call()
-        if p.ok(status) and verb == "begin_weight_update":
-            took_over = server.session.begin(owner, lease, label_of(headers, owner))
-            answer = {**answer, "lease": server.session.lease, "lease_max": server.session.max_lease,
-                      "took_over": took_over, "epoch": server.session.epoch}
-        elif p.ok(status) and verb == "end_weight_update":
-            server.session.end()
-    return status, answer
+        return status, settle(server.session, verb, headers, owner, lease, status, answer)
+
+
+def renew_lease(session: SessionKeeper, release: bool, headers: Any) -> dict:
+    """``POST /renew_weight_update`` on any host (its owner was checked by :func:`admit`): renew the
+    lease (the answer's ``lease``: the one granted), or give the session up."""
+    owner, lease = owner_of(headers), lease_of(headers)
+    if not session.open:
+        raise InvalidRequest(f"{p.NO_SESSION} is open on this engine: nothing to renew")
+    if release:
+        session.release(owner)
+        return {"success": True, "message": f"session released: the weights are {p.TORN} until a complete update"}
+    return {"success": True, "message": "lease renewed", "lease": session.renew(lease)}
 
 
 def renew(server: Any, release: bool, headers: Any) -> dict:
-    """``POST /renew_weight_update`` (its owner was checked by :func:`gated`): renew the lease (the
-    answer's ``lease``: the one granted) and check the engine's ranks answer
-    (``hooks.on_renew_lease``), or give the session up."""
-    owner, lease = owner_of(headers), lease_of(headers)
-    if not server.session.open:
-        raise InvalidRequest(f"{p.NO_SESSION} is open on this engine: nothing to renew")
-    if release:
-        server.session.release(owner)
-        return {"success": True, "message": f"session released: the weights are {p.TORN} until a complete update"}
-    lease = server.session.renew(lease)
-    server.hooks.on_renew_lease()  # a stalled rank is named here, within the renewal's timeout
-    return {"success": True, "message": "lease renewed", "lease": lease}
+    """The receiver's ``POST /renew_weight_update``: :func:`renew_lease`, then a renewal checks the
+    engine's ranks answer (``hooks.on_renew_lease``)."""
+    answer = renew_lease(server.session, release, headers)
+    if not release:
+        server.hooks.on_renew_lease()  # a stalled rank is named here, within the renewal's timeout
+    return answer

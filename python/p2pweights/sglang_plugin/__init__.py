@@ -8,9 +8,11 @@ controller), then applies the hooks registered. ``SGLANG_PLUGINS`` (sglang's com
 allow-list of plugin names) leaves the plugin out when it does not name ``p2pweights``.
 
 Built so far: :func:`register` records which process kind loaded it (:data:`LOADS`) and adds
-``p2pw_plugin`` to ``/server_info`` (``server_info.py``); before registering any hook it checks
-every hooked sglang function against the ones it was written for (``version_guard.py``) and, on a
-mismatch, refuses to attach: an error in the log and in ``p2pw_plugin.error``. docs/sglang.md.
+``p2pw_plugin`` to ``/server_info`` (``server_info.py``); in the process that serves HTTP it keeps
+weight-update sessions with owners, leases and the torn state (``sessions.py``); before registering
+any hook it checks every hooked sglang function against the ones it was written for
+(``version_guard.py``) and, on a mismatch, refuses to attach: an error in the log and in
+``p2pw_plugin.error``. docs/sglang.md.
 
 Every sglang process imports this module: it imports nothing of sglang but the hook registry.
 """
@@ -28,6 +30,7 @@ from . import server_info, version_guard
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "p2pweights"  # the entry-point name: what SGLANG_PLUGINS must list to keep it
+CPU_PLATFORM = "p2pw_cpu"    # cpu_platform.NAME (not imported here: it imports torch and sglang's platforms)
 
 # sglang's function that called load_plugins() -> the kind of process it runs in
 _PROCESS_KINDS = {
@@ -59,7 +62,13 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kind = process_kind()
-    problems = version_guard.mismatches()
+    if kind == "main" and os.environ.get("SGLANG_PLATFORM") == CPU_PLATFORM:
+        # the guard imports sglang's HTTP server, which imports torchvision: on a host without it,
+        # the CPU platform's stub must be in place first (sglang activates platforms lazily, later)
+        from . import cpu_platform
+
+        cpu_platform.activate()
+    problems = version_guard.mismatches(kind=kind)
     error = None
     if problems:
         error = (f"p2pweights {__version__} refuses to attach to sglang {sglang_version()} "
@@ -67,8 +76,14 @@ def register() -> None:
         logger.error(error)  # ERROR reaches stderr even before sglang configures logging
     LOADS.append({"kind": kind, "pid": os.getpid(), "error": error})
     logger.info("p2pweights sglang plugin %s loaded in the %s process (pid %d)", __version__, kind, os.getpid())
+    live = None
+    if error is None and kind == "main":  # the launcher, which serves HTTP: sessions on sglang's app
+        from . import sessions  # imports starlette and the receiver's session keeper: this process only
+
+        HookRegistry.register(sessions.TARGET, sessions.before_http_server, HookType.BEFORE)
+        live = sessions.live
     if server_info.TARGET not in problems:  # else only the log can say it
-        HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error), HookType.AFTER)
-    # The receiver's hooks (sessions, fencing, digests, deltas, publications) will register here,
-    # only when error is None, each with its target listed in version_guard.HOOKED.
+        HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error, live), HookType.AFTER)
+    # The receiver's other hooks (fencing, digests, deltas, publications) will register here, only
+    # when error is None, each with its target listed in version_guard.HOOKED.
 

@@ -1,6 +1,8 @@
 """What the plugin adds to sglang's ``/server_info``: ``p2pw_plugin`` = the p2pweights version, the
-plugin protocol the sender reads to know which guarantees the engine offers, and, when the plugin
-refused to attach, why.
+plugin protocol, what the plugin enforces in this server (``offers``: the sender reads it to know
+which guarantees the engine gives), and, when the plugin (or one of its guarantees) refused to
+attach, why; with sessions (``sessions.py``), ``p2pw_weight_update``, the session's state as a
+receiver reports it.
 
 It is an AFTER hook on sglang's own ``build_server_info`` (``sglang/srt/utils/common.py``), the
 function that both the HTTP server's ``/server_info`` and the native gRPC server's GetServerInfo
@@ -8,29 +10,37 @@ call; nothing of sglang's route is copied.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 FIELD = "p2pw_plugin"
+WEIGHT_UPDATE_FIELD = "p2pw_weight_update"  # the receiver's name for the session's state
 TARGET = "sglang.srt.utils.common.build_server_info"
 # Bumped whenever what the plugin adds to an engine (routes, fields, guarantees) changes meaning.
-PROTOCOL = 1
+# 2: ``offers``; sessions (owner, lease, torn), /renew_weight_update, p2pw_weight_update.
+PROTOCOL = 2
 
 
-def plugin_info(version: str, error: str | None = None) -> dict[str, Any]:
-    """The ``p2pw_plugin`` value: ``{"version", "protocol"}``, plus ``"error"`` when refused."""
-    info: dict[str, Any] = {"version": version, "protocol": PROTOCOL}
+def plugin_info(version: str, error: str | None = None, offers: Iterable[str] = ()) -> dict[str, Any]:
+    """The ``p2pw_plugin`` value: ``{"version", "protocol", "offers"}``, plus ``"error"`` when refused."""
+    info: dict[str, Any] = {"version": version, "protocol": PROTOCOL, "offers": list(offers)}
     if error is not None:
         info["error"] = error
     return info
 
 
-def after_build(version: str, error: str | None = None) -> Callable[..., Any]:
-    """The AFTER hook: ``hook(result, *args, **kwargs)`` adds the field to the dict sglang built."""
-    info = plugin_info(version, error)
+def after_build(version: str, error: str | None = None,
+                live: Callable[[], dict[str, Any]] | None = None) -> Callable[..., Any]:
+    """The AFTER hook: ``hook(result, *args, **kwargs)`` adds the fields to the dict sglang built.
+    ``live()`` (read at each call) says what the plugin enforces now: ``{"offers", "error",
+    "weight_update"}`` (``sessions.live``)."""
 
     def add_plugin_info(result: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(result, dict):
-            result[FIELD] = dict(info)
+            now = live() if live is not None else {}
+            refusal = "; ".join(why for why in (error, now.get("error")) if why) or None
+            result[FIELD] = plugin_info(version, refusal, now.get("offers", ()))
+            if now.get("weight_update") is not None:
+                result[WEIGHT_UPDATE_FIELD] = now["weight_update"]
         return result
 
     return add_plugin_info

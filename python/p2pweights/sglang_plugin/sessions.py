@@ -1,0 +1,243 @@
+"""Weight-update sessions with owner tokens, engine-bounded leases and the torn state, kept inside a
+real sglang server's HTTP process by the receiver's own rules (``receiver/session_keeper.py``: one
+implementation, two hosts). docs/sglang.md, "Sessions".
+
+Where: a BEFORE hook on sglang's ``sglang.srt.entrypoints.http_server._setup_and_run_http_server``,
+which the launcher calls once the engine's subprocesses run, just before uvicorn (or Granian's
+embedded server) serves sglang's FastAPI ``app``. The hook (:func:`before_http_server`) adds to that
+``app``:
+
+- ``POST /renew_weight_update``, p2pweights' own route (the receiver's body and answers), marked
+  ``ADMIN_OPTIONAL`` like sglang's control routes, so sglang's key middleware guards it alike;
+- :class:`SessionGate`, an ASGI middleware in front of sglang's routes. A call of a route in
+  :data:`GATED_PATHS` goes through ``session_keeper.admit`` (another controller's call of a live
+  session: 409 ``SessionConflict``; a torn engine's: 409 ``TornWeights``; nothing reaches sglang),
+  then sglang's own route, then ``session_keeper.settle`` (a begin that succeeded opens the caller's
+  session and answers its lease; an end that succeeded closes it), as one step under one lock.
+
+sglang already serves ``/begin_weight_update`` and ``/end_weight_update`` (0.5.23's own session:
+it restores packed quantized weights at begin and post-processes at end), so the plugin adds no
+begin or end of its own: the p2pweights session is sglang's session plus an owner and a lease. A
+lost owner's session (expired, given up) stays open in sglang; the next owner's begin takes it over
+(sglang's "already open" is answered as the receiver's takeover) and its end heals it.
+
+sglang adds its API-key middleware after this hook ran, so the key middleware wraps the gate: a call
+without the key is refused (401) before the gate reads it.
+
+Not covered: a server with several HTTP workers (``--tokenizer-worker-num > 1``: each would keep its
+own session; the plugin offers no sessions there, and says why), the native gRPC server, and the
+engine's other processes (a scheduler obeys whatever reaches it).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..control import bodies, routes
+from ..control import protocol as p
+from ..control.error_answers import error_payload
+from ..errors import InvalidRequest, SessionConflict, TornWeights
+from ..receiver import session_keeper as sk
+
+logger = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+OFFER = "sessions"  # what p2pw_plugin.offers lists while the gate is installed
+
+BEGIN, RENEW = "begin_weight_update", "renew_weight_update"
+RENEW_PATH = routes.route(RENEW).path
+
+#: sglang's routes under the owner rules -> the verb ``session_keeper`` knows each by: the receiver's
+#: gated verbs that sglang serves, the renewal this plugin adds, and sglang's other routes that write
+#: the weights or free and restore their memory (where the owner's one-sided writes land)
+GATED_PATHS: dict[str, str] = {
+    **{r.path: r.verb for r in routes.ROUTES if r.verb in sk.GATED and not r.p2pw},
+    RENEW_PATH: RENEW,
+    **{f"/{verb}": verb for verb in ("update_weights_from_tensor", "update_weights_from_disk",
+                                     "update_weights_from_ipc", "release_memory_occupation",
+                                     "resume_memory_occupation")},
+}
+
+_JSON = [(b"content-type", b"application/json")]
+
+
+class SglangSessionHost:
+    """The host ``session_keeper.admit`` needs: the HTTP process's one :class:`SessionKeeper`
+    (``lease``: the longest it grants, default ``P2PW_SESSION_LEASE`` in the server's environment)."""
+
+    def __init__(self, engine: str, lease: float | None = None):
+        self.session = sk.SessionKeeper(engine, lease)
+
+    def revoke_epoch(self) -> None:
+        """A takeover of a lost owner's session: sglang's ranks cannot re-register their regions under a
+        new epoch (yet), so the epoch stays and the fence is the senders' own lease deadline alone."""
+        logger.warning("engine %s cannot revoke its registrations (the sglang plugin does not fence yet): a "
+                       "lost owner's writes in flight may still land", self.session.engine)
+
+
+# The HTTP process's host once installed; why sessions are not offered when they could not be.
+HOST: SglangSessionHost | None = None
+REFUSED: str | None = None
+
+
+def before_http_server(*args: Any, **kwargs: Any) -> None:
+    """The BEFORE hook: install the gate and the renewal on sglang's ``app`` before it serves. Never
+    raises (a failure is logged at ERROR and reported in ``p2pw_plugin.error``); leaves sglang's
+    arguments as they are."""
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.runtime_context import get_serving
+
+    serving = get_serving()
+    try:
+        install(http_server.app, workers=int(serving.tokenizer_worker_num),
+                engine=f"http://{serving.host}:{serving.port}")
+    except Exception as e:  # noqa: BLE001 - sglang must start either way; the refusal is loud
+        refuse(f"sessions not installed: {type(e).__name__}: {e}")
+    return None
+
+
+def install(app: Any, *, workers: int = 1, engine: str = "engine", lease: float | None = None) -> SglangSessionHost | None:
+    """Add the renewal route and :class:`SessionGate` to sglang's FastAPI ``app`` (before it serves).
+    Refuses (None, logged, :data:`REFUSED`) where one session cannot be kept: several HTTP workers,
+    or an app that lacks a gated route (sglang's routes changed)."""
+    global HOST
+    if workers != 1:
+        return refuse(f"sessions need one HTTP process; this server runs {workers} (--tokenizer-worker-num), each "
+                      f"would keep its own session")
+    served = {getattr(r, "path", None) for r in app.router.routes}
+    missing = sorted(set(GATED_PATHS) - {RENEW_PATH} - served)
+    if missing:
+        return refuse(f"sessions not installed: this sglang serves no {', '.join(missing)}")
+    if RENEW_PATH in served:
+        return refuse(f"sessions not installed: {RENEW_PATH} is served already (by another plugin?)")
+    host = SglangSessionHost(engine, lease)
+    app.add_api_route(RENEW_PATH, renew_endpoint(host), methods=["POST"])
+    app.add_middleware(SessionGate, host=host)
+    HOST = host
+    return host
+
+
+def refuse(why: str) -> None:
+    global REFUSED
+    REFUSED = why
+    logger.error("p2pweights sglang plugin: %s", why)  # ERROR reaches the server's log
+    return None
+
+
+def live() -> dict[str, Any]:
+    """What ``/server_info`` says of sessions now (``server_info.after_build``): ``offers`` (``["sessions"]``
+    while the gate is installed), ``error`` (why it is not), ``weight_update`` (the session's state,
+    as a receiver reports it in ``p2pw_weight_update``; None without a gate)."""
+    if HOST is None:
+        return {"offers": [], "error": REFUSED, "weight_update": None}
+    state = HOST.session.state()
+    return {"offers": [OFFER], "error": None, "weight_update": {**state, "state": str(state["state"])}}
+
+
+def renew_endpoint(host: SglangSessionHost) -> Any:
+    """``POST /renew_weight_update {"release": bool}``: the receiver's route (its owner was admitted by
+    the gate): 200 ``{"success", "message", "lease"}``; 400 no session, a bad lease header or body."""
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def renew_weight_update(request: Request) -> JSONResponse:
+        try:
+            raw = await request.body()
+            try:
+                obj = json.loads(raw) if raw.strip() else {}
+            except ValueError:
+                raise InvalidRequest("the body must be a JSON object") from None
+            if not isinstance(obj, dict):
+                raise InvalidRequest("the body must be a JSON object")
+            req = bodies.decode(bodies.RenewWeightUpdateReq, obj)
+            return JSONResponse(sk.renew_lease(host.session, req.release, request.headers))
+        except InvalidRequest as e:
+            return JSONResponse(error_payload(e), status_code=p.BAD_REQUEST)
+
+    return renew_weight_update
+
+
+class SessionGate:
+    """ASGI middleware: the owner rules around each call of a gated sglang route (module docstring).
+    Gated calls run one at a time (the receiver's control lock), except the renewal and the
+    broadcast group's join and leave (``session_keeper.UNLOCKED``), as on a receiver."""
+
+    def __init__(self, app: Any, host: SglangSessionHost):
+        self.app, self.host = app, host
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        verb = GATED_PATHS.get(_route_path(scope)) if scope["type"] == "http" else None
+        if verb is None:
+            return await self.app(scope, receive, send)
+        try:
+            status, headers, body = await self._gated(verb, scope, receive)
+        except (SessionConflict, TornWeights) as e:
+            status, headers, body = p.CONFLICT, _JSON, _encode(error_payload(e))
+        except InvalidRequest as e:
+            status, headers, body = p.BAD_REQUEST, _JSON, _encode(error_payload(e))
+        await _respond(send, status, headers, body)
+
+    async def _gated(self, verb: str, scope: dict, receive: Any) -> tuple[int, list, bytes]:
+        headers = Headers(scope=scope)
+        owner, lease = sk.owner_of(headers), sk.lease_of(headers)
+        session = self.host.session
+        async with self._lock if verb not in sk.UNLOCKED else contextlib.nullcontext():
+            taking_over = verb == BEGIN and session.lost
+            sk.admit(self.host, verb, owner)
+            status, out_headers, body = await _answer_of(self.app, scope, receive)
+            if taking_over and status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in body.decode("utf-8", "replace"):
+                # sglang's session is still the lost owner's: the new owner continues it (not begun again)
+                status, out_headers = p.OK, _JSON
+                body = _encode(bodies.encode(bodies.Ack(
+                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")))
+            answer = sk.settle(session, verb, headers, owner, lease, status, _decode(body) if verb == BEGIN else None)
+            if verb == BEGIN and p.ok(status):
+                out_headers, body = _JSON, _encode(answer)
+        return status, out_headers, body
+
+
+def _route_path(scope: dict) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+async def _answer_of(app: Any, scope: dict, receive: Any) -> tuple[int, list, bytes]:
+    """sglang's whole answer to one call (its control routes answer small JSON), held back so the
+    session is recorded before the caller sees it."""
+    start: dict = {}
+    chunks: list[bytes] = []
+
+    async def hold(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, hold)
+    return int(start.get("status", p.ENGINE_FAILED)), list(start.get("headers", [])), b"".join(chunks)
+
+
+async def _respond(send: Any, status: int, headers: list, body: bytes) -> None:
+    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
