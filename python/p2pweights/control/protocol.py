@@ -59,3 +59,20 @@ END_THEN = "p2pw_then"
 #: a receiver's answer to a session verb carries its own timings under this key (seconds by phase:
 #: ``server_s``, its fan-outs to the ranks, each rank's, and a folded end's ``<verb>_s``)
 TIMINGS_KEY = "p2pw_timings"
+
+#: The p2pweights sglang plugin (sglang_plugin/): ``/server_info`` carries ``PLUGIN_FIELD`` =
+#: ``{"version", "protocol", "offers", "error"?}``; ``offers`` names the guarantees it enforces in that
+#: server (``PLUGIN_SESSIONS``: owners, leases, torn, as a receiver), from protocol 2 on.
+PLUGIN_FIELD = "p2pw_plugin"
+PLUGIN_PROTOCOL = 2
+PLUGIN_SESSIONS = "sessions"
+
+
+def plugin_offers(server_info: object) -> frozenset[str]:
+    """What an engine's plugin enforces, read from its ``/server_info`` (nothing: no plugin, an older
+    protocol, or a refused one)."""
+    info = server_info.get(PLUGIN_FIELD) if isinstance(server_info, dict) else None
+    if not isinstance(info, dict) or not isinstance(info.get("protocol"), int) or info["protocol"] < 2:
+        return frozenset()
+    offers = info.get("offers")
+    return frozenset(o for o in offers if isinstance(o, str)) if isinstance(offers, list) else frozenset()

@@ -48,6 +48,7 @@ class SglangEngine:
     ):
         self.base_url = _normalize_url(base_url)
         self.bootstrap_url = _normalize_url(bootstrap_url) if bootstrap_url else None
+        self.plugin_offers: frozenset[str] = frozenset()  # the sglang plugin's guarantees (server_info)
         self.name = name or urlsplit(self.base_url).netloc
         self.timeout = float(value("P2PW_ENGINE_TIMEOUT", timeout))
         self.connect_timeout = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
@@ -76,8 +77,11 @@ class SglangEngine:
         return status == 200
 
     def server_info(self) -> dict:
-        """``GET /server_info``: the resolved server args (flat), ``internal_states``, ``version``."""
-        return self._json("server_info")
+        """``GET /server_info``: the resolved server args (flat), ``internal_states``, ``version``;
+        what the p2pweights plugin enforces there is kept (``plugin_offers``)."""
+        info = self._json("server_info")
+        self.plugin_offers = p.plugin_offers(info)
+        return info
 
     def model_info(self) -> dict:
         """``GET /model_info``: model path, ``weight_version``, architectures, ..."""
@@ -120,7 +124,7 @@ class SglangEngine:
 
     def renew_weight_update(self, release: bool = False, lease: float | None = None,
                             timeout: float | None = None) -> dict:
-        """``POST /renew_weight_update {"release": ...}`` (a receiver's route; sglang has none): the
+        """``POST /renew_weight_update {"release": ...}`` (a receiver's, or the sglang plugin's): the
         session's owner renews its lease (the engine's leader also checks every rank answers), or
         with ``release`` gives the session up (the engine is torn until a complete update).
         ``timeout`` bounds this one call (default: the client's)."""

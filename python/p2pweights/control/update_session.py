@@ -444,7 +444,9 @@ class UpdateSession:
         except EngineError as e:
             if not (SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e)):
                 raise
-            if not self.owner_given:  # never a silent resume of a session that may be someone else's
+            # never a silent resume of a session that may be someone else's (the sglang plugin's gate
+            # admits only the owner: "already open" is then this owner's own)
+            if not self.owner_given and p.PLUGIN_SESSIONS not in engine.plugin_offers:
                 raise SessionConflict(
                     f"engine {engine.name} ({engine.base_url}): a weight-update session is already open and this "
                     f"update did not open it (an sglang server cannot say whose it is); refused before writing",
@@ -454,7 +456,7 @@ class UpdateSession:
             logger.warning("engine %s: owner %s resumes its own weight-update session", engine.name, self.owner_label)
             with self._lock:
                 self.resumed.add(engine.name)
-            try:  # a receiver keeps a lease on it (sglang has no renew route)
+            try:  # a receiver or the sglang plugin keeps a lease on it (plain sglang has no renew route)
                 sent_at = time.monotonic()
                 self._renewer.keep(engine, engine.renew_weight_update(lease=self.lease)["lease"], sent_at)
             except (EngineError, KeyError, TypeError, ValueError):

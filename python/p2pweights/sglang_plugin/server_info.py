@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-FIELD = "p2pw_plugin"
+from ..control.protocol import PLUGIN_FIELD as FIELD
+from ..control.protocol import PLUGIN_PROTOCOL as PROTOCOL
+
 WEIGHT_UPDATE_FIELD = "p2pw_weight_update"  # the receiver's name for the session's state
 TARGET = "sglang.srt.utils.common.build_server_info"
-# Bumped whenever what the plugin adds to an engine (routes, fields, guarantees) changes meaning.
-# 2: ``offers``; sessions (owner, lease, torn), /renew_weight_update, p2pw_weight_update.
-PROTOCOL = 2
+# PROTOCOL (control/protocol.py, where senders read it) is bumped whenever what the plugin adds to an
+# engine (routes, fields, guarantees) changes meaning. 2: ``offers``; sessions (owner, lease, torn),
+# /renew_weight_update, p2pw_weight_update.
 
 
 def plugin_info(version: str, error: str | None = None, offers: Iterable[str] = ()) -> dict[str, Any]:
