@@ -8,9 +8,8 @@ import pytest
 from p2pweights.commands.demo_run import SenderPool, run_demo, run_p2p
 from p2pweights.control import SglangEngine
 from p2pweights.receiver import start_engines
+from p2pweights.sender.delta_writes import FIRST
 from replica_configs import write_config
-
-FIRST = "the first update after connect writes in full"
 
 
 @pytest.fixture(scope="module")
