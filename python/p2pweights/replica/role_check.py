@@ -16,8 +16,8 @@ from ..models import load_config
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
 from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
-from . import sglang_env
-from .check import RankCheck, check_rank, compare_with_reference
+from . import check, sglang_env
+from .check import RankCheck, compare_with_reference
 from .draft_model import build_role_model, target_embed_and_head, tie_to_target
 from .model_replica import ModelReplicas
 from .roles import roles_of
@@ -64,7 +64,7 @@ def check_rank_roles(config: Any, engine: EngineLayout, rank: int, *, seed: int 
     """check-layout of one engine rank, per role: the replica path against sglang's own loader of
     that role (``{"target": RankCheck, "draft": RankCheck}``; only the target without a draft)."""
     replicas = replicas or ModelReplicas(cache_dir="")
-    out = {"target": check_rank(config, engine, rank, seed=seed, replicas=replicas)}
+    out = {"target": check.check_rank(config, engine, rank, seed=seed, replicas=replicas)}  # patchable
     for role in roles_of(config, engine)[1:]:
         t0 = time.perf_counter()
         replica = replicas.get(config, engine, rank, hf_specs=checkpoint_tensors(config), role=role)
