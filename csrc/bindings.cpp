@@ -11,6 +11,7 @@
 #include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
 #include "buffers/delta_codec.h"
+#include "buffers/delta_find.h"
 #include "buffers/transfer_buffer.h"
 #include "transport/loopback.h"
 #include "transport/nixl_transport.h"
@@ -196,6 +197,40 @@ PYBIND11_MODULE(_native, m) {
     return py::make_tuple(static_cast<int>(s.code()), s.message(), calls);
   }, py::arg("program"), py::arg("slot"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"),
      py::arg("stream"), py::arg("mode") = "each", py::arg("lanes") = 1);
+
+  // GPU delta kernels (csrc/buffers/delta_find.h; deltas/index_records.py): device addresses and a
+  // CUstream handle; each returns (code, message) once the launch is enqueued.
+  m.attr("DELTA_BLOCK_BYTES") = kDeltaBlockBytes;
+  m.attr("DELTA_GROUPS_PER_BLOCK") = kDeltaGroupsPerBlock;
+  m.def("delta_kernels_embedded", &delta_kernels_embedded, "Whether the GPU delta kernels were built in (nvcc).");
+  m.def("delta_find_count", [](uint64_t spans, int n_spans, unsigned unit, uint64_t mask, uint64_t counts,
+                               unsigned blocks, uint64_t stream) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_find_count(spans, n_spans, unit, mask, counts, blocks, stream);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("spans"), py::arg("n_spans"), py::arg("unit"), py::arg("mask"), py::arg("counts"), py::arg("blocks"),
+     py::arg("stream"));
+  m.def("delta_find_gather", [](uint64_t spans, int n_spans, unsigned unit, uint64_t mask, uint64_t ends,
+                                uint64_t positions, uint64_t values, unsigned blocks, uint64_t stream) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_find_gather(spans, n_spans, unit, mask, ends, positions, values, blocks, stream);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("spans"), py::arg("n_spans"), py::arg("unit"), py::arg("mask"), py::arg("ends"), py::arg("positions"),
+     py::arg("values"), py::arg("blocks"), py::arg("stream"));
+  m.def("payload_checksum", [](uint64_t words, uint64_t n_words, uint64_t out, uint64_t stream) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = payload_checksum(words, n_words, out, stream);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("words"), py::arg("n_words"), py::arg("out"), py::arg("stream"));
 
   // Delta records (csrc/buffers/delta_codec.h; p2pweights/deltas): raw addresses, the GIL released.
   auto ptr = [](uint64_t addr) { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr)); };

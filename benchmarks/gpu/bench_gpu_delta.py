@@ -16,7 +16,6 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
     import torch
 
     from p2pweights.control import SglangEngine
-    from p2pweights.deltas import index_records
     from p2pweights.models import resolve_model
     from p2pweights.models.checkpoint import random_tensor, trainer_tensors
     from p2pweights.receiver import check_weights_equal, start_engine
@@ -48,28 +47,54 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
             rows.append({"model": model, "engine": spec, "update": label, "delta": str(delta), "bytes": r.bytes,
                          "bytes_written": r.bytes_written, "written_ratio": r.bytes_written / r.bytes,
                          "seconds": r.seconds, "data_s": r.data_seconds, "control_s": r.control_seconds,
-                         "loading_s": r.loading_seconds, "writing_s": r.writing_seconds, "changed_bytes": r.changed_bytes,
+                         "loading_s": r.loading_seconds, "writing_s": r.writing_seconds,
+                         "staging_s": r.staging_seconds, "waiting_s": r.waiting_seconds,
+                         "verbs_ms": {k: round(v * 1e3, 1) for k, v in r.control.items()}, "changed_bytes": r.changed_bytes,
                          "base_bytes": r.base_bytes, "reasons": sorted(set(r.delta_reason.values())),
                          "equal": bool(check["success"])})
             del tensors
         sender.close()
     finally:
         engine.close()
-    slot = 256 << 20
+    return rows + detection_rows() + engine_apply_rows()
+
+
+def detection_rows(slot: int = 256 << 20, runs: int = 10) -> list[dict]:
+    """The change detection alone (``index_records.find_changes``) on one slot of BF16 against a base
+    that differs in a fraction of its elements (restored before each timed call, untimed): the
+    kernels of delta_find.cu against the torch path, same run."""
+    import torch
+
+    from p2pweights.deltas import index_records, kernels
+
     cur = torch.randn(slot // 2, device="cuda").bfloat16().view(torch.uint8)
-    base = cur.clone()
-    base.view(torch.int16)[::100] += 1  # 1% of the elements differ
-    whole = [(0, 0, slot)]
-    for _ in range(3):
-        index_records.find_changes(cur, base.clone(), whole, 2)
-    torch.cuda.synchronize()
-    t0, n = time.perf_counter(), 10
-    for _ in range(n):
-        index_records.find_changes(cur, base, whole, 2)  # moves the base on: change it again (not timed apart)
-        base.view(torch.int16)[::100] += 1
-    torch.cuda.synchronize()
-    rows.append({"change_detection_slot_bytes": slot, "gbps": slot * n / (time.perf_counter() - t0) / 1e9})
-    return rows + engine_apply_rows()
+    rows = []
+    for fraction in (0.0, 0.01, 0.1, 1.0):
+        template = cur.clone()
+        if fraction:
+            step = max(1, round(1 / fraction))
+            template.view(torch.int16)[::step] += 1
+        base = template.clone()
+        for use_kernels in (True, False):
+            kernels.ENABLED = use_kernels
+            seconds = []
+            try:
+                for k in range(runs + 2):
+                    base.copy_(template)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    found = index_records.find_changes(cur, base, [(0, 0, slot)], 2)
+                    torch.cuda.synchronize()
+                    if k >= 2:
+                        seconds.append(time.perf_counter() - t0)
+                exact = bool(torch.equal(base, cur))
+            finally:
+                kernels.ENABLED = True
+            best = sorted(seconds)[len(seconds) // 2]
+            rows.append({"change_detection": "kernels" if use_kernels else "torch", "fraction": fraction,
+                         "slot_bytes": slot, "changed": found.count, "median_s": best,
+                         "gbps": slot / best / 1e9, "base_equal_after": exact})
+    return rows
 
 
 def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20) -> list[dict]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repository root (one call): build the extension there, check the
 # carried bundles, print doctor, run the GPU benchmark. Carry: .carry/gpu-sglang .carry/gpu-nixl .carry/gpu-mooncake
+# DEVICE_TESTS="tests/a.py tests/b.py": run those tests on the GPU first; the benchmark runs only when they pass.
 set -uo pipefail
 SECTIONS=${1:-bandwidth,production,writes,update}
 source scripts/gpu_env.sh
@@ -15,4 +16,8 @@ export PYTHONPATH=/tmp/p2pw-site:${PYTHONPATH:-}
 export PATH=/tmp/p2pw-site/bin:$PATH
 p2pw_gpu_check || echo "gpu check reported a problem"
 python3 -m p2pweights doctor
+if [ -n "${DEVICE_TESTS:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider $DEVICE_TESTS 2>&1 | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "device tests failed: no benchmark"; exit 1; }
+fi
 python3 benchmarks/gpu/bench_gpu.py --sections "$SECTIONS" --out "${OUT:-.}/gpu_results.json"

@@ -443,6 +443,7 @@ struct Driver {
   CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
   CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                             CUstream, void**, void**) = nullptr;
+  bool modules = false;  // the three calls above were found
   std::once_flag initialized;
 
   template <typename F>
@@ -478,9 +479,10 @@ struct Driver {
       handle = nullptr;
       return;
     }
+    modules = find(&module_load_data, "cuModuleLoadData") && find(&module_get_function, "cuModuleGetFunction") &&
+              find(&launch_kernel, "cuLaunchKernel");
 #ifdef P2PW_HAVE_COPY_KERNEL
-    info.kernel = find(&module_load_data, "cuModuleLoadData") && find(&module_get_function, "cuModuleGetFunction") &&
-                  find(&launch_kernel, "cuLaunchKernel");
+    info.kernel = modules;
 #endif
     info.lanes = find(&stream_create, "cuStreamCreate") && find(&event_create, "cuEventCreate") &&
                  find(&event_record, "cuEventRecord") && find(&stream_wait_event, "cuStreamWaitEvent");
@@ -556,6 +558,8 @@ struct LaneSet {
   std::vector<CUevent> done;
   CUfunction copy_kernel = nullptr;  // loaded into this context on first use
   std::string kernel_error;          // why it could not be (then not tried again)
+  // other embedded kernels (launch_embedded_kernel), by image and name: the function, or why not
+  std::map<std::pair<const void*, std::string>, std::pair<CUfunction, std::string>> functions;
 };
 
 #ifdef P2PW_HAVE_COPY_KERNEL
@@ -803,6 +807,38 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
   CUresult r = join();
   if (calls) *calls = made;
   if (r != kCudaSuccess) return Status(Code::kDeviceError, d.error(r, "joining the copy lanes"));
+  return Status::Ok();
+}
+
+
+Status launch_embedded_kernel(const void* image, const char* name, uint64_t anchor, unsigned grid, unsigned block,
+                              void** args, uint64_t stream_handle) {
+  Driver& d = driver();
+  if (!d.info.loaded) return Status(Code::kNotFound, d.info.error);
+  if (!d.modules) return Status(Code::kNotFound, "the CUDA driver " + d.info.library + " cannot load modules");
+  if (grid == 0) return Status::Ok();
+  ContextScope context(d, anchor);
+  if (!context.status().ok()) return context.status();
+  LaneSet* set = lane_set(d);
+  if (set == nullptr) return Status(Code::kDeviceError, std::string("no CUDA context for ") + name);
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(set->mu);
+    auto key = std::make_pair(image, std::string(name));
+    auto it = set->functions.find(key);
+    if (it == set->functions.end()) {
+      CUmodule module = nullptr;
+      CUresult r = d.module_load_data(&module, image);
+      CUfunction f = nullptr;
+      if (r == kCudaSuccess) r = d.module_get_function(&f, module, name);
+      std::string why = r == kCudaSuccess ? std::string() : d.error(r, (std::string("loading ") + name).c_str());
+      it = set->functions.emplace(key, std::make_pair(f, why)).first;
+    }
+    if (it->second.first == nullptr) return Status(Code::kDeviceError, it->second.second);
+    fn = it->second.first;
+  }
+  CUresult r = d.launch_kernel(fn, grid, 1, 1, block, 1, 1, 0, reinterpret_cast<CUstream>(stream_handle), args, nullptr);
+  if (r != kCudaSuccess) return Status(Code::kDeviceError, d.error(r, (std::string("launching ") + name).c_str()));
   return Status::Ok();
 }
 

@@ -84,4 +84,11 @@ Status run_device_program(const int64_t* program, size_t count, uint64_t slot, u
                           const std::vector<CopyInput>& inputs, uint64_t stream, CopyMode mode, int64_t* calls,
                           int lanes = 1);
 
+// A kernel of an embedded fatbin (csrc/kernels/*.cu; `image` as cmake/embed_binary.cmake writes it),
+// loaded once per context and launched with `args` on `stream` in the context that owns `anchor`
+// (device memory the kernel touches). kNotFound without a driver; kDeviceError when loading or the
+// launch fails (nothing enqueued).
+Status launch_embedded_kernel(const void* image, const char* name, uint64_t anchor, unsigned grid, unsigned block,
+                              void** args, uint64_t stream);
+
 }  // namespace p2pw

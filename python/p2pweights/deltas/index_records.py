@@ -29,6 +29,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from . import kernels
+
 MAGIC = b"P2PX"
 VERSION = 1
 HEADER = struct.Struct("<4sHHIIQQ")
@@ -62,6 +64,8 @@ def checksum(payload: Any) -> Any:
     on any device): read it with :func:`checksum_words`, once for many."""
     import torch
 
+    if payload.numel() and payload.data_ptr() % 8 == 0 and kernels.usable(payload):
+        return kernels.checksum(payload)
     words = payload.view(torch.int64)
     weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64).mul_(2).add_(1).mul_(_MULT)
     return words.mul(weights).sum()
@@ -97,14 +101,18 @@ def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], u
     offset and size a multiple of ``unit``. Positions are in the concatenation of ``params``. More
     than ``limit`` changes: dense (the positions are not gathered, the bases are copied).
 
-    Where every offset and size is a multiple of 8 (parameters are), the compare runs on 8-byte
-    words: one mask byte per word, counted (a wait for the device; more changed words than
-    ``limit``: dense), ``nonzero`` over it, then the changed words alone are compared element by
-    element and scattered whole into the base. A dense record's ``count`` is then the changed words'
+    Where every offset and size is a multiple of 8 (parameters are) and the tensors are on a CUDA
+    device, the kernels of delta_find.cu find them in two launches (kernels.py). Else, with torch,
+    the compare runs on 8-byte words: one mask byte per word, counted (a wait for the device; more
+    changed words than ``limit``: dense), ``nonzero`` over it, then the changed words alone are
+    compared element by element and scattered whole into the base. A dense record's ``count`` is
+    then the changed words'
     elements (an upper bound)."""
     import torch
 
     if unit < 8 and all(so % 8 == 0 and bo % 8 == 0 and n % 8 == 0 for so, bo, n in params):
+        if kernels.usable(slot, base) and slot.data_ptr() % 8 == 0 and base.data_ptr() % 8 == 0:
+            return _find_by_kernels(slot, base, params, unit, limit)
         return _find_by_words(slot, base, params, unit, limit)
     dt = _dtype(unit)
     su, bu = slot.view(dt), base.view(dt)
@@ -141,6 +149,17 @@ def _placed(positions: Any, params: Sequence[tuple[int, int, int]], starts: Sequ
     shifts = torch.tensor([[so // size - c, bo // size - c] for (so, bo, _), c in zip(params, starts)],
                           device=device)[row]
     return positions + shifts[:, 0], positions + shifts[:, 1]
+
+
+def _find_by_kernels(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
+                     limit: int | None) -> Found:
+    total = sum(n for _, _, n in params) // unit
+    if total > MAX_POSITIONS:
+        raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
+    elements, count, positions, values = kernels.find(slot, base, params, unit, limit)
+    if positions is None:
+        return Found(unit, elements, count)
+    return Found(unit, elements, count, positions, values.view(_dtype(unit)))
 
 
 def _find_by_words(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,

@@ -1,0 +1,107 @@
+"""The GPU delta kernels (csrc/kernels/delta_find.cu) behind index_records.py: change detection in
+two launches per record with one wait for the device between them (the total, to size the
+payload), and the payload's checksum in one launch. Where the native module was built without
+nvcc, or the tensors are not on a CUDA device, index_records uses torch instead; both give the same
+record, byte for byte (tests/test_index_records_gpu.py).
+
+``ENABLED`` switches the kernels off for a process (benchmarks compare both ways).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import _native
+from ..errors import raise_for_status
+
+ENABLED = True
+BLOCK_BYTES = int(_native.DELTA_BLOCK_BYTES)  # slot bytes per count/gather block
+_WORDS = BLOCK_BYTES // 8
+_MASK_WORDS = _WORDS // 32  # uint32 mask words per block
+_GROUPS = int(_native.DELTA_GROUPS_PER_BLOCK)  # counts per block
+_SPANS: dict[tuple, tuple[Any, int, int]] = {}  # (slot, base, params) -> (device int64[n, 5], blocks, words)
+_MAX_SPANS = 4096
+
+
+def usable(*tensors: Any) -> bool:
+    """Whether the kernels run for these tensors: built in, switched on, every tensor on a CUDA device."""
+    return ENABLED and _native.delta_kernels_embedded() and all(t.is_cuda for t in tensors)
+
+
+def _check(answer: tuple, what: str) -> None:
+    code, message = answer
+    if code != int(_native.Code.OK):
+        raise_for_status(code, f"{what}: {message}")
+
+
+def _stream(t: Any) -> int:
+    import torch
+
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def _spans(slot: Any, base: Any, params: Sequence[tuple[int, int, int]]) -> tuple[Any, int, int]:
+    """The record's spans on the device (kept: a slot's records repeat every update), its blocks and words."""
+    import torch
+
+    key = (slot.data_ptr(), base.data_ptr(), slot.device.index, tuple(params))
+    got = _SPANS.get(key)
+    if got is not None:
+        return got
+    rows, words, blocks = [], 0, 0
+    for so, bo, n in params:
+        w = n // 8
+        rows.append((slot.data_ptr() + so, base.data_ptr() + bo, w, words, blocks))
+        words += w
+        blocks += -(-w // _WORDS)
+    if len(_SPANS) >= _MAX_SPANS:
+        _SPANS.clear()
+    got = (torch.tensor(rows, dtype=torch.int64).to(slot.device), blocks, words)
+    _SPANS[key] = got
+    return got
+
+
+def forget() -> None:
+    """Drop the kept spans (their addresses name slots and bases that were freed)."""
+    _SPANS.clear()
+
+
+def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
+         limit: int | None) -> tuple[int, int, Any, Any]:
+    """(elements, changed, positions, values) of the record of ``params`` (index_records.find_changes'
+    arguments, every offset and size a multiple of 8, ``unit`` 1, 2 or 4). The bases move on: the
+    changed words alone when the positions are gathered, every byte when there are more than
+    ``limit`` changes (positions and values None)."""
+    import torch
+
+    spans, blocks, words = _spans(slot, base, params)
+    per = 8 // unit
+    if not blocks:
+        return 0, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
+    stream = _stream(slot)
+    mask = torch.empty(blocks * _MASK_WORDS, dtype=torch.int32, device=slot.device)
+    counts = torch.empty(blocks * _GROUPS, dtype=torch.int64, device=slot.device)
+    _check(_native.delta_find_count(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), counts.data_ptr(),
+                                    blocks, stream), "delta count")
+    ends = torch.cumsum(counts, 0)
+    count = int(ends[-1].item())  # the one wait: the payload's size
+    if count == 0:
+        return words * per, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
+    if limit is not None and count > limit:
+        for so, bo, n in params:
+            base[bo:bo + n].copy_(slot[so:so + n])
+        return words * per, count, None, None
+    positions = torch.empty(count, dtype=torch.int32, device=slot.device)
+    values = torch.empty(count * unit, dtype=torch.uint8, device=slot.device)
+    _check(_native.delta_find_gather(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), ends.data_ptr(),
+                                     positions.data_ptr(), values.data_ptr(), blocks, stream), "delta gather")
+    return words * per, count, positions, values
+
+
+def checksum(payload: Any) -> Any:
+    """index_records.checksum of a CUDA payload (uint8, 8-aligned, a multiple of 8 bytes), one launch."""
+    import torch
+
+    out = torch.zeros(1, dtype=torch.int64, device=payload.device)
+    _check(_native.payload_checksum(payload.data_ptr(), payload.numel() // 8, out.data_ptr(), _stream(payload)),
+           "payload checksum")
+    return out[0]
