@@ -98,3 +98,15 @@ def test_the_checksum_kernel_equals_the_torch_expression(words):
     assert got == want
     payload[8 * (words // 2)] ^= 1
     assert int(kernels.checksum(payload)) != got
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if GPU else []))
+def test_bases_moved_on_in_full_take_every_byte_of_their_params_and_no_other(device):
+    slot = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=device)
+    base = torch.zeros(4096, dtype=torch.uint8, device=device)
+    params = [(0, 1024, 256), (512, 0, 8), (2048, 2048, 1000), (3500, 3200, 0)]
+    kernels.copy_spans(slot, base, params)
+    want = torch.zeros_like(base)
+    for so, bo, n in params:
+        want[bo:bo + n] = slot[so:so + n]
+    assert torch.equal(base, want)

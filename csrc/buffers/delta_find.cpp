@@ -13,7 +13,7 @@ namespace p2pw {
 namespace {
 
 constexpr unsigned kCountThreads = 256;   // delta_find.cu's kCountThreads
-constexpr unsigned kGatherThreads = 128;  // one warp per group: 32 * kGroupsPerBlock
+constexpr unsigned kGatherThreads = 512;  // one warp per group: 32 * kGroupsPerBlock
 constexpr unsigned kChecksumBlocks = 1024;
 
 Status launch(const char* name, uint64_t anchor, unsigned grid, unsigned block, void** args, uint64_t stream) {

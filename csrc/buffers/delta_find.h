@@ -13,9 +13,9 @@ namespace p2pw {
 bool delta_kernels_embedded();
 
 // Slot bytes one count/gather block covers (delta_find.cu's kWordsPerBlock * 8), and the groups of
-// 1024 words it counts apart (kGroupsPerBlock).
+// 256 words it counts apart (kGroupsPerBlock).
 constexpr uint64_t kDeltaBlockBytes = 4096 * 8;
-constexpr uint64_t kDeltaGroupsPerBlock = 4;
+constexpr uint64_t kDeltaGroupsPerBlock = 16;
 
 // Pass 1 over `blocks` blocks: `spans` = n_spans x int64[5] (slot address, base address, words,
 // first word in the record, first block), `mask` = blocks * 128 uint32, `counts` = blocks * kDeltaGroupsPerBlock int64.

@@ -2,7 +2,7 @@
 // sender is about to write (a slot) against the bytes it last committed (the base), in three passes
 // over one record (the parameters of one unit size one rank loaded into one slot):
 //   p2pw_delta_count   reads slot and base once, 8-byte words: one mask bit per changed word and,
-//                      per group of 1024 words, how many unit-sized elements changed;
+//                      per group of 256 words, how many unit-sized elements changed;
 //   (the host: an inclusive scan of the group counts, torch.cumsum, and one read of the total)
 //   p2pw_delta_gather  per changed word, its changed elements' positions (int32, ascending) and values
 //                      at the group's offset, and the word copied into the base.
@@ -19,7 +19,7 @@ namespace {
 
 constexpr unsigned kWordsPerBlock = 4096;  // 32 KiB of slot per block
 constexpr unsigned kCountThreads = 256;
-constexpr unsigned kGroupWords = 1024;  // the words one gather warp walks; counted apart
+constexpr unsigned kGroupWords = 256;  // the words one gather warp walks (one count iteration); counted apart
 constexpr unsigned kGroupsPerBlock = kWordsPerBlock / kGroupWords;
 constexpr unsigned kGatherThreads = 32 * kGroupsPerBlock;
 constexpr unsigned long long kMult = 0x9E3779B97F4A7C15ull;
@@ -82,11 +82,11 @@ extern "C" __global__ void __launch_bounds__(kCountThreads)
   unsigned count[kGroupsPerBlock] = {};
 #pragma unroll
   for (unsigned it = 0; it < kWordsPerBlock / kCountThreads; ++it) {
-    const unsigned i = it * kCountThreads + threadIdx.x;  // group it / 4: 1024 words = 4 iterations
+    const unsigned i = it * kCountThreads + threadIdx.x;  // in group it: an iteration covers a group
     const unsigned long long x = i < n ? (__ldg(cur + i) ^ __ldg(old + i)) : 0ull;
     const unsigned b = __ballot_sync(0xffffffffu, x != 0);
     if (threadIdx.x % 32 == 0) bits[i / 32] = b;
-    if (x) count[it / (kGroupWords / kCountThreads)] += changed_units(x, unit);
+    if (x) count[it * kCountThreads / kGroupWords] += changed_units(x, unit);
   }
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(kCountThreads)
   }
 }
 
-// One warp per group of 1024 words, 32 words at a time (one mask word: skipped whole when 0): each
+// One warp per group of 256 words, 32 words at a time (one mask word: skipped whole when 0): each
 // lane takes one word, and a warp scan of the lanes' changes places their outputs side by side, so
 // loads and stores stay coalesced at any density and the positions come out ascending.
 extern "C" __global__ void __launch_bounds__(kGatherThreads)
@@ -116,21 +116,28 @@ extern "C" __global__ void __launch_bounds__(kGatherThreads)
   const unsigned long long w0 = (blockIdx.x - s.first_block) * kWordsPerBlock + warp * kGroupWords;
   const unsigned long long* cur = reinterpret_cast<const unsigned long long*>(s.slot) + w0;
   unsigned long long* old = reinterpret_cast<unsigned long long*>(s.base) + w0;
-  const unsigned* bits = mask + static_cast<unsigned long long>(blockIdx.x) * (kWordsPerBlock / 32) + warp * 32;
+  const unsigned* bits = mask + static_cast<unsigned long long>(blockIdx.x) * (kWordsPerBlock / 32) +
+                         warp * (kGroupWords / 32);
+  const unsigned lane_bits = lane < kGroupWords / 32 ? bits[lane] : 0u;  // the group's mask, one load
   const unsigned per = 8 / unit;
   const unsigned long long lane_mask = unit == 4 ? 0xffffffffull : (1ull << (8 * unit)) - 1;
   const unsigned long long first = (s.word_start + w0) * per;
-  for (unsigned j = 0; j < kGroupWords / 32; ++j) {
-    const unsigned b = bits[j];
-    if (!b) continue;  // the same for every lane
+  // every changed word of the group loaded first (up to 2 x 8 loads in flight per lane: at a few
+  // percent changed the gather is bound by load latency, not bandwidth), then placed 32 at a time
+  constexpr unsigned kRuns = kGroupWords / 32;
+  unsigned long long c[kRuns], x[kRuns];
+#pragma unroll
+  for (unsigned j = 0; j < kRuns; ++j) {
+    const bool mine = (__shfl_sync(0xffffffffu, lane_bits, j) >> lane) & 1u;
+    c[j] = mine ? cur[j * 32 + lane] : 0ull;
+    x[j] = mine ? old[j * 32 + lane] : 0ull;
+  }
+#pragma unroll
+  for (unsigned j = 0; j < kRuns; ++j) {
+    if (!__shfl_sync(0xffffffffu, lane_bits, j)) continue;  // the same for every lane
     const unsigned k = j * 32 + lane;
-    unsigned n = 0;
-    unsigned long long c = 0, x = 0;
-    if ((b >> lane) & 1u) {
-      c = cur[k];
-      x = c ^ old[k];
-      n = changed_units(x, unit);
-    }
+    x[j] ^= c[j];
+    const unsigned n = x[j] ? changed_units(x[j], unit) : 0u;
     unsigned incl = n;
     for (int o = 1; o < 32; o <<= 1) {
       const unsigned up = __shfl_up_sync(0xffffffffu, incl, o);
@@ -141,15 +148,15 @@ extern "C" __global__ void __launch_bounds__(kGatherThreads)
     if (!n) continue;
     for (unsigned e = 0; e < per; ++e) {
       const unsigned shift = e * 8 * unit;
-      if (!((x >> shift) & lane_mask)) continue;
+      if (!((x[j] >> shift) & lane_mask)) continue;
       positions[p] = static_cast<int>(first + static_cast<unsigned long long>(k) * per + e);
-      const unsigned long long v = (c >> shift) & lane_mask;
+      const unsigned long long v = (c[j] >> shift) & lane_mask;
       if (unit == 2) reinterpret_cast<unsigned short*>(values)[p] = static_cast<unsigned short>(v);
       else if (unit == 4) reinterpret_cast<unsigned*>(values)[p] = static_cast<unsigned>(v);
       else values[p] = static_cast<unsigned char>(v);
       ++p;
     }
-    old[k] = c;  // the whole word: its other elements are equal
+    old[k] = c[j];  // the whole word: its other elements are equal
   }
 }
 

@@ -39,6 +39,7 @@ from .codec import HEADER, HEADER_BYTES
 #: a record's prefix: destination address, codec record bytes
 PREFIX = struct.Struct("<QQ")
 ALIGN = 8
+_WINDOW = 16 << 10  # bytes of a GPU area read per record: the prefix, header and a table of 680 rows
 
 
 def record_span(nbytes: int) -> int:
@@ -134,13 +135,14 @@ class DeltaArea:
         while pos < manifest.bytes:
             if manifest.bytes - pos < PREFIX.size + HEADER_BYTES:
                 self._refuse(InvalidWrite, f"a record at byte {pos} is cut short")
-            first = self._bytes(pos, PREFIX.size + 4)
+            # a GPU area: one read from the device per record, its prefix, header and (most) table
+            first = self._bytes(pos, min(manifest.bytes - pos, _WINDOW if used is None else PREFIX.size + 4))
             dest, n = PREFIX.unpack_from(first, 0)
             span = record_span(n)
             if n < HEADER_BYTES or span > manifest.bytes - pos:
                 self._refuse(InvalidWrite, f"the record at byte {pos} claims {n} bytes")
-            if first[PREFIX.size:] == index_records.MAGIC:
-                out.append(("index", self._check_index(pos, n, span, regions, tensors, digest)))
+            if first[PREFIX.size:PREFIX.size + 4] == index_records.MAGIC:
+                out.append(("index", self._check_index(pos, n, span, regions, tensors, digest, first)))
             elif used is None:
                 self._refuse(InvalidWrite, f"the record at byte {pos} is not an index record (a GPU area takes "
                                            f"no others)")
@@ -173,9 +175,15 @@ class DeltaArea:
         return rec, n, dest, dst_nbytes
 
     def _check_index(self, pos: int, n: int, span: int, regions: Sequence[tuple[int, int]], tensors: Sequence[Any],
-                     digest: Any) -> Any:
+                     digest: Any, window: bytes = b"") -> Any:
         at = pos + PREFIX.size
-        head = self._bytes(at, index_records.HEADER.size)
+
+        def read(start: int, size: int) -> bytes:  # from the window read already, else the area
+            if start - pos + size <= len(window):
+                return window[start - pos:start - pos + size]
+            return self._bytes(start, size)
+
+        head = read(at, index_records.HEADER.size)
         try:
             unit, entries, count, _ = index_records.parse_header(head)
             table_end = index_records.HEADER.size + index_records.ENTRY.size * entries
@@ -183,8 +191,8 @@ class DeltaArea:
                 raise ValueError(f"it claims {n} bytes for {entries} table rows and {count} changes")
             if len(tensors) != len(regions):
                 raise ValueError("this rank gave no tensors of its weights to apply it with")
-            table = self._bytes(at + index_records.HEADER.size, table_end - index_records.HEADER.size)
-            digest.update(self._bytes(pos, PREFIX.size) + head + table)
+            table = read(at + index_records.HEADER.size, table_end - index_records.HEADER.size)
+            digest.update(read(pos, PREFIX.size) + head + table)
             return index_records.check(head, table, self._payload(at + table_end, n - table_end),
                                        [(a, size, t) for (a, size), t in zip(regions, tensors)])
         except ValueError as e:

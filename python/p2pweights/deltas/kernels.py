@@ -20,6 +20,7 @@ _MASK_WORDS = _WORDS // 32  # uint32 mask words per block
 _GROUPS = int(_native.DELTA_GROUPS_PER_BLOCK)  # counts per block
 _SPANS: dict[tuple, tuple[Any, int, int]] = {}  # (slot, base, params) -> (device int64[n, 5], blocks, words)
 _MAX_SPANS = 4096
+_DRIVER: dict | None = None  # cuda_driver_info(), read once
 
 
 def usable(*tensors: Any) -> bool:
@@ -87,14 +88,38 @@ def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int
     if count == 0:
         return words * per, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
     if limit is not None and count > limit:
-        for so, bo, n in params:
-            base[bo:bo + n].copy_(slot[so:so + n])
+        copy_spans(slot, base, params)
         return words * per, count, None, None
     positions = torch.empty(count, dtype=torch.int32, device=slot.device)
     values = torch.empty(count * unit, dtype=torch.uint8, device=slot.device)
     _check(_native.delta_find_gather(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), ends.data_ptr(),
                                      positions.data_ptr(), values.data_ptr(), blocks, stream), "delta gather")
     return words * per, count, positions, values
+
+
+def _driver() -> dict:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = dict(_native.cuda_driver_info())
+    return _DRIVER
+
+
+def copy_spans(slot: Any, base: Any, params: Sequence[tuple[int, int, int]]) -> None:
+    """Every (slot offset, base offset, bytes) of ``params`` copied from ``slot`` into ``base`` (uint8
+    tensors of one device): on a CUDA device as one copy program (the batched copy kernel, one launch
+    per 64 parameters: a base moved on in full costs no launch per parameter), else one copy each."""
+    import numpy as np
+
+    driver = _driver()
+    if len(params) > 1 and all(t.is_cuda for t in (slot, base)) and driver["loaded"]:
+        program = np.array([(0, bo, so, n, 1, n, n) for so, bo, n in params if n], dtype=np.int64).reshape(-1, 7)
+        mode = "kernel" if driver["kernel"] else "each"
+        code, message, _ = _native.run_copy_program_cuda(program, base.data_ptr(), base.numel(), [slot.data_ptr()],
+                                                         [slot.numel()], _stream(slot), mode, 1)
+        _check((code, message), "copying the bases")
+        return
+    for so, bo, n in params:
+        base[bo:bo + n].copy_(slot[so:so + n])
 
 
 def checksum(payload: Any) -> Any:

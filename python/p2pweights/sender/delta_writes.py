@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import _native
-from ..deltas import index_records
+from ..deltas import index_records, kernels
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import raise_for_status
@@ -320,6 +320,7 @@ class UpdateDeltas:
         rows = [_full_row(t, param, o, n) for param, o, n in entries for t in p.targets
                 if not self.targets[t.name].delta]
         by_unit: dict[int, list] = {}
+        copies = []  # bases moved on in full: one copy program for all of them
         for param, o, n in entries:
             for t in p.targets:
                 self.full_bytes[t.name] += n
@@ -327,11 +328,12 @@ class UpdateDeltas:
             unit = p.targets[0].publication.params[param].element_size
             unit = unit if unit in index_records.UNITS and o % unit == 0 and n % unit == 0 else 1
             if key not in self.bases.arrays or not deltas:  # no base yet (a full write now), or nobody takes deltas
-                base[at:at + n].copy_(slot[o:o + n])
+                copies.append((o, at, n))
                 self.bases.arrays[key] = base[at:at + n]
                 rows += [_full_row(x.t, param, o, n) for x in deltas]
             else:
                 by_unit.setdefault(unit, []).append((param, o, n, at))
+        kernels.copy_spans(slot, base, copies)
         for unit, params in by_unit.items():
             rows += self._index_record(unit, params, slot, base, deltas)
         return rows
