@@ -16,7 +16,27 @@ require_sglang()  # skips without sglang; fails in CI
 
 import p2pweights  # noqa: E402
 from p2pweights import sglang_plugin  # noqa: E402
-from p2pweights.sglang_plugin import server_info, version_guard  # noqa: E402
+from p2pweights.sglang_plugin import bootstrap_key, gpu_arch, server_info, version_guard  # noqa: E402
+
+ALL_HOOKED = dict(version_guard.HOOKED)  # before a fixture narrows it
+KINDS = ("main", "scheduler", "detokenizer", "dp_controller")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_importable():
+    """sglang's scheduler and model-runner modules import torchvision; on this CPU host they get the
+    CPU platform's stub, as in the real server's processes (sglang_plugin/cpu_platform.py)."""
+    import sys
+
+    from p2pweights.sglang_plugin import cpu_platform
+
+    meta_path = list(sys.meta_path)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_PLATFORM", cpu_platform.NAME)
+        env.setattr("torch.cuda.is_available", lambda: False)
+        cpu_platform.activate()
+    yield
+    sys.meta_path[:] = meta_path
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +60,9 @@ def test_a_real_sglang_server_reports_the_plugin_in_server_info(server_infos):
     assert info["version"] == version_guard.WRITTEN_FOR  # really sglang's own server
     assert info["device"] == "cpu" and info["load_format"] == "dummy"
     # offers sessions: the HTTP server's hooked function passed the version guard in the real launcher
-    assert info["p2pw_plugin"] == {"version": p2pweights.__version__, "protocol": server_info.PROTOCOL,
-                                   "offers": ["sessions"]}, info.get("p2pw_plugin")
+    assert info["p2pw_plugin"]["version"] == p2pweights.__version__, info.get("p2pw_plugin")
+    assert info["p2pw_plugin"]["protocol"] == server_info.PROTOCOL and "error" not in info["p2pw_plugin"]
+    assert "sessions" in info["p2pw_plugin"]["offers"] and "gpu_arch" not in info["p2pw_plugin"]  # a CPU server
 
 
 def test_sglang_plugins_that_does_not_name_p2pweights_leaves_it_out(server_infos):
@@ -68,7 +89,8 @@ def registered(monkeypatch) -> list[tuple]:
 def test_the_guard_accepts_the_sglang_it_was_written_for():
     # every process's targets; the HTTP server's (main only) is checked by the real servers above
     assert version_guard.mismatches(kind="scheduler") == {}
-    assert set(version_guard.hooked_in("main")) == set(version_guard.HOOKED)
+    assert version_guard.mismatches(kind="dp_controller") == {}
+    assert {t for kind in KINDS for t in version_guard.hooked_in(kind)} == set(version_guard.HOOKED)
     assert not set(version_guard.hooked_in("scheduler")) & version_guard.HTTP_PROCESS_ONLY
 
 
@@ -89,11 +111,13 @@ def test_register_adds_the_plugin_to_what_build_server_info_returns(registered):
     from p2pweights.sglang_plugin import sessions
 
     sglang_plugin.register()  # kind main: the launcher, which serves HTTP
-    hooks = {target: (hook, hook_type) for target, hook, hook_type in registered}
-    assert set(hooks) == {server_info.TARGET, sessions.TARGET}
-    assert hooks[sessions.TARGET] == (sessions.before_http_server, HookType.BEFORE)
+    targets = {target for target, _, _ in registered}
+    assert targets <= set(ALL_HOOKED) and not targets & {gpu_arch.SCHEDULER_TARGET, bootstrap_key.RANK_TARGET}
+    assert (sessions.TARGET, sessions.before_http_server, HookType.BEFORE) in registered
+    assert (bootstrap_key.SERVER_TARGET, bootstrap_key.around_server_init, HookType.AROUND) in registered
+    assert (bootstrap_key.APP_KWARGS_TARGET, bootstrap_key.after_app_kwargs, HookType.AFTER) in registered
     assert sessions.TARGET in version_guard.HTTP_PROCESS_ONLY  # checked and hooked in the launcher only
-    hook, hook_type = hooks[server_info.TARGET]
+    (hook, hook_type), = [(hook, hook_type) for target, hook, hook_type in registered if target == server_info.TARGET]
     assert hook_type is HookType.AFTER
     answer = hook({"version": "0.5.23"}, object(), {})  # no app served in this process: no sessions
     assert answer == {"version": "0.5.23", "p2pw_plugin": {"version": p2pweights.__version__,
@@ -106,7 +130,10 @@ def test_a_scheduler_process_registers_no_http_hook(registered):
 
     run_scheduler_process()
     assert sglang_plugin.LOADS[-1]["kind"] == "scheduler"
-    assert [target for target, _, _ in registered] == [server_info.TARGET]
+    targets = [target for target, _, _ in registered]
+    assert set(targets) <= set(version_guard.hooked_in("scheduler")) and server_info.TARGET in targets
+    assert gpu_arch.SCHEDULER_TARGET in targets and bootstrap_key.RANK_TARGET in targets
+    assert not set(targets) & (version_guard.HTTP_PROCESS_ONLY | {bootstrap_key.SERVER_TARGET})
 
 
 def test_register_refuses_loudly_when_a_hooked_function_is_missing(registered, monkeypatch, caplog):

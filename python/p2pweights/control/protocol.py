@@ -61,18 +61,36 @@ END_THEN = "p2pw_then"
 TIMINGS_KEY = "p2pw_timings"
 
 #: The p2pweights sglang plugin (sglang_plugin/): ``/server_info`` carries ``PLUGIN_FIELD`` =
-#: ``{"version", "protocol", "offers", "error"?}``; ``offers`` names the guarantees it enforces in that
-#: server (``PLUGIN_SESSIONS``: owners, leases, torn, as a receiver), from protocol 2 on.
+#: ``{"version", "protocol", "offers", "gpu_arch"?, "error"?}``; ``offers`` names the guarantees it
+#: enforces in that server (``PLUGIN_SESSIONS``: owners, leases, torn, as a receiver), from protocol 2
+#: on. Protocol 3 adds ``PLUGIN_GPU_ARCH``, the GPU architecture of the engine's ranks in the
+#: receiver's spelling (``sm90``, ``gfx942``; absent on a server without GPUs), and the offer
+#: ``PLUGIN_BOOTSTRAP_KEY``: the engine-info bootstrap server requires the server's API key.
 PLUGIN_FIELD = "p2pw_plugin"
-PLUGIN_PROTOCOL = 2
+PLUGIN_PROTOCOL = 3
 PLUGIN_SESSIONS = "sessions"
+#: the offer: the server answers ``POST /p2pw_weights_digest`` as a receiver does (``update(verify=True)``)
+PLUGIN_DIGEST = "digest"
+PLUGIN_BOOTSTRAP_KEY = "bootstrap_key"
+PLUGIN_GPU_ARCH = "gpu_arch"
 
 
 def plugin_offers(server_info: object) -> frozenset[str]:
     """What an engine's plugin enforces, read from its ``/server_info`` (nothing: no plugin, an older
     protocol, or a refused one)."""
-    info = server_info.get(PLUGIN_FIELD) if isinstance(server_info, dict) else None
-    if not isinstance(info, dict) or not isinstance(info.get("protocol"), int) or info["protocol"] < 2:
-        return frozenset()
-    offers = info.get("offers")
+    offers = _plugin_field(server_info, since=2).get("offers")
     return frozenset(o for o in offers if isinstance(o, str)) if isinstance(offers, list) else frozenset()
+
+
+def plugin_gpu_arch(server_info: object) -> object:
+    """The GPU architecture an engine's plugin reports (protocol 3 on), as sent (the reader checks its
+    spelling); None when it reports none (no plugin, an older one, or a server without GPUs)."""
+    return _plugin_field(server_info, since=3).get(PLUGIN_GPU_ARCH)
+
+
+def _plugin_field(server_info: object, since: int) -> dict:
+    """``PLUGIN_FIELD`` of a plugin of protocol ``since`` or later; {} for anything else."""
+    info = server_info.get(PLUGIN_FIELD) if isinstance(server_info, dict) else None
+    if not isinstance(info, dict) or not isinstance(info.get("protocol"), int) or info["protocol"] < since:
+        return {}
+    return info

@@ -31,9 +31,12 @@ class SglangEngine:
     ``api_key`` is sent as ``Authorization: Bearer`` on every call (sglang's ``--api-key`` /
     ``--admin-api-key``; a receiver's ``--api-key``); default ``P2PW_API_KEY``.
     ``gpu_arch`` is the engine's GPU architecture (``sm90``, ``9.0``, ``gfx942``) for engines that do
-    not report it: sglang's servers do not, a p2pweights receiver does (``/server_info``
-    ``p2pw_device_archs``). Connect needs it for FP8 checkpoints, whose post-processing depends on
-    it, and refuses an override that contradicts what the engine's ranks report.
+    not report it: plain sglang servers do not; a p2pweights receiver does (``/server_info``
+    ``p2pw_device_archs``), and so does an sglang server with the p2pweights plugin (``p2pw_plugin``
+    ``gpu_arch``), whose report is taken when ``gpu_arch`` is None. Connect needs it for FP8
+    checkpoints, whose post-processing depends on it, and refuses an override that contradicts what
+    the engine reports. ``api_key`` also goes to ``bootstrap_url``: the plugin's bootstrap server
+    requires it (``plugin_offers`` has ``bootstrap_key``).
     """
 
     def __init__(

@@ -17,10 +17,11 @@ each rank's publication):
   requantizes the block scales to UE8M0 and repacks them, ``scale_fmt: ue8m0`` or not), Ampere/Ada
   (no Hopper FP8 path: Marlin repacks), ROCm (weights and scales converted to e4m3fnuz), sglang's
   CPU engine (AMX repack) and other devices. The architecture comes from, in order: the engine
-  client's ``gpu_arch`` (an explicit override, for sglang servers, which do not report it),
-  ``/server_info`` ``p2pw_device_archs`` (a p2pweights receiver's ranks), each rank's publication
-  ``device_arch``; reports that disagree are refused, and an FP8 engine whose architecture is
-  unknown is refused with how to give it.
+  client's ``gpu_arch`` (an explicit override, for sglang servers without the p2pweights plugin,
+  which do not report it), ``/server_info`` ``p2pw_device_archs`` (a p2pweights receiver's ranks)
+  or ``p2pw_plugin.gpu_arch`` (the sglang plugin, protocol 3), each rank's publication
+  ``device_arch``; reports that disagree are refused (an override that contradicts the engine's
+  report too), and an FP8 engine whose architecture is unknown is refused with how to give it.
 - **resolved flags** of an FP8 engine (shared-expert fusion, MoE runner and A2A backends, the FP8
   GEMM runner that decides DeepGEMM use) must be in ``/server_info``: sglang resolves them per
   architecture, so a default taken in their place may be the wrong layout.
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping
 
+from ..control.protocol import plugin_gpu_arch
 from ..errors import EngineMismatch
 from ..models.quant import quant_scheme
 from ..models.sglang_version import sglang_version
@@ -49,7 +51,8 @@ FP8_MOE_RUNNERS = ("auto", "triton", "deep_gemm")
 FP8_MOE_A2A_REPACKING = ("megamoe", "flashinfer_megamoe")
 
 ARCH_HINT = ("give the engine's GPU architecture: SglangEngine(url, gpu_arch='sm90') (an sglang server does "
-             "not report it; a p2pweights receiver does)")
+             "not report it; a p2pweights receiver does, and so does sglang with the p2pweights plugin)")
+PLUGIN_ARCH = "/server_info p2pw_plugin.gpu_arch"  # where the sglang plugin reports it
 
 
 def normalize_arch(value: Any) -> str | None:
@@ -228,7 +231,7 @@ def engine_identity(engine: str, server_info: Mapping[str, Any], config: Mapping
 
 def _reported_arch(engine: str, server_info: Mapping[str, Any], gpu_arch: Any) -> tuple[str | None, str]:
     """(the engine's architecture, where it came from): the client's override, else what the
-    receiver's ranks reported; refuses reports that disagree."""
+    receiver's ranks or the sglang plugin reported; refuses reports that disagree."""
     reported: dict[str, str] = {}
     per_rank = server_info.get("p2pw_device_archs") or {}
     if not isinstance(per_rank, Mapping):
@@ -242,7 +245,14 @@ def _reported_arch(engine: str, server_info: Mapping[str, Any], gpu_arch: Any) -
                 from None
         if arch is not None:
             reported[str(rank)] = arch
+    try:
+        plugin_arch = normalize_arch(plugin_gpu_arch(server_info))
+    except ValueError as e:
+        raise EngineMismatch(f"engine {engine}: {PLUGIN_ARCH}: {e}", engine=engine, parameter="gpu_arch") from None
     archs = sorted(set(reported.values()))
+    if plugin_arch is not None and archs and archs != [plugin_arch]:
+        raise EngineMismatch(f"engine {engine} reports {plugin_arch} ({PLUGIN_ARCH}) and {', '.join(archs)} "
+                             f"(p2pw_device_archs): refusing to connect", engine=engine, parameter="gpu_arch")
     if len(archs) > 1:
         shown = ", ".join(f"rank {r}: {a}" for r, a in sorted(reported.items()))
         raise EngineMismatch(f"engine {engine}'s ranks run on different architectures ({shown}): one replica "
@@ -259,7 +269,14 @@ def _reported_arch(engine: str, server_info: Mapping[str, Any], gpu_arch: Any) -
                 f"engine {engine} was given gpu_arch={override}, but its ranks report {archs[0]} "
                 f"(/server_info p2pw_device_archs): refusing to connect", engine=engine, parameter="gpu_arch",
                 hint="drop or correct gpu_arch for this engine")
+        if plugin_arch is not None and plugin_arch != override:
+            raise EngineMismatch(
+                f"engine {engine} was given gpu_arch={override}, but its sglang plugin reports {plugin_arch} "
+                f"({PLUGIN_ARCH}): refusing to connect", engine=engine, parameter="gpu_arch",
+                hint="drop or correct gpu_arch for this engine")
         return override, "the engine client's gpu_arch"
     if archs:
         return archs[0], "/server_info p2pw_device_archs"
+    if plugin_arch is not None:
+        return plugin_arch, PLUGIN_ARCH
     return None, ""

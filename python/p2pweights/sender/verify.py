@@ -11,14 +11,17 @@ update: the engines stay paused with the old version. The digest is :mod:`p2pwei
 sglang 0.5.23 has no such route, and its ``/weights_checker`` cannot answer the question: its
 ``checksum`` action hashes every tensor of the whole model after post-processing (a value the
 sender cannot compute from the slots), and ``snapshot``/``compare`` compare the engine with its
-own earlier state. :func:`check_engines_digest` refuses ``verify=True`` against such an engine
-before the update pauses anything.
+own earlier state. With the p2pweights sglang plugin installed, an sglang server serves the route
+itself (``sglang_plugin/digest.py``) and says so in ``/server_info`` (``p2pw_plugin.offers`` has
+``"digest"``). :func:`check_engines_digest` refuses ``verify=True`` against an engine that serves
+no digest, before the update pauses anything.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..control import bodies
+from ..control import protocol as p
 from ..control.engine_calls import call_engines
 from ..control.weights_digest import digest_sums, digest_text
 from ..errors import EngineError, P2PWeightsError, UpdateFailed
@@ -65,16 +68,19 @@ def _ask(engine: "SglangEngine", names: dict[str, list[str]]) -> dict:
 
 def check_engines_digest(engines: Sequence["SglangEngine"]) -> None:
     """Refuse verify=True, before anything is paused, when an engine does not serve the digest
-    route (an sglang server: 404). Raises EngineError naming each such engine."""
-    asked = call_engines(engines, _ask, {})
+    route (a plain sglang server: 404). An engine whose sglang plugin offers the digest (read from its
+    ``/server_info`` at connect) serves it; every other engine is asked for no parameter at all.
+    Raises EngineError naming each engine that cannot."""
+    asked = call_engines([e for e in engines if p.PLUGIN_DIGEST not in e.plugin_offers], _ask, {})
     if not asked.errors:
         return
     lines = "; ".join(f"{name}: {e}" for name, e in asked.errors.items())
     first = next(iter(asked.errors))
     raise EngineError(f"verify=True needs every engine to digest the weights it holds (POST /{_ROUTE}, served by "
-                      f"p2pweights receivers); {lines}", engine=first,
-                      hint="sglang 0.5.23 cannot (its /weights_checker checksums the whole post-processed model): "
-                           "update with verify=False (P2PW_VERIFY unset) against sglang servers")
+                      f"p2pweights receivers and by sglang servers with the p2pweights plugin); {lines}", engine=first,
+                      hint="sglang 0.5.23 cannot by itself (its /weights_checker checksums the whole post-processed "
+                           "model): install p2pweights in the engine's environment (its sglang plugin serves the "
+                           "digest: docs/sglang.md), or update with verify=False (P2PW_VERIFY unset)")
 
 
 def verify_written(ranks: Sequence["PreparedRank"], written: WrittenDigests, version: str) -> None:

@@ -9,7 +9,9 @@ allow-list of plugin names) leaves the plugin out when it does not name ``p2pwei
 
 Built so far: :func:`register` records which process kind loaded it (:data:`LOADS`) and adds
 ``p2pw_plugin`` to ``/server_info`` (``server_info.py``); in the process that serves HTTP it keeps
-weight-update sessions with owners, leases and the torn state (``sessions.py``); before registering
+weight-update sessions with owners, leases and the torn state (``sessions.py``); it reports the
+ranks' GPU architecture (``gpu_arch.py``) and puts the server's API key on the engine-info bootstrap
+server (``bootstrap_key.py``); before registering
 any hook it checks every hooked sglang function against the ones it was written for
 (``version_guard.py``) and, on a mismatch, refuses to attach: an error in the log and in
 ``p2pw_plugin.error``. docs/sglang.md.
@@ -82,8 +84,19 @@ def register() -> None:
 
         HookRegistry.register(sessions.TARGET, sessions.before_http_server, HookType.BEFORE)
         live = sessions.live
+    if error is None:  # the key on the engine-info bootstrap server; the ranks' GPU architecture; digests
+        from . import bootstrap_key, digest, gpu_arch
+
+        bootstrap_key.register(kind)
+        gpu_arch.register(kind)
+        digest.register(kind)  # POST /p2pw_weights_digest in the launcher, answered by each rank's scheduler
+        live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live) if source is not None))
     if server_info.TARGET not in problems:  # else only the log can say it
         HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error, live), HookType.AFTER)
-    # The receiver's other hooks (fencing, digests, deltas, publications) will register here, only
+    if error is None and kind == "scheduler":  # where the model runs: weights in host memory (a CPU engine)
+        from . import weight_registration  # registered with Mooncake; CUDA ones are left to sglang
+
+        HookRegistry.register(weight_registration.TARGET, weight_registration.register_memory_region, HookType.AROUND)
+    # The receiver's other hooks (fencing, deltas, publications) will register here, only
     # when error is None, each with its target listed in version_guard.HOOKED.
 

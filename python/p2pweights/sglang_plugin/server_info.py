@@ -13,21 +13,42 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..control.protocol import PLUGIN_FIELD as FIELD
+from ..control.protocol import PLUGIN_GPU_ARCH
 from ..control.protocol import PLUGIN_PROTOCOL as PROTOCOL
+from . import gpu_arch
 
 WEIGHT_UPDATE_FIELD = "p2pw_weight_update"  # the receiver's name for the session's state
 TARGET = "sglang.srt.utils.common.build_server_info"
 # PROTOCOL (control/protocol.py, where senders read it) is bumped whenever what the plugin adds to an
 # engine (routes, fields, guarantees) changes meaning. 2: ``offers``; sessions (owner, lease, torn),
-# /renew_weight_update, p2pw_weight_update.
+# /renew_weight_update, p2pw_weight_update. 3: ``gpu_arch`` (gpu_arch.py); the offer ``bootstrap_key``
+# (bootstrap_key.py).
 
 
-def plugin_info(version: str, error: str | None = None, offers: Iterable[str] = ()) -> dict[str, Any]:
-    """The ``p2pw_plugin`` value: ``{"version", "protocol", "offers"}``, plus ``"error"`` when refused."""
+def plugin_info(version: str, error: str | None = None, offers: Iterable[str] = (),
+                arch: str | None = None) -> dict[str, Any]:
+    """The ``p2pw_plugin`` value: ``{"version", "protocol", "offers"}``, plus ``"gpu_arch"`` when the
+    ranks run on a GPU and ``"error"`` when refused."""
     info: dict[str, Any] = {"version": version, "protocol": PROTOCOL, "offers": list(offers)}
+    if arch is not None:
+        info[PLUGIN_GPU_ARCH] = arch
     if error is not None:
         info["error"] = error
     return info
+
+
+def combined(*sources: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """One ``live()`` of several (``sessions.live``, ``bootstrap_key.live``, ...): their offers in
+    order, their errors joined, the first ``weight_update`` given."""
+
+    def live() -> dict[str, Any]:
+        now = [source() for source in sources]
+        errors = [n["error"] for n in now if n.get("error")]
+        return {"offers": [o for n in now for o in n.get("offers", ())],
+                "error": "; ".join(errors) or None,
+                "weight_update": next((n["weight_update"] for n in now if n.get("weight_update") is not None), None)}
+
+    return live
 
 
 def after_build(version: str, error: str | None = None,
@@ -40,7 +61,8 @@ def after_build(version: str, error: str | None = None,
         if isinstance(result, dict):
             now = live() if live is not None else {}
             refusal = "; ".join(why for why in (error, now.get("error")) if why) or None
-            result[FIELD] = plugin_info(version, refusal, now.get("offers", ()))
+            arch = result.pop(gpu_arch.KEY, None)  # the first scheduler's (gpu_arch.py), in its init info
+            result[FIELD] = plugin_info(version, refusal, now.get("offers", ()), arch)
             if now.get("weight_update") is not None:
                 result[WEIGHT_UPDATE_FIELD] = now["weight_update"]
         return result

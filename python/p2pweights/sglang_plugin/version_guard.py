@@ -23,10 +23,45 @@ HOOKED: dict[str, tuple[str, ...]] = {
     "sglang.srt.entrypoints.http_server._setup_and_run_http_server": (
         "server_args", "tokenizer_manager", "template_manager", "port_args", "scheduler_infos",
         "subprocess_watchdog", "execute_warmup_func", "launch_callback"),
+    # registers a rank's weights with Mooncake; the hook takes host-memory weights (weight_registration.py)
+    "sglang.srt.model_loader.remote_instance_weight_loader_utils.register_memory_region": (
+        "model", "transfer_engine"),
+    # a scheduler's (a DP controller's) ready message to the launcher: the rank's GPU architecture (gpu_arch.py)
+    "sglang.srt.managers.scheduler.Scheduler.get_init_info": ("self",),
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.get_init_info": ("self",),
+    # the engine-info bootstrap server, built and started, and its FastAPI app's arguments: the key's
+    # guard goes in (bootstrap_key.py)
+    "sglang.srt.entrypoints.engine_info_bootstrap_server.EngineInfoBootstrapServer.__init__": ("self", "host", "port"),
+    "sglang.srt.entrypoints.engine_info_bootstrap_server.fastapi_telemetry_disabled_kwargs": (),
+    # a rank's PUT of its weights table to the bootstrap server: it carries the key (bootstrap_key.py)
+    ("sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter."
+     "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap"): ("self",),
+    # a rank's scheduler answers sglang's weight checker: the digest action (digest.py)
+    ("sglang.srt.managers.scheduler_components.weight_updater."
+     "SchedulerWeightUpdaterManager.check_weights"): ("self", "recv_req"),
+    # not sglang's: how sglang's own calls of the bootstrap server are sent (bootstrap_key.py)
+    "requests.sessions.Session.request": (
+        "self", "method", "url", "params", "data", "headers", "cookies", "files", "auth", "timeout",
+        "allow_redirects", "proxies", "hooks", "stream", "verify", "cert", "json"),
 }
 #: targets hooked only in the process that serves HTTP (the launcher, kind ``main``): elsewhere they
 #: are neither checked nor imported (the scheduler would import the whole HTTP server for nothing)
 HTTP_PROCESS_ONLY = frozenset({"sglang.srt.entrypoints.http_server._setup_and_run_http_server"})
+#: targets hooked only in processes of the kinds named (elsewhere neither checked nor imported)
+ONLY_IN: dict[str, frozenset[str]] = {
+    "sglang.srt.managers.scheduler.Scheduler.get_init_info": frozenset({"scheduler"}),
+    "sglang.srt.managers.data_parallel_controller.DataParallelController.get_init_info": frozenset({"dp_controller"}),
+    "sglang.srt.entrypoints.engine_info_bootstrap_server.EngineInfoBootstrapServer.__init__": frozenset({"main"}),
+    "sglang.srt.entrypoints.engine_info_bootstrap_server.fastapi_telemetry_disabled_kwargs": frozenset({"main"}),
+    ("sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter."
+     "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap"): frozenset({"scheduler"}),
+    "requests.sessions.Session.request": frozenset({"main", "scheduler"}),
+    # hooked in the schedulers; checked in the launcher too (its sglang.srt.entrypoints.engine imports the
+    # module anyway), so that it never offers a digest its schedulers cannot answer
+    ("sglang.srt.managers.scheduler_components.weight_updater."
+     "SchedulerWeightUpdaterManager.check_weights"): frozenset({"main", "scheduler"}),
+    "sglang.srt.model_loader.remote_instance_weight_loader_utils.register_memory_region": frozenset({"scheduler"}),
+}
 
 
 def resolve(target: str) -> Any:
@@ -51,7 +86,8 @@ def mismatch(target: str, parameters: tuple[str, ...]) -> str | None:
 
 def hooked_in(kind: str) -> dict[str, tuple[str, ...]]:
     """The targets the plugin hooks in a process of ``kind`` (``sglang_plugin.process_kind``)."""
-    return {t: p for t, p in HOOKED.items() if kind == "main" or t not in HTTP_PROCESS_ONLY}
+    return {t: p for t, p in HOOKED.items()
+            if (kind == "main" or t not in HTTP_PROCESS_ONLY) and kind in ONLY_IN.get(t, (kind,))}
 
 
 def _import_failure(target: str) -> str | None:
