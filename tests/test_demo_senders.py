@@ -47,6 +47,16 @@ def test_a_lone_sender_verifies_what_its_deltas_made(cfg, engines):
     assert results[1].bytes_written < results[1].bytes
 
 
+def test_a_group_of_senders_verifies_what_all_their_deltas_made(cfg, engines):
+    """verify=True in a group: every sender's manifests meet, sender 0 has them applied, then each
+    sender digests what it wrote; the second step still moves deltas only."""
+    results = run_p2p(cfg, engines, senders=2, steps=2, transport="mooncake", check=True, overrides={},
+                      progress=lambda line: None, verify="on", changed_fraction=0.05, seed_base=11)
+    assert all(r.verified and r.equal is True for r in results)
+    assert results[0].delta_reason == FIRST and results[1].delta_reason == ""
+    assert results[1].bytes_written < results[1].bytes
+
+
 def test_a_step_sender_0_refuses_fails_every_sender_and_the_demo_says_why(cfg, engines):
     for e in engines:  # the engines already hold the version step 1 would set
         SglangEngine(e.url, name=e.name).update_weight_version("p2p-1")

@@ -25,7 +25,7 @@ slots) write in full (docs/deltas.md).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,8 +33,9 @@ from .. import _native
 from ..deltas import index_records, kernels
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
-from ..errors import raise_for_status
+from ..errors import P2PWeightsError, raise_for_status
 from .fillers import HostSlotFiller
+from .group import SenderStatus, all_failures
 
 FIRST = "the first update after connect writes in full"
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
@@ -200,14 +201,43 @@ class UpdateDeltas:
                 out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = x.manifest().to_dict()
         return out
 
-    def apply_now(self, engines: Sequence[Any]) -> None:
-        """verify=True (a sender alone): each delta engine applies its deltas now, before the digests."""
-        self.manifests(engines)
+    def apply_now(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
+        """verify=True: each delta engine applies its deltas now, before the digests (``every``: the
+        group's other senders' manifests)."""
+        self.manifests(engines, every)
         for e in engines:
             extra, e.end_extra = e.end_extra, {}
             if extra:
                 e.p2pw_apply_deltas(extra[DELTA_KEY])
         self.applied = True
+
+    def apply_for_verify(self, engines: Sequence[Any], ranks: Sequence[Any], *, owner: bool, me: int, size: int,
+                         failures: Mapping[str, str], gather: Callable[[SenderStatus], list],
+                         control: Callable[[Callable[[], Any]], Any]) -> dict[str, BaseException]:
+        """verify=True: every delta engine applies what every sender wrote before any digest is taken.
+        A sender alone applies its own (when it owns the session and its writes returned). In a group
+        every sender takes part, its writes failed or not (two gathers each): the manifests meet, the
+        owner (sender 0) applies them all unless a sender failed, and every sender learns the outcome.
+        Returns target name -> error for the engines whose apply was refused ({}: applied, or nothing
+        to apply)."""
+        every: list = []
+        failed = dict(failures)
+        if size > 1:
+            statuses = gather(SenderStatus(me, dict(failures), deltas=self.written()))
+            every = [st.deltas for st in statuses if st.sender != me]
+            failed = all_failures(statuses)
+        errors: dict[str, BaseException] = {}
+        if owner and not failed:
+            try:
+                control(lambda: self.apply_now(engines, every))
+            except P2PWeightsError as e:  # an apply refused (deltas/area.py): its engine's ranks do not verify
+                errors = {t.name: e for p in ranks for t in p.targets
+                          if t.engine.name == getattr(e, "engine", "")} or {"engines": e}
+        if size > 1:
+            statuses = gather(SenderStatus(me, {n: str(e) for n, e in errors.items()}))
+            for n, why in all_failures(statuses).items():
+                errors.setdefault(n, P2PWeightsError(why))
+        return errors
 
     def manifests(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
         """Set each delta engine's end body: what every sender wrote into each rank's area."""

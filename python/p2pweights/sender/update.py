@@ -373,18 +373,21 @@ class Update:
     def _verify(self, rep: WriteReport) -> dict[str, BaseException]:
         """verify=True and every write returned: engine rank -> the error naming its first differing
         parameter (sender/verify.py); {} when equal, or not asked."""
-        if self._digests is None or rep.failures:
+        if self._digests is None:
             return {}
         t0 = time.perf_counter()
         try:
-            if self._deltas is not None and self._session is not None:  # the digests see the deltas applied
-                self._control(lambda: self._deltas.apply_now(self._engines))
+            if self._deltas is not None:  # the digests see every sender's deltas applied (a group: all take part)
+                refused = self._deltas.apply_for_verify(
+                    self._engines, self._ranks, owner=self._session is not None, me=self._group.index,
+                    size=self._group.size, failures=rep.failures, gather=self._gather, control=self._control)
+                if refused:
+                    return refused
+            if rep.failures:
+                return {}
             verify_written(self._ranks, self._digests, self.version)
         except UpdateFailed as e:
             return {n: e.errors.get(n) or P2PWeightsError(why) for n, why in e.failures.items()}
-        except P2PWeightsError as e:  # an apply refused (deltas/area.py): its engine's ranks did not verify
-            named = {t.name: e for p in self._ranks for t in p.targets if t.engine.name == getattr(e, "engine", "")}
-            return named or {"engines": e}
         finally:
             self.verify_seconds = time.perf_counter() - t0
             logger.info("update %s: verified in %.3f s", self.version, self.verify_seconds)

@@ -407,18 +407,16 @@ class WeightSender:
                               on_success=self._updated, verify=verify, owner=self.owner,
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
                               open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
-                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control, verify))
+                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control))
         return self._update
 
-    def _update_deltas(self, delta: bool | str, control: bool, verify: bool) -> UpdateDeltas | None:
+    def _update_deltas(self, delta: bool | str, control: bool) -> UpdateDeltas | None:
         """This update's delta state (delta_writes.py), or None when the sender keeps no bases."""
         if self._bases is None:
             return None
         if delta not in ("auto", True, False):
             raise ValueError(f'delta must be "auto", True or False, got {delta!r}')
         why, keep = ("" if delta in ("auto", True) else "delta=False for this update"), True
-        if verify and not why and self.group.size > 1:  # a sender alone applies them before its digests
-            why = "verify=True in a group of senders: this update writes in full (not built yet)"
         if not control or self.pp_size > 1:  # a coordinator's session; stages sharing an engine rank's area
             why, keep = "control=False or pipeline stages: deltas need one session owner and one writer per rank", False
         elif self.settings.open_beside_slots:
