@@ -45,11 +45,11 @@ def _pair(words: list[int], fraction: float, unit: int, seed: int):
     return slot, base, params
 
 
-def _find(slot, base, params, unit, limit, use_kernels):
+def _find(slot, base, params, unit, limit, use_kernels, into=None):
     kernels.ENABLED = use_kernels
     try:
         b = base.clone()
-        found = ir.find_changes(slot, b, params, unit, limit)
+        found = ir.find_changes(slot, b, params, unit, limit, into)
         torch.cuda.synchronize()
         return found, b
     finally:
@@ -110,3 +110,23 @@ def test_bases_moved_on_in_full_take_every_byte_of_their_params_and_no_other(dev
     for so, bo, n in params:
         want[bo:bo + n] = slot[so:so + n]
     assert torch.equal(base, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("unit", [1, 2, 4])
+def test_a_payload_gathered_in_place_is_the_payload_torch_writes(unit):
+    slot, base, params = _pair([3, 4097, 700], 0.03, unit, seed=5 + unit)
+    placed = []
+
+    def into(count):
+        out = torch.full((ir.payload_bytes(count, unit) + 8,), 0xAB, dtype=torch.uint8, device="cuda")[8:]
+        placed.append(out)  # stale bytes in the padding: the gather must zero it
+        return out
+
+    got, _ = _find(slot, base, params, unit, None, True, into=into)
+    want, _ = _find(slot, base, params, unit, None, False)
+    assert placed and got.count == want.count > 0
+    check = int(ir.write_payload(got, placed[0]))
+    out = torch.empty(ir.payload_bytes(want.count, unit), dtype=torch.uint8, device="cuda")
+    assert check == int(ir.write_payload(want, out))
+    assert torch.equal(placed[0], out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import kernels
 
@@ -95,11 +95,13 @@ class Found:
 
 
 def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-                 limit: int | None = None) -> Found:
+                 limit: int | None = None, into: Callable[[int], Any] | None = None) -> Found:
     """Compare the parameters a slot holds with their bases and move the bases on: ``slot`` and
     ``base`` are uint8 tensors on one device, ``params`` = [(slot offset, base offset, bytes)], every
     offset and size a multiple of ``unit``. Positions are in the concatenation of ``params``. More
     than ``limit`` changes: dense (the positions are not gathered, the bases are copied).
+    ``into(count)`` (optional): where the payload goes (:func:`payload_bytes`); the kernels gather
+    into it directly, and :func:`write_payload` then only checksums it.
 
     Where every offset and size is a multiple of 8 (parameters are) and the tensors are on a CUDA
     device, the kernels of delta_find.cu find them in two launches (kernels.py). Else, with torch,
@@ -112,7 +114,7 @@ def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], u
 
     if unit < 8 and all(so % 8 == 0 and bo % 8 == 0 and n % 8 == 0 for so, bo, n in params):
         if kernels.usable(slot, base) and slot.data_ptr() % 8 == 0 and base.data_ptr() % 8 == 0:
-            return _find_by_kernels(slot, base, params, unit, limit)
+            return _find_by_kernels(slot, base, params, unit, limit, into)
         return _find_by_words(slot, base, params, unit, limit)
     dt = _dtype(unit)
     su, bu = slot.view(dt), base.view(dt)
@@ -152,11 +154,11 @@ def _placed(positions: Any, params: Sequence[tuple[int, int, int]], starts: Sequ
 
 
 def _find_by_kernels(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-                     limit: int | None) -> Found:
+                     limit: int | None, into: Callable[[int], Any] | None) -> Found:
     total = sum(n for _, _, n in params) // unit
     if total > MAX_POSITIONS:
         raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
-    elements, count, positions, values = kernels.find(slot, base, params, unit, limit)
+    elements, count, positions, values = kernels.find(slot, base, params, unit, limit, into)
     if positions is None:
         return Found(unit, elements, count)
     return Found(unit, elements, count, positions, values.view(_dtype(unit)))
@@ -203,6 +205,8 @@ def write_payload(found: Found, out: Any) -> Any:
 
     n4 = _pad8(4 * found.count)
     nv = _pad8(found.unit * found.count)
+    if found.count and found.positions.data_ptr() == out.data_ptr() and found.values.data_ptr() == out.data_ptr() + n4:
+        return checksum(out[:n4 + nv])  # gathered in place (find_changes' ``into``), padding zeroed
     out[:n4 + nv].zero_()
     out[:4 * found.count].view(torch.int32).copy_(found.positions)
     out[n4:n4 + found.unit * found.count].view(_dtype(found.unit)).copy_(found.values)
@@ -282,9 +286,9 @@ def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, 
     if count > 1:
         bad = bad | (positions[1:] <= positions[:-1]).any()
     positions = positions.clamp(0, at - 1)  # a bad record is refused before any scatter; no stray index meanwhile
-    starts = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=positions.device)
+    starts = _upload([r[0] for r in rows], torch.int64, positions.device)
     row = torch.searchsorted(starts, positions, right=True) - 1
-    shift = torch.tensor([r[3] - r[0] for r in rows], dtype=torch.int64, device=positions.device)
+    shift = _upload([r[3] - r[0] for r in rows], torch.int64, positions.device)
     index = positions + shift[row]
     scatters = []
     used = sorted({r[2] for r in rows})
@@ -293,9 +297,18 @@ def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, 
         if len(used) == 1:
             scatters.append((tensor, index, values))
             continue
-        in_region = torch.tensor([r[2] == region for r in rows], device=positions.device)[row]
+        in_region = _upload([r[2] == region for r in rows], torch.bool, positions.device)[row]
         scatters.append((tensor, index[in_region], values[in_region]))
     return Checked(scatters, check, bad)
+
+
+def _upload(values: list, dtype: Any, device: Any) -> Any:
+    """A small host list on ``device`` without waiting for the stream (``torch.tensor(..., device=)``
+    waits; a pageable non-blocking copy is staged before it returns)."""
+    import torch
+
+    t = torch.tensor(values, dtype=dtype)
+    return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
 
 
 def apply(checked: Checked) -> None:

@@ -8,7 +8,7 @@ record, byte for byte (tests/test_index_records_gpu.py).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import _native
 from ..errors import raise_for_status
@@ -67,11 +67,13 @@ def forget() -> None:
 
 
 def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-         limit: int | None) -> tuple[int, int, Any, Any]:
+         limit: int | None, into: Callable[[int], Any] | None = None) -> tuple[int, int, Any, Any]:
     """(elements, changed, positions, values) of the record of ``params`` (index_records.find_changes'
     arguments, every offset and size a multiple of 8, ``unit`` 1, 2 or 4). The bases move on: the
     changed words alone when the positions are gathered, every byte when there are more than
-    ``limit`` changes (positions and values None)."""
+    ``limit`` changes (positions and values None). ``into(count)``: the payload's place (uint8,
+    8-aligned, index_records.payload_bytes(count, unit)); the positions and values are gathered
+    straight into it, its padding zeroed (no copy after)."""
     import torch
 
     spans, blocks, words = _spans(slot, base, params)
@@ -90,8 +92,16 @@ def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int
     if limit is not None and count > limit:
         copy_spans(slot, base, params)
         return words * per, count, None, None
-    positions = torch.empty(count, dtype=torch.int32, device=slot.device)
-    values = torch.empty(count * unit, dtype=torch.uint8, device=slot.device)
+    if into is not None:
+        out = into(count)
+        n4, nv = -(-4 * count // 8) * 8, -(-unit * count // 8) * 8
+        positions, values = out[:4 * count].view(torch.int32), out[n4:n4 + unit * count]
+        for pad in (out[4 * count:n4], out[n4 + unit * count:n4 + nv]):
+            if pad.numel():
+                pad.zero_()
+    else:
+        positions = torch.empty(count, dtype=torch.int32, device=slot.device)
+        values = torch.empty(count * unit, dtype=torch.uint8, device=slot.device)
     _check(_native.delta_find_gather(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), ends.data_ptr(),
                                      positions.data_ptr(), values.data_ptr(), blocks, stream), "delta gather")
     return words * per, count, positions, values

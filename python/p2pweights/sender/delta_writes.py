@@ -375,7 +375,14 @@ class UpdateDeltas:
         heads = PREFIX.size + index_records.record_bytes(len(params), 0, unit)
         room = (self._spare_t.numel() - self._spare_used - heads * len(deltas)) // (4 + unit) - 2
         limit = min((full - heads) // (4 + unit), room)  # more changes: the usual writes (dense, or no room)
-        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit, limit)
+        placed: list[int] = []
+
+        def into(count: int) -> Any:  # the payload's place in the spare: gathered there, no copy after
+            n = index_records.payload_bytes(count, unit)
+            placed.append(self._spare(n))
+            return self._spare_t[placed[0]:placed[0] + n]
+
+        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit, limit, into)
         self.changed += found.count * unit
         if not found.count:
             return []
@@ -383,7 +390,7 @@ class UpdateDeltas:
             return [_full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
         nrec = index_records.record_bytes(len(params), found.count, unit)
         payload = index_records.payload_bytes(found.count, unit)
-        at = self._spare(payload)
+        at = placed[0] if placed else self._spare(payload)
         check = index_records.write_payload(found, self._spare_t[at:at + payload])
         rows = []
         for x in deltas:
@@ -396,7 +403,8 @@ class UpdateDeltas:
                 pos += n // unit
             head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, table)
             hat = self._spare(len(head))
-            self._spare_t[hat:hat + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            # pageable: the driver stages it before returning, so no wait for the stream (torch waits without non_blocking)
+            self._spare_t[hat:hat + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8), non_blocking=True)
             remote = x.area[0] + x.cursor
             rows += [(self._spare_offset(hat), len(head), x.t.writer_id, remote),
                      (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]
