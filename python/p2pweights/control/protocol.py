@@ -71,6 +71,9 @@ PLUGIN_PROTOCOL = 3
 PLUGIN_SESSIONS = "sessions"
 #: the offer: the server answers ``POST /p2pw_weights_digest`` as a receiver does (``update(verify=True)``)
 PLUGIN_DIGEST = "digest"
+#: the offer: the server takes delta updates (docs/deltas.md): its ranks publish delta areas, its begin
+#: answers the claim ``p2pw_delta``, its end applies the manifests before sglang's post-processing
+PLUGIN_DELTAS = "deltas"
 PLUGIN_BOOTSTRAP_KEY = "bootstrap_key"
 PLUGIN_GPU_ARCH = "gpu_arch"
 

@@ -222,7 +222,7 @@ class UpdateSession:
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
         #: publications are older re-fetches them before writing (transport/revocation.py)
         self.epochs: dict[str, int] = {}
-        self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its (folded) end answer
+        self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its end answer
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
         self.on_paused: Callable[[], None] | None = None
@@ -360,8 +360,8 @@ class UpdateSession:
                             seconds = float(said) if isinstance(said, (int, float)) else 0.0
                             steps[verb] = max(steps.get(verb, 0.0), seconds)
                     return
-            else:
-                step("end_weight_update", e.end_weight_update)
+            else:  # its answer kept: the sglang plugin's end answers its new base (deltas/committed.py)
+                step("end_weight_update", lambda: self.answers.update({e.name: e.end_weight_update()}))
                 self._renewer.forget(e)  # ended: nothing left to renew
             step("update_weight_version", lambda: e.update_weight_version(self.version))
             step("continue_generation", lambda: e.continue_generation(self.torch_empty_cache))

@@ -11,7 +11,8 @@ Built so far: :func:`register` records which process kind loaded it (:data:`LOAD
 ``p2pw_plugin`` to ``/server_info`` (``server_info.py``); in the process that serves HTTP it keeps
 weight-update sessions with owners, leases and the torn state (``sessions.py``); it reports the
 ranks' GPU architecture (``gpu_arch.py``) and puts the server's API key on the engine-info bootstrap
-server (``bootstrap_key.py``); before registering
+server (``bootstrap_key.py``); host-memory ranks take delta updates (``delta_updates.py``,
+``rank_deltas.py``); before registering
 any hook it checks every hooked sglang function against the ones it was written for
 (``version_guard.py``) and, on a mismatch, refuses to attach: an error in the log and in
 ``p2pw_plugin.error``. docs/sglang.md.
@@ -85,12 +86,14 @@ def register() -> None:
         HookRegistry.register(sessions.TARGET, sessions.before_http_server, HookType.BEFORE)
         live = sessions.live
     if error is None:  # the key on the engine-info bootstrap server; the ranks' GPU architecture; digests
-        from . import bootstrap_key, digest, gpu_arch
+        from . import bootstrap_key, delta_updates, digest, gpu_arch
 
         bootstrap_key.register(kind)
         gpu_arch.register(kind)
         digest.register(kind)  # POST /p2pw_weights_digest in the launcher, answered by each rank's scheduler
-        live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live) if source is not None))
+        delta_updates.register(kind)  # delta areas published, claims answered, manifests applied in each scheduler
+        live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live, delta_updates.live)
+                                      if source is not None))
     if server_info.TARGET not in problems:  # else only the log can say it
         HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error, live), HookType.AFTER)
     if error is None and kind == "scheduler":  # where the model runs: weights in host memory (a CPU engine)

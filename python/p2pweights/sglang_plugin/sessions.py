@@ -21,6 +21,12 @@ begin or end of its own: the p2pweights session is sglang's session plus an owne
 lost owner's session (expired, given up) stays open in sglang; the next owner's begin takes it over
 (sglang's "already open" is answered as the receiver's takeover) and its end heals it.
 
+Deltas (docs/sglang.md, "Deltas"; ``delta_updates.py``): the gate also keeps the engine's committed
+identity. A begin answers the claim ``p2pw_delta`` (removed from the body sglang reads); an end that
+names manifests has every rank apply its own before sglang's end runs, and answers ``p2pw_base``; a
+refused apply fails the end and tears the weights. ``POST /p2pw_apply_deltas`` (``verify=True``) is
+answered by the gate itself.
+
 sglang adds its API-key middleware after this hook ran, so the key middleware wraps the gate: a call
 without the key is refused (401) before the gate reads it.
 
@@ -43,16 +49,19 @@ from starlette.responses import JSONResponse
 from ..control import bodies, routes
 from ..control import protocol as p
 from ..control.error_answers import error_payload
-from ..errors import InvalidRequest, SessionConflict, TornWeights
+from ..deltas.committed import BASE_KEY, DELTA_KEY
+from ..errors import InvalidRequest, InvalidWrite, SessionConflict, TornWeights
 from ..receiver import session_keeper as sk
+from . import delta_updates
 
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 OFFER = "sessions"  # what p2pw_plugin.offers lists while the gate is installed
 
-BEGIN, RENEW = "begin_weight_update", "renew_weight_update"
-RENEW_PATH = routes.route(RENEW).path
+BEGIN, END, RENEW = "begin_weight_update", "end_weight_update", "renew_weight_update"
+APPLY = "p2pw_apply_deltas"  # verify=True with deltas: the owner has the ranks apply before its digests
+RENEW_PATH, APPLY_PATH = routes.route(RENEW).path, routes.route(APPLY).path
 
 #: sglang's routes under the owner rules -> the verb ``session_keeper`` knows each by: the receiver's
 #: gated verbs that sglang serves, the renewal this plugin adds, and sglang's other routes that write
@@ -60,6 +69,7 @@ RENEW_PATH = routes.route(RENEW).path
 GATED_PATHS: dict[str, str] = {
     **{r.path: r.verb for r in routes.ROUTES if r.verb in sk.GATED and not r.p2pw},
     RENEW_PATH: RENEW,
+    APPLY_PATH: APPLY,  # answered by the gate itself (no route of sglang's)
     **{f"/{verb}": verb for verb in ("update_weights_from_tensor", "update_weights_from_disk",
                                      "update_weights_from_ipc", "release_memory_occupation",
                                      "resume_memory_occupation")},
@@ -112,7 +122,7 @@ def install(app: Any, *, workers: int = 1, engine: str = "engine", lease: float 
         return refuse(f"sessions need one HTTP process; this server runs {workers} (--tokenizer-worker-num), each "
                       f"would keep its own session")
     served = {getattr(r, "path", None) for r in app.router.routes}
-    missing = sorted(set(GATED_PATHS) - {RENEW_PATH} - served)
+    missing = sorted(set(GATED_PATHS) - {RENEW_PATH, APPLY_PATH} - served)
     if missing:
         return refuse(f"sessions not installed: this sglang serves no {', '.join(missing)}")
     if RENEW_PATH in served:
@@ -192,6 +202,15 @@ class SessionGate:
         async with self._lock if verb not in sk.UNLOCKED else contextlib.nullcontext():
             taking_over = verb == BEGIN and session.lost
             sk.admit(self.host, verb, owner)
+            if verb == APPLY:
+                return await _apply_now(receive, session, owner)
+            claim, receive = (await _delta_part(receive)) if verb in (BEGIN, END) else (None, receive)
+            if verb == BEGIN:  # from here the weights may change: the committed base is forgotten
+                delta = delta_updates.BASE.open(claim, session.epoch, delta_updates.support())
+            elif verb == END and claim is not None:  # the deltas first, then sglang's post-processing
+                refused = await _apply_deltas(claim, session, owner)
+                if refused is not None:
+                    return refused
             status, out_headers, body = await _answer_of(self.app, scope, receive)
             if taking_over and status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in body.decode("utf-8", "replace"):
                 # sglang's session is still the lost owner's: the new owner continues it (not begun again)
@@ -200,8 +219,50 @@ class SessionGate:
                     message=f"took over a {p.TORN} weight-update session: a complete update heals it")))
             answer = sk.settle(session, verb, headers, owner, lease, status, _decode(body) if verb == BEGIN else None)
             if verb == BEGIN and p.ok(status):
-                out_headers, body = _JSON, _encode(answer)
+                out_headers, body = _JSON, _encode({**answer, DELTA_KEY: delta})
+            elif verb == END and p.ok(status):  # the weights now: a new identity for the next delta
+                base = delta_updates.BASE.commit(session.epoch)
+                out_headers, body = _JSON, _encode({**(_decode(body) or {}), BASE_KEY: base})
+            elif verb == END:
+                delta_updates.BASE.forget("the last end_weight_update failed")
         return status, out_headers, body
+
+
+async def _delta_part(receive: Any) -> tuple[Any, Any]:
+    """The body's ``p2pw_delta`` (None without one) and the body without it, as sglang reads it."""
+    raw = await delta_updates.read_body(receive)
+    obj = _decode(raw) if raw.strip() else None
+    if not isinstance(obj, dict) or DELTA_KEY not in obj:
+        return None, delta_updates.replay(raw)
+    claim = obj.pop(DELTA_KEY)
+    return claim, delta_updates.replay(_encode(obj))
+
+
+async def _apply_now(receive: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes]:
+    """``POST /p2pw_apply_deltas {"manifests"}``: the deltas now, inside the session (the receiver's route)."""
+    obj = _decode(await delta_updates.read_body(receive))
+    if not isinstance(obj, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    if not session.open:
+        raise InvalidRequest(f"{p.NO_SESSION} is open; deltas are applied inside a session")
+    refused = await _apply_deltas(obj.get("manifests"), session, owner)
+    return refused or (p.OK, _JSON, _encode(bodies.encode(bodies.Ack())))
+
+
+async def _apply_deltas(manifests: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes] | None:
+    """Every rank applies its manifest (None when all did); a refusal fails the end and tears the weights."""
+    if not delta_updates.BASE.accepted:
+        raise InvalidRequest("end_weight_update names deltas, but this session's begin did not accept any")
+    parsed = delta_updates.parse_manifests(manifests, "end_weight_update")
+    delta_updates.BASE.accepted = False  # applied once: a second apply of the same records would be refused
+    why = await delta_updates.apply(parsed)
+    if not why:
+        return None
+    delta_updates.BASE.forget("a delta apply was refused")
+    session.release(owner)  # torn until a complete update heals it (the next begin takes it over)
+    session.torn = f"the deltas were refused, the weights may be partly applied: {why}"
+    error = InvalidWrite(f"end_weight_update refused: the deltas were not applied: {why}")
+    return p.ENGINE_FAILED, _JSON, _encode(error_payload(error))
 
 
 def _route_path(scope: dict) -> str:

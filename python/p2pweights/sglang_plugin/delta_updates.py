@@ -1,0 +1,222 @@
+"""Delta updates in a real sglang server, the launcher's side (docs/deltas.md, docs/sglang.md
+"Deltas"); each rank's side is ``rank_deltas.py``.
+
+- **The publication.** sglang's engine-info bootstrap server keeps only ``(session_id, weights)`` per
+  rank. :class:`AreaBook`, an ASGI middleware joined to its app while sglang builds it (an AROUND hook
+  on ``EngineInfoBootstrapServer.__init__`` marks the construction, an AFTER hook on
+  ``fastapi_telemetry_disabled_kwargs`` adds it, as ``bootstrap_key.py`` adds its guard), keeps the
+  ``delta_area`` a rank's PUT carries once sglang accepted the PUT, and adds it to that rank's GET
+  answer (which the HTTP server's ``/remote_instance_transfer_engine_info`` proxy passes on as is).
+- **The identity.** One :class:`CommittedBase` (deltas/committed.py) for the engine, kept by the
+  session gate (``sessions.py``): a begin answers the claim ``p2pw_delta``; an end whose body names
+  manifests has every rank apply its own first (the weight checker's communicator, the action
+  ``rank_deltas.ACTION``), and only then goes on to sglang's end (its post-processing); a refused
+  apply fails the end and leaves the weights torn; an end that succeeded answers ``p2pw_base``.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+from typing import Any, Callable
+
+from ..control import protocol as p
+from ..control import routes
+from ..deltas.area import Manifest
+from ..deltas.committed import CommittedBase
+from ..errors import InvalidRequest, InvalidWrite
+from . import rank_deltas, version_guard
+
+logger = logging.getLogger(__name__)
+
+_BOOTSTRAP_MODULE = "sglang.srt.entrypoints.engine_info_bootstrap_server"
+SERVER_TARGET = f"{_BOOTSTRAP_MODULE}.EngineInfoBootstrapServer.__init__"
+APP_KWARGS_TARGET = f"{_BOOTSTRAP_MODULE}.fastapi_telemetry_disabled_kwargs"
+HTTP_SERVER_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+GET_PATH = routes.route("get_transfer_engine_info").path
+OFFER = p.PLUGIN_DELTAS
+
+_BUILDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_delta_building", default=None)
+
+# The launcher's state: the areas the ranks published (tp_rank -> [addr, nbytes]); the sglang
+# handles the apply needs (set by the BEFORE hook); why deltas are not offered.
+AREAS: dict[int, list[int]] = {}
+TOKENIZER: Any = None
+TP_SIZE = 0
+REFUSED: str | None = None
+BASE = CommittedBase("sglang")  # the engine's committed identity, kept by the session gate
+
+
+class AreaBook:
+    """ASGI middleware on the bootstrap server's app: keeps and serves each rank's ``delta_area``."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == rank_deltas.REGISTER_PATH and scope.get("method") == "PUT":
+            return await self._register(scope, receive, send)
+        if path == GET_PATH and scope.get("method") == "GET":
+            return await self._serve(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def _register(self, scope: dict, receive: Any, send: Any) -> None:
+        raw = await read_body(receive)
+        status = await self._forward(scope, replay(raw), send)
+        try:
+            data = json.loads(raw)
+            area, rank = data.get(rank_deltas.AREA_KEY), data.get("tp_rank")
+        except (ValueError, AttributeError):
+            return
+        if p.ok(status) and isinstance(rank, int) and isinstance(area, list) and len(area) == 2:
+            AREAS[rank] = [int(area[0]), int(area[1])]
+
+    async def _forward(self, scope: dict, receive: Any, send: Any) -> int:
+        status = [0]
+
+        async def seen(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, seen)
+        return status[0]
+
+    async def _serve(self, scope: dict, receive: Any, send: Any) -> None:
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def hold(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, hold)
+        body = b"".join(chunks)
+        status = int(start.get("status", 500))
+        if p.ok(status):
+            try:
+                answer = json.loads(body)
+                area = AREAS.get(int(answer.get("rank")))
+                if area is not None:
+                    body = json.dumps({**answer, rank_deltas.AREA_KEY: area}).encode()
+            except (ValueError, TypeError, AttributeError):
+                pass
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def replay(raw: bytes) -> Callable[[], Any]:
+    sent = [False]
+
+    async def receive() -> dict:
+        if sent[0]:
+            return {"type": "http.disconnect"}
+        sent[0] = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return receive
+
+
+def around_server_init(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    token = _BUILDING.set([False])
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _BUILDING.reset(token)
+
+
+def after_app_kwargs(result: Any, *args: Any, **kwargs: Any) -> Any:
+    building = _BUILDING.get()
+    if building is None or building[0] or not isinstance(result, dict):
+        return result
+    from starlette.middleware import Middleware
+
+    building[0] = True
+    return {**result, "middleware": [*result.get("middleware", ()), Middleware(AreaBook)]}
+
+
+def before_http_server(*args: Any, **kwargs: Any) -> None:
+    """BEFORE ``_setup_and_run_http_server``: the tokenizer manager the apply goes through. Never raises."""
+    global TOKENIZER, TP_SIZE, REFUSED
+    try:
+        bound = {**dict(zip(version_guard.HOOKED[HTTP_SERVER_TARGET], args)), **kwargs}
+        server_args = bound["server_args"]
+        if int(server_args.dp_size) != 1 or int(server_args.pp_size) != 1:
+            REFUSED = "deltas not taken: data and pipeline parallelism are not covered"
+        elif not hasattr(bound["tokenizer_manager"], "check_weights_communicator"):
+            REFUSED = "deltas not taken: sglang's tokenizer manager has no check_weights_communicator"
+        else:
+            TOKENIZER, TP_SIZE = bound["tokenizer_manager"], int(server_args.tp_size)
+    except Exception as e:  # noqa: BLE001 - sglang must start either way
+        REFUSED = f"deltas not taken: {type(e).__name__}: {e}"
+    if REFUSED:
+        logger.error("p2pweights sglang plugin: %s", REFUSED)
+    return None
+
+
+def support() -> str:
+    """Why this engine cannot take deltas now ("" when it can): every TP rank must publish an area."""
+    if TOKENIZER is None:
+        return REFUSED or "deltas not taken: the plugin's hooks did not run in this server"
+    missing = sorted(set(range(TP_SIZE)) - set(AREAS))
+    return f"engine rank(s) {missing} publish no delta area (weights on a GPU take full writes)" if missing else ""
+
+
+def live() -> dict[str, Any]:
+    """What ``/server_info`` says of deltas (``server_info.after_build``)."""
+    return {"offers": [OFFER] if TOKENIZER is not None else [], "error": REFUSED}
+
+
+def parse_manifests(manifests: Any, verb: str) -> dict[str, dict]:
+    """The end body's ``{rank: manifest}``, checked as the receiver checks it."""
+    if not isinstance(manifests, dict):
+        raise InvalidRequest(f"{verb}: p2pw_delta must be {{rank: manifest}}")
+    out = {}
+    for rank, m in manifests.items():
+        if not (isinstance(rank, str) and rank.isdigit()):
+            raise InvalidRequest(f"{verb}: p2pw_delta has a key {rank!r} that is not a rank")
+        try:
+            out[rank] = Manifest.parse(m, f"{verb} p2pw_delta[{rank}]").to_dict()
+        except InvalidWrite as e:
+            raise InvalidRequest(str(e)) from None
+    return out
+
+
+async def apply(manifests: dict[str, dict]) -> str:
+    """Every rank applies its manifest; "" when all did, else why the apply was refused."""
+    TOKENIZER.auto_create_handle_loop()
+    outputs = await TOKENIZER.check_weights_communicator(rank_deltas.apply_request(manifests))
+    for out in outputs:
+        if not out.success:
+            try:
+                detail = json.loads(out.message)[rank_deltas.ERROR_KEY]
+                return f"{detail.get('type')}: {detail.get('message')}"
+            except (ValueError, TypeError, KeyError):
+                return f"the schedulers did not apply the deltas: {out.message!r}"
+    return ""
+
+
+def register(kind: str) -> None:
+    """The launcher's hooks (``main``); a scheduler's are ``rank_deltas.register``."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if kind == "main":
+        HookRegistry.register(SERVER_TARGET, around_server_init, HookType.AROUND)
+        HookRegistry.register(APP_KWARGS_TARGET, after_app_kwargs, HookType.AFTER)
+        HookRegistry.register(HTTP_SERVER_TARGET, before_http_server, HookType.BEFORE)
+    elif kind == "scheduler":
+        rank_deltas.register()

@@ -1,0 +1,181 @@
+"""Each rank's side of delta updates in a real sglang server (docs/deltas.md, docs/sglang.md
+"Deltas"): the rank's :class:`DeltaArea` (deltas/area.py, the receiver's own: one implementation,
+two hosts), registered with sglang's Mooncake engine next to the weights, published at the
+engine-info bootstrap server, and applied in the rank's scheduler when the launcher asks.
+
+- **The area.** :func:`open_area` runs when the rank publishes its weights (the AROUND hook on
+  ``_register_to_engine_info_bootstrap``, right after ``weight_registration.py`` registered them):
+  ``area_bytes`` of them (``P2PW_DELTA_AREA``), registered with the same Mooncake engine. A rank
+  whose weights are on a GPU keeps no area (full writes).
+- **The publication.** sglang's PUT of the rank's weights table carries only ``tp_rank`` and
+  ``transfer_engine_info``: while ``_register_to_engine_info_bootstrap`` runs (an AROUND hook),
+  an AROUND hook on ``requests.Session.request`` adds ``delta_area: [addr, nbytes]`` to that PUT's
+  JSON. The bootstrap server's handler ignores it; the launcher's middleware there keeps it and
+  adds it to the GET's answer (``delta_updates.AreaBook``), the key a receiver's rank publishes it under.
+- **The apply.** The launcher sends sglang's ``CheckWeightsReqInput`` with the action
+  :data:`ACTION` (the manifests, as JSON, in ``skip_tensor_list``) through the weight checker's
+  communicator, as ``digest.py`` does; an AROUND hook on ``check_weights`` answers it: each TP rank
+  applies its own manifest, the ranks all-gather their outcomes, rank 0 answers. No rank raises
+  out of the hook (the others wait for it in the gather).
+"""
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import inspect
+import json
+import logging
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from ..control import routes
+from ..control.error_answers import error_payload
+from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..settings import value as setting
+from ..transport.publication import merge_regions
+
+logger = logging.getLogger(__name__)
+
+RANK_TARGET = ("sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter."
+               "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap")
+CHECK_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater."
+                "SchedulerWeightUpdaterManager.check_weights")
+REQUESTS_TARGET = "requests.sessions.Session.request"
+REGISTER_PATH = routes.route("register_transfer_engine_info").path
+ACTION = "p2pw_apply_deltas"  # the weight checker's action that applies the session's deltas
+AREA_KEY = "delta_area"       # the publication's key (transport/publication.py)
+ERROR_KEY = "p2pw_error"
+
+# This scheduler's area and the weight regions its records may write (one rank per scheduler).
+AREA: DeltaArea | None = None
+REGIONS: list[tuple[int, int]] = []
+TENSORS: list[Any] = []
+# test hook: called with the area just before it is applied (a test corrupts it there)
+BEFORE_APPLY: Callable[[DeltaArea], None] | None = None
+
+_PUBLISHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_delta_area", default=None)
+
+
+def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 0) -> DeltaArea | None:
+    """Allocate and register this rank's area beside its host-memory weight ``regions``. A refused
+    registration leaves the rank without one (full writes), loudly."""
+    global AREA, REGIONS, TENSORS
+    area = DeltaArea(area_bytes(sum(n for _, n in regions), setting("P2PW_DELTA_AREA")), rank, "sglang")
+    ret = transfer_engine.register_memory(area.address, area.nbytes)
+    if ret != 0:
+        logger.error("p2pweights sglang plugin: Mooncake refused the delta area (error %s): full writes only", ret)
+        area.close()
+        return None
+    AREA, REGIONS, TENSORS = area, list(regions), [_bytes_at(a, n) for a, n in regions]
+    return area
+
+
+def _bytes_at(address: int, nbytes: int) -> Any:
+    """A uint8 tensor over ``nbytes`` of host memory at ``address`` (a weight region, for index records)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+
+
+def merged_regions(table: dict) -> list[tuple[int, int]]:
+    """sglang's weights table ``{name: (ptr, numel, size)}`` -> the byte ranges registered."""
+    return list(merge_regions((ptr, numel * size) for ptr, numel, size in table.values()))
+
+
+def _open_beside(transporter: Any) -> None:
+    params = list(transporter.model.named_parameters())
+    table = transporter.weight_info
+    if not params or any(q.device.type != "cpu" for _, q in params) or not isinstance(table, dict):
+        return  # weights on a GPU: full writes (the plugin opens no GPU area yet)
+    open_area(merged_regions(table), transporter.engine, int(getattr(transporter, "tp_rank", 0) or 0))
+
+
+# -- the publication ----------------------------------------------------------------------------
+def around_rank_registration(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_register_to_engine_info_bootstrap``: the rank's weights are registered by now
+    (``weight_registration.py``); a rank whose weights are all in host memory opens its area beside
+    them, and the PUT publishing them carries it."""
+    transporter = args[0] if args else None
+    if AREA is None and transporter is not None:
+        try:
+            _open_beside(transporter)
+        except Exception:  # noqa: BLE001 - the rank publishes its weights either way (full writes)
+            logger.exception("p2pweights sglang plugin: no delta area on this rank")
+    if AREA is None:
+        return original(*args, **kwargs)
+    token = _PUBLISHING.set(AREA.published())
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _PUBLISHING.reset(token)
+
+
+def around_session_request(original: Callable[..., Any], session: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``requests.Session.request``: inside :func:`around_rank_registration`, the PUT to the
+    registration path gets ``delta_area`` in its JSON; every other request is untouched."""
+    area = _PUBLISHING.get()
+    if area is None:
+        return original(session, *args, **kwargs)
+    bound = inspect.signature(original).bind(session, *args, **kwargs)  # json may come positional
+    body = bound.arguments.get("json")
+    if urlsplit(str(bound.arguments.get("url", ""))).path != REGISTER_PATH or not isinstance(body, dict):
+        return original(session, *args, **kwargs)
+    bound.arguments["json"] = {**body, AREA_KEY: list(area)}
+    return original(*bound.args, **bound.kwargs)
+
+
+# -- the apply, in each rank's scheduler --------------------------------------------------------
+def apply_request(manifests: dict) -> Any:
+    """sglang's ``CheckWeightsReqInput`` that has every rank apply its manifest (``{rank: manifest}``)."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    return CheckWeightsReqInput(action=ACTION, skip_tensor_list=[json.dumps({"manifests": manifests})])
+
+
+def rank_apply(rank: int, raw: Any) -> dict:
+    """This rank's apply of its manifest in ``raw`` (the action's JSON); never raises."""
+    try:
+        manifests = (json.loads(raw) if isinstance(raw, str) else {}).get("manifests")
+        manifest = manifests.get(str(rank)) if isinstance(manifests, dict) else None
+        if manifest is None:
+            return {"rank": rank, "records": 0}
+        if AREA is None:
+            raise RuntimeError(f"engine rank {rank} keeps no delta area")
+        if BEFORE_APPLY is not None:
+            BEFORE_APPLY(AREA)
+        return {"rank": rank, **AREA.apply(Manifest.parse(manifest, f"rank {rank}"), REGIONS, TENSORS)}
+    except Exception as e:  # noqa: BLE001 - reported to the launcher; this rank must still join the gather
+        logger.error("p2pweights: delta apply refused on rank %d: %s", rank, e)
+        return {"rank": rank, "error": error_payload(e, type_name=type(e).__name__)["error"]}
+
+
+def around_check_weights(original: Any, manager: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``SchedulerWeightUpdaterManager.check_weights``: :data:`ACTION` is this plugin's."""
+    if getattr(recv_req, "action", None) != ACTION:
+        return original(manager, recv_req, *args, **kwargs)
+    import torch.distributed as dist
+    from sglang.srt.managers.io_struct import CheckWeightsReqOutput
+    from sglang.srt.runtime_context import get_parallel
+
+    (raw,) = recv_req.skip_tensor_list or [None]
+    mine = rank_apply(int(get_parallel().tp_rank), raw)
+    group = manager.tp_cpu_group
+    size = dist.get_world_size(group=group) if dist.is_initialized() else 1
+    answers: list[Any] = [mine]
+    if size > 1:
+        answers = [None] * size
+        dist.all_gather_object(answers, mine, group=group)
+    failed = [a for a in answers if "error" in a]
+    if failed:
+        return CheckWeightsReqOutput(success=False, message=json.dumps({ERROR_KEY: failed[0]["error"]}))
+    return CheckWeightsReqOutput(success=True, message=json.dumps({"ranks": answers}))
+
+
+def register() -> None:
+    """The hooks of a scheduler process (the area itself opens in ``weight_registration``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(RANK_TARGET, around_rank_registration, HookType.AROUND)
+    HookRegistry.register(REQUESTS_TARGET, around_session_request, HookType.AROUND)
+    HookRegistry.register(CHECK_TARGET, around_check_weights, HookType.AROUND)
