@@ -25,7 +25,7 @@ from ..control import routes
 from ..deltas.area import Manifest
 from ..deltas.committed import CommittedBase
 from ..errors import InvalidRequest, InvalidWrite
-from . import rank_deltas, version_guard
+from . import asgi, rank_deltas, version_guard
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AreaBook:
         return await self.app(scope, receive, send)
 
     async def _register(self, scope: dict, receive: Any, send: Any) -> None:
-        raw = await read_body(receive)
+        raw = await asgi.read_body(receive)
         status = await self._forward(scope, replay(raw), send)
         try:
             data = json.loads(raw)
@@ -84,18 +84,7 @@ class AreaBook:
         return status[0]
 
     async def _serve(self, scope: dict, receive: Any, send: Any) -> None:
-        start: dict = {}
-        chunks: list[bytes] = []
-
-        async def hold(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                start.update(message)
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
-        await self.app(scope, receive, hold)
-        body = b"".join(chunks)
-        status = int(start.get("status", 500))
+        status, headers, body = await asgi.answer_of(self.app, scope, receive)
         if p.ok(status):
             try:
                 answer = json.loads(body)
@@ -104,19 +93,7 @@ class AreaBook:
                     body = json.dumps({**answer, rank_deltas.AREA_KEY: area}).encode()
             except (ValueError, TypeError, AttributeError):
                 pass
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        await send({"type": "http.response.start", "status": status,
-                    "headers": headers + [(b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-async def read_body(receive: Any) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
+        await asgi.respond(send, status, headers, body)
 
 
 def replay(raw: bytes) -> Callable[[], Any]:

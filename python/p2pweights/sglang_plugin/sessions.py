@@ -52,7 +52,7 @@ from ..control.error_answers import error_payload
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import InvalidRequest, InvalidWrite, SessionConflict, TornWeights
 from ..receiver import session_keeper as sk
-from . import delta_updates
+from . import asgi, delta_updates
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class SessionGate:
             status, headers, body = p.CONFLICT, _JSON, _encode(error_payload(e))
         except InvalidRequest as e:
             status, headers, body = p.BAD_REQUEST, _JSON, _encode(error_payload(e))
-        await _respond(send, status, headers, body)
+        await asgi.respond(send, status, headers, body)
 
     async def _gated(self, verb: str, scope: dict, receive: Any) -> tuple[int, list, bytes]:
         headers = Headers(scope=scope)
@@ -211,7 +211,7 @@ class SessionGate:
                 refused = await _apply_deltas(claim, session, owner)
                 if refused is not None:
                     return refused
-            status, out_headers, body = await _answer_of(self.app, scope, receive)
+            status, out_headers, body = await asgi.answer_of(self.app, scope, receive)
             if taking_over and status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in body.decode("utf-8", "replace"):
                 # sglang's session is still the lost owner's: the new owner continues it (not begun again)
                 status, out_headers = p.OK, _JSON
@@ -230,7 +230,7 @@ class SessionGate:
 
 async def _delta_part(receive: Any) -> tuple[Any, Any]:
     """The body's ``p2pw_delta`` (None without one) and the body without it, as sglang reads it."""
-    raw = await delta_updates.read_body(receive)
+    raw = await asgi.read_body(receive)
     obj = _decode(raw) if raw.strip() else None
     if not isinstance(obj, dict) or DELTA_KEY not in obj:
         return None, delta_updates.replay(raw)
@@ -240,7 +240,7 @@ async def _delta_part(receive: Any) -> tuple[Any, Any]:
 
 async def _apply_now(receive: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes]:
     """``POST /p2pw_apply_deltas {"manifests"}``: the deltas now, inside the session (the receiver's route)."""
-    obj = _decode(await delta_updates.read_body(receive))
+    obj = _decode(await asgi.read_body(receive))
     if not isinstance(obj, dict):
         raise InvalidRequest("the body must be a JSON object")
     if not session.open:
@@ -268,29 +268,6 @@ async def _apply_deltas(manifests: Any, session: sk.SessionKeeper, owner: str) -
 def _route_path(scope: dict) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
-
-
-async def _answer_of(app: Any, scope: dict, receive: Any) -> tuple[int, list, bytes]:
-    """sglang's whole answer to one call (its control routes answer small JSON), held back so the
-    session is recorded before the caller sees it."""
-    start: dict = {}
-    chunks: list[bytes] = []
-
-    async def hold(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            start.update(message)
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, hold)
-    return int(start.get("status", p.ENGINE_FAILED)), list(start.get("headers", [])), b"".join(chunks)
-
-
-async def _respond(send: Any, status: int, headers: list, body: bytes) -> None:
-    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _encode(obj: Any) -> bytes:
