@@ -259,11 +259,19 @@ def test_opening_failure_rolls_back_engines_that_saw_no_write(start_engine):
 
     down = SglangEngine(f"http://127.0.0.1:{_free_port()}", name="down")
     with pytest.raises(EngineError, match=r"\n  down: .*connection refused"):
-        session = UpdateSession([good.client, down], version=2)
+        # a client that has not learned that good pauses in its begin (control/folds.py): paused apart
+        session = UpdateSession([SglangEngine(good.client.base_url, name="good"), down], version=2)
         with session:
             pass
     assert session.outcome == {"good": "generating", "down": "failed"}
     assert [k[0] for k in good.calls()[4:]] == ["pause", "continue"]  # paused, never begun, continued
+
+    with pytest.raises(EngineError, match=r"\n  down: .*connection refused"):
+        session = UpdateSession([good.client, down], version=3)  # good's pause rides on a begin never sent
+        with session:
+            pass
+    assert session.outcome == {"good": "generating", "down": "failed"}
+    assert [k[0] for k in good.calls()[6:]] == []  # never paused: untouched
 
 
 def test_an_engine_whose_end_fails_is_not_bumped_while_the_others_are(start_engine):

@@ -260,6 +260,10 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_DELTA_AREA", _size, None, "bytes of each host engine rank's delta area (what one update's "
             "encoded deltas may take; a sender writes the rest in full)", _positive,
             default_text="an eighth of the rank's weights, at least 4MiB", scope="engine"),
+    Setting("P2PW_RECEIVER_CONTROL", _str, "folded", "a receiver's session verbs: `folded` (the owner's pause rides on "
+            "its begin, each rank acknowledges begin and end in their own round trip, the end carries the deltas, "
+            "sglang's update hooks are skipped once proven no-ops) or `separate` (each apart, hooks always run: the "
+            "path to measure against, benchmarks/bench_control_cost.py)", _one_of("folded", "separate"), scope="engine"),
     Setting("P2PW_RECEIVER_GPUS", _str, "", "`1,2,3,4`: receiver engine rank r keeps its parameters on GPU number "
             "r of this list", _gpu_list, default_text="unset", scope="engine"),
     # scripts/gpu_env.sh and the GPU bundle's sgl_kernel stub (scripts/gpu_bundle.sh); the package never reads them

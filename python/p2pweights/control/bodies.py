@@ -12,6 +12,7 @@ a hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from ..errors import InvalidRequest
-from .protocol import END_THEN, PAUSE_MODES, SELECTORS
+from .protocol import END_THEN, PAUSE_FIRST, PAUSE_MODES, SELECTORS
 
 # ---- request bodies ------------------------------------------------------------------------------
 
@@ -206,6 +207,14 @@ class RankBeginReq(Body):
 
 
 @dataclass
+class RankEndReq(Body):
+    """A rank's end: the deltas of the session first, when the end carries them (``manifests``, as
+    ``RankApplyDeltasReq``'s), then sglang's post-processing."""
+
+    manifests: dict[str, dict] | None = None
+
+
+@dataclass
 class RankRevokeReq(Body):
     """A takeover: the rank moves its registrations to a new endpoint published under ``epoch``."""
 
@@ -245,7 +254,7 @@ class NoBody(Body):
 
 #: each rank verb -> its body class (checked by the rank's endpoint before the verb runs)
 RANK_BODIES: dict[str, type] = {
-    "begin": RankBeginReq, "end": NoBody, "compare": RankCompareReq, "checksum": NoBody,
+    "begin": RankBeginReq, "end": RankEndReq, "compare": RankCompareReq, "checksum": NoBody,
     "digest": WeightsDigestReq, "init_group": InitWeightsUpdateGroupReq,
     "update_from_distributed": UpdateWeightsFromDistributedReq, "destroy_group": DestroyWeightsUpdateGroupReq,
     "ping": NoBody, "revoke": RankRevokeReq, "apply_deltas": RankApplyDeltasReq,
@@ -328,6 +337,13 @@ def _check(body: Body) -> None:
             _check_field(type(body), f.name, v)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A body class's field annotations, evaluated once (``get_type_hints`` evaluates every string
+    annotation again on each call: hundreds of microseconds per body, on every control call)."""
+    return typing.get_type_hints(cls)
+
+
 def _check_field(cls: type, name: str, v: Any) -> None:
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if f.metadata.get("extra"):  # unknown keys pass as they came; the known ones are typed
@@ -335,7 +351,7 @@ def _check_field(cls: type, name: str, v: Any) -> None:
             if v.get(key) is not None:
                 _check_value(key, hint, v[key])
         return
-    _check_value(name, typing.get_type_hints(cls)[name], v)
+    _check_value(name, _hints(cls)[name], v)
     choices = f.metadata.get("choices")
     if choices is not None and v not in choices:
         raise InvalidRequest(f"field {name!r} must be one of {', '.join(choices)}, got {str(v)[:100]!r}")
@@ -383,6 +399,17 @@ def _kind(hint: Any) -> type | None:
         return _kind(inner[0]) if len(inner) == 1 else None
     origin = typing.get_origin(hint) or hint
     return origin if origin in (str, bool, int, float, list, dict) else None
+
+
+def begin_pause(req: BeginWeightUpdateReq) -> PauseGenerationReq | None:
+    """The checked :data:`PAUSE_FIRST` of a begin_weight_update body (the pause to run first, in
+    the same call), or None when the body has none."""
+    pause = req.extra.get(PAUSE_FIRST)
+    if pause is None:
+        return None
+    if not isinstance(pause, dict):
+        raise InvalidRequest(f"field {PAUSE_FIRST!r} must be an object with 'mode' (one of {', '.join(PAUSE_MODES)})")
+    return decode(PauseGenerationReq, pause)
 
 
 def end_then(req: EndWeightUpdateReq) -> dict | None:

@@ -2,7 +2,9 @@
 timeout and a read timeout.
 
 Every control-plane call p2pweights makes (a trainer to an engine, a receiver's leader to its
-ranks, a rank to its bootstrap server) goes through :func:`request`. Connections are kept alive
+ranks, a rank to its bootstrap server) goes through :func:`request`, or :func:`send` (the request now,
+its answer later: :class:`PendingAnswer`, for a caller that sends one verb to several servers before
+it waits for any). Connections are kept alive
 and reused (:class:`ConnectionPool`): a verb on an open connection costs one round trip, where a
 fresh one also pays the connect and, on the server, a new thread. A kept connection is reused only
 while it is younger than ``IDLE_REUSE_S`` (below the keep-alive timeouts of sglang's server,
@@ -48,6 +50,23 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
     Any HTTP status is returned, not raised: what a status means is the caller's protocol (see
     :mod:`p2pweights.control.protocol`).
     """
+    try:  # on a kept connection; a GET that meets one the server closed is sent again on a fresh one
+        return send(method, url, path, body=body, params=params, timeout=timeout, connect_timeout=connect_timeout,
+                    headers=headers, api_key=api_key, _fresh=False, _retry=method == "GET").answer()
+    except _StaleReuse:
+        pass
+    return send(method, url, path, body=body, params=params, timeout=timeout, connect_timeout=connect_timeout,
+                headers=headers, api_key=api_key, _fresh=True).answer()
+
+
+def send(method: str, url: str, path: str, *, body: dict | None = None, params: Mapping[str, Any] | None = None,
+         timeout: float | None = None, connect_timeout: float | None = None,
+         headers: Mapping[str, str] | None = None, api_key: str | None = None,
+         _fresh: bool = False, _retry: bool = False) -> "PendingAnswer":
+    """Send a request now and read its answer later (:meth:`PendingAnswer.answer`), as
+    :func:`request` does in one step: a caller that fans one verb out to several servers sends to
+    all of them before it waits for any. A kept-alive connection the server closed just then fails
+    the answer as "connection lost" (never sent again: the call may have run)."""
     read_s = float(value("P2PW_ENGINE_TIMEOUT", timeout))
     connect_s = float(value("P2PW_ENGINE_CONNECT_TIMEOUT", connect_timeout))
     parts = urlsplit(url if "://" in url else "http://" + url)
@@ -61,15 +80,24 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
         data = json.dumps(body).encode()
         send_headers["Content-Type"] = "application/json"
     key = (parts.scheme, parts.hostname, parts.port)
-    conn = POOL.take(key)
-    if conn is not None:
-        try:
-            return _exchange(conn, key, method, target, data, send_headers, read_s, what)
-        except _Stale:
-            if method != "GET":
-                raise EngineUnreachable(f"{what}: connection lost (the server closed a kept-alive connection as "
-                                        f"it was reused); the call may have run",
-                                        hint="did the engine restart? check its state before repeating") from None
+    conn = None if _fresh else POOL.take(key)
+    kept = conn is not None
+    if conn is None:
+        conn = _connect(parts, connect_s, url, what)
+    pending = PendingAnswer(conn, key, what, read_s, kept=kept, retry=_retry)
+    try:
+        conn.sock.settimeout(read_s)
+        conn.request(method, target, body=data, headers=send_headers)
+    except socket.timeout as e:
+        conn.close()
+        raise EngineUnreachable(f"{what}: the request could not be sent within {read_s:g}s",
+                                hint="the engine may be stuck; raise timeout= (P2PW_ENGINE_TIMEOUT)") from e
+    except (http.client.HTTPException, OSError) as e:
+        pending.lost(e)
+    return pending
+
+
+def _connect(parts: Any, connect_s: float, url: str, what: str) -> http.client.HTTPConnection:
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(parts.hostname, parts.port, timeout=connect_s)
     try:
@@ -88,41 +116,84 @@ def request(method: str, url: str, path: str, *, body: dict | None = None,
                                 hint=f"is the engine running and listening at {url}?") from e
     POOL.connects += 1
     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
-    try:
-        return _exchange(conn, key, method, target, data, send_headers, read_s, what)
-    except _Stale as e:
-        raise EngineUnreachable(f"{what}: connection lost: {e.__cause__!r}", hint="did the engine process exit?") from e
+    return conn
 
 
-class _Stale(Exception):
-    """A connection closed by the peer before any byte of the answer came (raised from the cause)."""
+class _StaleReuse(Exception):
+    """A kept-alive connection the peer had closed: nothing of the answer came (``what``: the call)."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
 
 
-def _exchange(conn: http.client.HTTPConnection, key: tuple, method: str, target: str, data: bytes | None,
-              headers: dict, read_s: float, what: str) -> tuple[int, Any]:
-    """One request and its answer on ``conn``; the connection goes back to the pool when the server
-    keeps it open."""
-    conn.sock.settimeout(read_s)
-    try:
-        conn.request(method, target, body=data, headers=headers)
-        resp = conn.getresponse()
-        status, raw = resp.status, resp.read()
-    except socket.timeout as e:
-        conn.close()
-        raise EngineUnreachable(
-            f"{what}: no answer within {read_s:g}s",
-            hint="the engine may be stuck or still post-processing; raise timeout= (P2PW_ENGINE_TIMEOUT)") from e
-    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-        conn.close()
-        raise _Stale() from e
-    except (http.client.HTTPException, OSError) as e:
-        conn.close()
-        raise EngineUnreachable(f"{what}: connection lost: {e!r}", hint="did the engine process exit?") from e
-    if resp.will_close:
-        conn.close()
-    else:
-        POOL.give(key, conn)
-    return status, decode(raw)
+class PendingAnswer:
+    """A request sent on ``conn``; its answer is read by :meth:`answer` (the connection then goes
+    back to the pool when the server keeps it open)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, key: tuple, what: str, read_s: float, *, kept: bool,
+                 retry: bool = False):
+        self._conn, self._key, self.what, self._read_s = conn, key, what, read_s
+        self._kept, self._retry = kept, retry  # a reused connection; request() sends a GET again on a fresh one
+        self._failure: BaseException | None = None
+
+    def lost(self, error: BaseException) -> None:
+        """The request could not be sent: :meth:`answer` raises (a reused connection: as stale)."""
+        self._conn.close()
+        self._failure = error
+
+    def acknowledged(self, within: float) -> bool:
+        """Whether the server said anything within ``within`` seconds: an interim ``100 Continue``
+        (sent by a server that runs the request, when asked with ``Expect: 100-continue``), the
+        answer, or a close. False: nothing yet (the server is stopped, wedged, or never read it)."""
+        sock = self._conn.sock
+        if sock is None or self._failure is not None:
+            return True  # failed already: answer() says how
+        try:
+            readable, _, _ = select.select([sock], [], [], max(0.0, within))
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    def abandon(self) -> None:
+        """Give the answer up: the connection is closed (the server sees its caller leave)."""
+        self._conn.close()
+
+    def answer(self, timeout: float | None = None) -> tuple[int, Any]:
+        """(status, decoded body); EngineUnreachable when no answer comes within the read timeout
+        (``timeout``, default the request's) or the connection is lost."""
+        if self._failure is not None:
+            return self._lost(self._failure)
+        conn, what = self._conn, self.what
+        read_s = self._read_s if timeout is None else max(float(timeout), 1e-3)
+        try:
+            conn.sock.settimeout(read_s)
+            resp = conn.getresponse()  # skips interim 100 Continue answers
+            status, raw = resp.status, resp.read()
+        except socket.timeout as e:
+            conn.close()
+            raise EngineUnreachable(
+                f"{what}: no answer within {read_s:g}s",
+                hint="the engine may be stuck or still post-processing; raise timeout= (P2PW_ENGINE_TIMEOUT)") from e
+        except (http.client.HTTPException, OSError) as e:
+            return self._lost(e)
+        if resp.will_close:
+            conn.close()
+        else:
+            POOL.give(self._key, conn)
+        return status, decode(raw)
+
+    def _lost(self, error: BaseException) -> tuple[int, Any]:
+        self._conn.close()
+        stale = isinstance(error, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError))
+        if stale and self._kept and self._retry:
+            raise _StaleReuse(self.what) from error
+        if stale and self._kept:
+            raise EngineUnreachable(f"{self.what}: connection lost (the server closed a kept-alive connection as "
+                                    f"it was reused); the call may have run",
+                                    hint="did the engine restart? check its state before repeating") from error
+        raise EngineUnreachable(f"{self.what}: connection lost: {error!r}",
+                                hint="did the engine process exit?") from error
 
 
 class ConnectionPool:

@@ -56,6 +56,12 @@ TORN = "torn"                                   # what /health and /server_info 
 #: One round trip instead of three; sglang's servers never get it (they do not answer END_FOLDS).
 END_FOLDS = "p2pw_end_then"
 END_THEN = "p2pw_then"
+#: A receiver's begin answers ``BEGIN_PAUSES: true``: its next begin_weight_update may carry
+#: ``PAUSE_FIRST: {"mode": ...}`` (a PauseGenerationReq) in its body, and then pauses generation first,
+#: in the same call, answering what the pause said under ``PAUSE_FIRST``. The owner's pause and begin
+#: in one round trip; learned from a begin's answer, so sglang's servers never get it.
+BEGIN_PAUSES = "p2pw_begin_pauses"
+PAUSE_FIRST = "p2pw_pause"
 #: a receiver's answer to a session verb carries its own timings under this key (seconds by phase:
 #: ``server_s``, its fan-outs to the ranks, each rank's, and a folded end's ``<verb>_s``)
 TIMINGS_KEY = "p2pw_timings"

@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterable
 
 from ..errors import EngineError, SessionConflict, UpdateRefused
 from ..settings import value as setting
-from . import error_answers
 from . import protocol as p
 from .engine_calls import EngineCalls, call_engines, check_unique_names, engines_failed, verb_log
+from .folds import PAUSE_IN_BEGIN, StepFailed, end_folded
 from .lease import CLAIMS, LeaseRenewer, new_owner_id, owner_label
 from .protocol import BAD_REQUEST, PAUSE_MODES, SELECTORS, SESSION_ALREADY_OPEN
 from .sglang import SglangEngine
@@ -68,31 +68,6 @@ class FailurePolicy(str, Enum):
         if policy not in allowed:
             raise ValueError(f"on_failure must be one of {', '.join(p.value for p in allowed)}, got {value!r}")
         return policy
-
-
-def _folded(engine: SglangEngine, answer: Any) -> bool:
-    """What an end that was asked to bump and continue too says it did: True when both succeeded;
-    a ``_StepFailed`` naming the first that failed; False when it did neither (the answer has no
-    ``END_THEN``: the separate calls follow)."""
-    then = answer.get(p.END_THEN) if isinstance(answer, dict) else None
-    if not isinstance(then, dict):
-        return False
-    for verb in ("update_weight_version", "continue_generation"):
-        said = then.get(verb)
-        if not (isinstance(said, dict) and said.get("success") is not False):
-            error = error_answers.ErrorAnswer.of(said)
-            raise _StepFailed(verb, error.exception(
-                f"engine {engine.name} ({engine.base_url}): {verb} after end_weight_update failed: "
-                f"{error.message or 'no answer for it'}", engine=engine.name))
-    return True
-
-
-class _StepFailed(Exception):
-    """Which of an engine's end -> version -> continue calls failed (``step``), and why (``error``)."""
-
-    def __init__(self, step: str, error: BaseException):
-        super().__init__(f"{step}: {error}")
-        self.step, self.error = step, error
 
 
 class _InThread:
@@ -139,7 +114,8 @@ class UpdateSession:
             ...  # every one-sided write; raise if any failed
         # here: every engine ended the update, bumped its version, and generates again
 
-    Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``,
+    Opening (``__enter__``): ``pause_generation`` on every engine, then ``begin_weight_update``
+    (a receiver whose last begin answered ``protocol.BEGIN_PAUSES`` pauses in its begin: one call),
     as ``owner`` (a secret token; default: a new one, :func:`control.lease.new_owner_id`) asking for a
     lease of ``lease`` seconds (``P2PW_SESSION_LEASE``; each engine grants at most its own), renewed
     every third of the shortest granted while the session is open. Before
@@ -219,6 +195,7 @@ class UpdateSession:
         self._state = UpdateSessionState.NEW
         self._check_in: _InThread | None = None  # check_in_soon's check-in, overlapping the last writes
         self.folds: set[str] = set()     # engines whose end may bump the version and continue (protocol.END_FOLDS)
+        self.pause_in_begin: set[str] = set()  # engines paused by their begin (protocol.BEGIN_PAUSES)
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
         #: publications are older re-fetches them before writing (transport/revocation.py)
         self.epochs: dict[str, int] = {}
@@ -259,7 +236,12 @@ class UpdateSession:
             raise UpdateRefused(dict(self.errors), what="opening the weight update") from None
         for e in self.engines:
             e.session_owner, e.session_label = self.owner, self.owner_label
-        paused = call_engines(self.engines, "pause_generation", self.pause_mode)
+        # engines whose last begin said it may pause first: paused by their begin, in one round trip
+        # (not when the caller waits for the pause alone: on_paused)
+        self.pause_in_begin = set() if self.on_paused is not None else {
+            e.name for e in self.engines if PAUSE_IN_BEGIN.folds(e)}
+        paused = call_engines([e for e in self.engines if e.name not in self.pause_in_begin], "pause_generation",
+                              self.pause_mode)
         self.paused_at = time.perf_counter()  # the update's measured time starts here
         if self.on_paused is not None:
             self.on_paused()
@@ -277,7 +259,7 @@ class UpdateSession:
         by_name = {e.name: e for e in self.engines}
         owned_elsewhere = {n for n, err in self.errors.items() if isinstance(err, SessionConflict)}
         opened_fresh = [by_name[n] for n in (begun.results if begun else {}) if n not in self.resumed]
-        only_paused = [by_name[n] for n in paused.results
+        only_paused = [by_name[n] for n in [*paused.results, *(self.pause_in_begin if begun else ())]
                        if not (begun and n in begun.results) and n not in owned_elsewhere]
         ended = call_engines(opened_fresh, "end_weight_update")
         continued = call_engines(list(only_paused) + [by_name[n] for n in ended.results],
@@ -340,7 +322,7 @@ class UpdateSession:
             try:
                 call()
             except Exception as err:
-                raise _StepFailed(verb, err) from err
+                raise StepFailed(verb, err) from err
             finally:
                 with self._lock:
                     steps[verb] = max(steps.get(verb, 0.0), time.perf_counter() - t0)
@@ -352,7 +334,7 @@ class UpdateSession:
                     then_version=self.version, torch_empty_cache=self.torch_empty_cache)))
                 self._renewer.forget(e)
                 self.answers[e.name] = answer[0]
-                if _folded(e, answer[0]):
+                if end_folded(e, answer[0]):
                     timings = answer[0].get(p.TIMINGS_KEY)  # the receiver's own seconds for each
                     with self._lock:
                         for verb in ("update_weight_version", "continue_generation"):
@@ -374,7 +356,7 @@ class UpdateSession:
             log += [(verb, seconds, len(self.engines)) for verb, seconds in steps.items()]
         not_ended = set(stalled)
         for name, err in finished.errors.items():
-            failed, cause = (err.step, err.error) if isinstance(err, _StepFailed) else ("end_weight_update", err)
+            failed, cause = (err.step, err.error) if isinstance(err, StepFailed) else ("end_weight_update", err)
             self.errors[name] = cause
             if failed == "end_weight_update":
                 not_ended.add(name)
@@ -438,10 +420,18 @@ class UpdateSession:
         self._done()
 
     def _begin(self, engine: SglangEngine) -> dict:
+        pause_first = engine.name in self.pause_in_begin
+        extra = engine.begin_extra
+        if pause_first:
+            engine.begin_extra = {**extra, p.PAUSE_FIRST: {"mode": self.pause_mode}}
         try:
             sent_at = time.monotonic()  # the engine's lease starts no earlier (lease_deadline)
             answer = engine.begin_weight_update(self.selector, lease=self.lease)
+            if pause_first and not PAUSE_IN_BEGIN.paused(answer):  # another server now: pause it apart, before any write
+                engine.pause_generation(self.pause_mode)
+            PAUSE_IN_BEGIN.learn(engine, answer)
         except EngineError as e:
+            PAUSE_IN_BEGIN.forget(engine)  # the next update pauses it apart
             if not (SESSION_ALREADY_OPEN in str(e) and f"HTTP {BAD_REQUEST}" in str(e)):
                 raise
             # never a silent resume of a session that may be someone else's (the sglang plugin's gate
@@ -462,6 +452,8 @@ class UpdateSession:
             except (EngineError, KeyError, TypeError, ValueError):
                 pass
             return {"success": True, "message": "resumed this owner's open weight-update session"}
+        finally:
+            engine.begin_extra = extra
         if isinstance(answer, dict) and answer.get("lease") is not None:
             self._renewer.keep(engine, answer["lease"], sent_at)  # the lease the engine granted
         if isinstance(answer, dict) and answer.get(p.END_FOLDS) is True:

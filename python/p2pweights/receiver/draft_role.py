@@ -53,25 +53,7 @@ class DraftRole:
         """The draft's entries of the rank's weights table: role-prefixed names."""
         return [(PREFIX + n, p) for n, p in self.own_parameters()]
 
-    # -- the update session --------------------------------------------------------------------------
-    def begin(self) -> None:
-        import torch
-        from sglang.srt.model_loader.loader import DefaultModelLoader
-
-        with sglang_env.activate(self.model):
-            DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
-
-    def end(self, loaded_weights: bool) -> None:
-        """What sglang's end_weight_update runs for the draft runner: its post_load_weights (the
-        NextN's is pinned to its MTP layer) unless a loader ran, then process_weights_after_loading."""
-        import torch
-        from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
-
-        with sglang_env.activate(self.model):
-            if not loaded_weights:
-                post_load_weights(self.model)
-            DefaultModelLoader.postprocess_weights(self.model, torch.device(self.device))
-
+    # -- the update session (begin, end: the rank's UpdateHooks run sglang's hooks on this model too) ----
     def load_weights(self, weights: Sequence[tuple[str, "torch.Tensor"]]) -> None:
         """sglang's broadcast path: the draft runner loads what the target received (it keeps the MTP
         layer's tensors and skips the rest)."""

@@ -1,21 +1,23 @@
 """A receiver engine's hooks: what the engine does for each control call its ``ReceiverServer``
 serves. :class:`ReceiverHooks` is the interface (any PyTorch engine subclasses it; the defaults are
 no-ops); :class:`LeaderHooks` is its implementation for an engine of rank processes, run by the
-leader (rank 0): every verb runs on rank 0 in this process and on every other rank over HTTP
-(:func:`rank_server.call_rank`), at once; the call answers when all ranks did, and a failing or
-unreachable rank fails it, named.
+leader (rank 0): every verb is sent to every other rank over HTTP (:class:`rank_server.RankCall`),
+then runs on rank 0 in this process, then the others' answers are read; the call answers when all
+ranks did, and a failing or unreachable rank fails it, named. The session verbs (begin, end) check
+the ranks in the same round trip: each rank acknowledges the verb within the ping's time or is named
+as not answering (``P2PW_RECEIVER_CONTROL=folded``; ``separate``: a ping of every rank first).
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, P2PWeightsError, error_named
 from ..models.checkpoint import load_config
+from ..settings import value as setting
 from .phases import record_phase
-from .rank_server import call_rank, ping_timeout
+from .rank_server import RankCall, call_rank, ping_timeout
 from .registration import RankEndpoints, check_claim
 
 if TYPE_CHECKING:
@@ -66,6 +68,13 @@ class ReceiverHooks:
         what its delta area holds (``deltas.area.DeltaArea.apply``, the rank's manifest, or nothing
         when the sender named none for it). The default: this engine applies no deltas."""
         raise NotImplementedError("this engine applies no deltas")
+
+    def on_apply_deltas_then_end(self, manifests: dict[int, dict]) -> None:
+        """An end that carries the session's deltas: :meth:`on_apply_deltas`, then (only when it
+        succeeded) :meth:`on_end_update`. An engine of several processes may do both in one call to
+        each (``LeaderHooks``: a failure on any rank fails the end, and the engine is torn either way)."""
+        self.on_apply_deltas(manifests)
+        self.on_end_update()
 
     def on_weight_version(self, new_version: str, abort_all_requests: bool) -> None:
         """The version was bumped (the server tracks it; this is for the engine's own use)."""
@@ -134,10 +143,8 @@ class LeaderHooks(ReceiverHooks):
         if self.endpoints.world is None:
             self.endpoints.world = self.world
         self._lock = threading.Lock()
-        # the threads that call the other ranks, kept across verbs; room for every rank of each verb
-        # that may run at once (one control verb, a lease renewal, a group join or leave) and more,
-        # so a renewal never queues behind a long post-processing
-        self._pool = ThreadPoolExecutor(max_workers=max(1, 8 * (self.world - 1)), thread_name_prefix="p2pw-ranks")
+        # folded: the ranks' acknowledgement is the ping, and the end carries the deltas (P2PW_RECEIVER_CONTROL)
+        self.folded = setting("P2PW_RECEIVER_CONTROL") == "folded"
 
     # -- reading ---------------------------------------------------------------------------------
     def server_info(self) -> dict:
@@ -184,9 +191,15 @@ class LeaderHooks(ReceiverHooks):
         return self.local.weights_by_name(name, truncate_size)
 
     # -- fan-out ----------------------------------------------------------------------------------
-    def on_all(self, verb: str, body: dict | None = None, timeout: float | None = None) -> dict[int, Any]:
+    def on_all(self, verb: str, body: dict | None = None, timeout: float | None = None, *,
+               acknowledged_within: float | None = None) -> dict[int, Any]:
         """Run ``verb`` on every rank concurrently; raise one error naming every rank that failed.
-        ``timeout`` bounds each rank's answer (default ``rank_server.rank_timeout()``)."""
+        ``timeout`` bounds each rank's answer (default ``rank_server.rank_timeout()``). The verb is
+        sent to every other rank first, then run on rank 0 here, then their answers are read.
+        ``acknowledged_within``: every other rank must say within that many seconds that it took the
+        verb (its handler thread runs; the work may take longer); one that does not is named as not
+        answering and its call given up (it will not run it), and rank 0 then does not run it either:
+        the same round trip checks the ranks and runs the verb (no ping before it)."""
         body = body or {}
         with self._lock:
             urls = dict(self.rank_urls)
@@ -201,18 +214,27 @@ class LeaderHooks(ReceiverHooks):
         raised: dict[int, BaseException] = {}
         at_rank: dict[int, float] = {}  # rank -> the verb's seconds on the rank's own clock
         t0 = time.perf_counter()
-
-        futures = {r: self._pool.submit(call_rank, urls[r], r, verb, body, timeout, api_key=self.api_key,
-                                        seconds=at_rank)
-                   for r in range(1, self.world)}
-        try:  # rank 0 here, in this thread, while the others run theirs
-            results[0] = self.local.call(verb, body)
-        except Exception as e:  # noqa: BLE001 - each rank's failure is named
-            errors[0], raised[0] = f"{type(e).__name__}: {e}", e
-        at_rank[0] = time.perf_counter() - t0
-        for r, fut in futures.items():
+        acknowledge = acknowledged_within is not None
+        calls = {r: RankCall(urls[r], r, verb, body, timeout, api_key=self.api_key, acknowledge=acknowledge)
+                 for r in range(1, self.world)}
+        silent = []
+        if acknowledge:
+            deadline = time.monotonic() + acknowledged_within
+            for r, call in calls.items():
+                if not call.acknowledged(deadline - time.monotonic()):
+                    silent.append(r)
+                    call.abandon(f"rank {r} ({urls[r]}) does not answer: it did not take {verb} within "
+                                 f"{acknowledged_within:g}s (stopped or wedged); {verb} was not run on it")
+        if not silent:
+            t_local = time.perf_counter()
+            try:  # rank 0 here, in this thread, while the others run theirs
+                results[0] = self.local.call(verb, body)
+            except Exception as e:  # noqa: BLE001 - each rank's failure is named
+                errors[0], raised[0] = f"{type(e).__name__}: {e}", e
+            at_rank[0] = time.perf_counter() - t_local
+        for r, call in calls.items():
             try:
-                results[r] = fut.result()
+                results[r] = call.result(at_rank)
             except Exception as e:  # noqa: BLE001 - each rank's failure is named
                 errors[r], raised[r] = str(e), e
         record_phase(f"{verb}_s", time.perf_counter() - t0)
@@ -243,15 +265,27 @@ class LeaderHooks(ReceiverHooks):
         return {r: (a["peer"], a["table"], a["extra"]) for r, a in answers.items()}
 
     def on_begin_update(self, selector: str) -> None:
-        self.check_ranks()
-        self.on_all("begin", {"selector": selector})
+        self._session_verb("begin", {"selector": selector})
 
     def on_end_update(self) -> None:
-        self.check_ranks()
-        self.on_all("end")
+        self._session_verb("end", {})
 
     def on_apply_deltas(self, manifests: dict[int, dict]) -> None:
-        self.on_all("apply_deltas", {"manifests": {str(r): m for r, m in manifests.items()}})
+        self.on_all("apply_deltas", {"manifests": _by_rank(manifests)})
+
+    def on_apply_deltas_then_end(self, manifests: dict[int, dict]) -> None:
+        if not self.folded:
+            return super().on_apply_deltas_then_end(manifests)
+        self._session_verb("end", {"manifests": _by_rank(manifests)})  # each rank: its deltas, then its hooks
+
+    def _session_verb(self, verb: str, body: dict) -> None:
+        """A session verb on every rank, once every rank answers: in the same round trip (each rank
+        acknowledges it within the ping's time; folded), or after a ping of every rank (separate)."""
+        if self.folded:
+            self.on_all(verb, body, acknowledged_within=ping_timeout())
+            return
+        self.check_ranks()
+        self.on_all(verb, body)
 
     def weights_checker(self, request: dict) -> dict:
         action = request.get("action")
@@ -295,3 +329,7 @@ class LeaderHooks(ReceiverHooks):
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self.on_all("destroy_group", {"group_name": group_name})
+
+
+def _by_rank(manifests: dict[int, dict]) -> dict[str, dict]:
+    return {str(r): m for r, m in manifests.items()}

@@ -183,8 +183,10 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> Non
         handler.send_header("Content-Length", str(len(data)))
         if handler.close_connection:  # a refused request's connection is closed: the client must not keep it
             handler.send_header("Connection", "close")
-        handler.end_headers()
-        handler.wfile.write(data)
+        # the headers and the body in one write: one segment, one wake-up of the client (end_headers()
+        # then a write of the body would be two)
+        handler._headers_buffer.extend((b"\r\n", data))  # type: ignore[attr-defined]  # BaseHTTPRequestHandler's
+        handler.flush_headers()
     except OSError:  # broken pipe, reset, or a write past the socket's timeout
         logger.debug("client left before the answer to %s", handler.path)
         handler.close_connection = True

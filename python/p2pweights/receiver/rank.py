@@ -27,6 +27,7 @@ from ..transport.revocation import RevocableRegions
 from .build_report import device_arch
 from .draft_role import draft_role, split_names
 from .region import place_parameters
+from .update_hooks import UpdateHooks
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +93,9 @@ class EngineRank:
         self.registrations = RevocableRegions(
             transport, [(r.address, r.nbytes, self.device) for r in regions] + ([area] if area else []),
             params_table(table), self.rank, decorate=build)
+        # sglang's restore and post-processing at begin and end, skipped once proven no-ops here
+        self.update_hooks = UpdateHooks([self.model] + ([self.draft.model] if self.draft is not None else []),
+                                        self.device, name, self.rank, prove=setting("P2PW_RECEIVER_CONTROL") == "folded")
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -122,31 +126,22 @@ class EngineRank:
         return peer, table, d
 
     # -- the update session ----------------------------------------------------------------------
-    def begin(self, selector: str = "all") -> None:
-        import torch
-        from sglang.srt.model_loader.loader import DefaultModelLoader
-
-        with self._lock, sglang_env.activate(self.model):
-            DefaultModelLoader.restore_weights_before_loading(self.model, torch.device(self.device))
-            self.loaded_weights = False
-        if self.draft is not None:
-            with self._lock:
-                self.draft.begin()
-
-    def end(self) -> None:
-        """sglang's end_weight_update: post_load_weights (unless a loader ran, which did it) and
-        process_weights_after_loading of every module with a quant method."""
-        import torch
-        from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
-
-        with self._lock, sglang_env.activate(self.model):
-            if not self.loaded_weights:
-                post_load_weights(self.model)
-            DefaultModelLoader.postprocess_weights(self.model, torch.device(self.device))
+    def begin(self, selector: str = "all") -> dict:
+        """sglang's begin_weight_update: restore_weights_before_loading on every model (skipped once
+        proven a no-op on this rank: update_hooks.py)."""
         with self._lock:
-            if self.draft is not None:
-                self.draft.end(self.loaded_weights)
+            skipped = self.update_hooks.begin()
             self.loaded_weights = False
+        return {"rank": self.rank, "hooks": "skipped" if skipped else "ran"}
+
+    def end(self) -> dict:
+        """sglang's end_weight_update: post_load_weights (unless a loader ran, which did it) and
+        process_weights_after_loading of every module with a quant method (skipped once proven a
+        no-op on this rank: update_hooks.py)."""
+        with self._lock:
+            skipped = self.update_hooks.end(self.loaded_weights)
+            self.loaded_weights = False
+        return {"rank": self.rank, "hooks": "skipped" if skipped else "ran"}
 
     def apply_deltas(self, manifests: dict) -> dict:
         """The session's deltas for this rank (its manifest in ``manifests``; none: nothing to apply),
@@ -257,8 +252,9 @@ class EngineRank:
     def call(self, verb: str, body: dict) -> Any:
         if verb == "begin":
             return self.begin(body.get("selector", "all"))
-        if verb == "end":
-            return self.end()
+        if verb == "end":  # the session's deltas first (when the end carries them), then the post-processing
+            applied = self.apply_deltas(body["manifests"]) if body.get("manifests") is not None else None
+            return {**self.end(), **({"deltas": applied} if applied is not None else {})}
         if verb == "compare":  # changed_fraction and changed_steps: both or neither (RankCompareReq)
             changed = body.get("changed_fraction"), body.get("changed_steps")
             return self.compare(int(body["hf_seed"]), body.get("skip") or (),

@@ -6,8 +6,13 @@ the control plane's one error payload (``error_answers.error_payload``), so a ty
 rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
 The verbs are :meth:`EngineRank.call`'s; each one's body is checked against its class in
 ``bodies.RANK_BODIES`` before it runs (a wrong type is a 400 naming the field, as is a parameter
-the rank does not hold). The leader calls them with :func:`call_rank`; every call goes through the
-one control-plane client (``control.http.request``). With an API key the endpoint answers 401 to a
+the rank does not hold). The leader calls them with :class:`RankCall` (sent now, answered later: it
+sends a verb to every rank before it waits for any; :func:`call_rank` in one step); every call goes
+through the one control-plane client (``control.http``). A call may ask the rank to acknowledge it
+at once (``Expect: 100-continue``: the rank's handler thread answers ``100 Continue`` before it runs
+the verb), so that a stopped rank is found within the ping's time in the verb's own round trip; a
+session verb whose caller gave it up before the rank read it (the leader closed the connection:
+:func:`caller_left`) is not run. With an API key the endpoint answers 401 to a
 call without it, and refuses connections and bodies as the engine's server does (:mod:`.http_guard`).
 
 The other way round, a rank >= 1 watches its leader (:class:`LeaderWatch`) and exits once the
@@ -19,6 +24,7 @@ another instance counts as a miss.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -27,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..control import bodies, error_answers, protocol, routes
-from ..control.http import request
+from ..control.http import request, send
 from ..errors import EngineError, EngineUnreachable, InvalidRequest, P2PWeightsError, UnknownParameter
 from ..settings import value as setting
 from . import http_guard
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: the rank verbs that change the weights or their post-processing: not run once the leader gave the call up
+SESSION_VERBS = frozenset({"begin", "end", "apply_deltas"})
 RANK_TIMEOUT = 600.0           # a client's equality check (check_weights_equal) on a whole engine
 CONNECT_TIMEOUT = 3.0
 
@@ -71,6 +79,11 @@ class _RankHandler(http_guard.GuardedHandler):
         if not self.path.startswith(routes.RANK_ROUTE_PREFIX):
             return send_json(self, protocol.NOT_FOUND, {"ok": False, **error_answers.error_payload(
                 f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
+        if verb in SESSION_VERBS and caller_left(self.connection):  # the leader gave this call up: not run
+            logger.warning("rank %d: %s not run: the leader gave the call up (this rank answered too late)",
+                           self.rank.rank, verb)
+            self.close_connection = True
+            return None
         t0 = time.perf_counter()
         try:
             if verb in bodies.RANK_BODIES:  # the verb's body checked before it runs (unknown verbs: call's KeyError)
@@ -106,18 +119,70 @@ def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None 
     the rank (unreachable, or the verb failed there). ``api_key``: the engine's key. ``timeout``:
     default :func:`rank_timeout`. ``seconds``: where to put ``rank`` -> the seconds the verb took
     on the rank (its own clock)."""
+    return RankCall(url, rank, verb, body, timeout, api_key=api_key).result(seconds)
+
+
+class RankCall:
+    """One verb sent to one rank now, its answer read later (:meth:`result`): a leader sends a verb
+    to every rank before it runs its own part or waits for any answer. ``acknowledge``: the rank
+    is asked to say at once that it took the call (``Expect: 100-continue``, answered by its
+    handler thread before the verb runs), so the leader learns within seconds that a rank is
+    stopped or wedged (:meth:`acknowledged`) in the same round trip as the verb, not by a ping first."""
+
+    def __init__(self, url: str, rank: int, verb: str, body: dict, timeout: float | None = None, *,
+                 api_key: str | None = None, acknowledge: bool = False):
+        self.url, self.rank, self.verb = url, rank, verb
+        self.timeout = timeout or rank_timeout()
+        self.sent_at = time.monotonic()
+        self._pending = None
+        self._error: BaseException | None = None
+        try:
+            self._pending = send("POST", url, routes.RANK_ROUTE_PREFIX + verb, body=body, timeout=self.timeout,
+                                 connect_timeout=CONNECT_TIMEOUT, api_key=api_key,
+                                 headers={"Expect": "100-continue"} if acknowledge else None)
+        except EngineUnreachable as e:
+            self._error = EngineError(f"rank {rank} ({url}) is unreachable: {e.message}", rank=rank)
+            self._error.__cause__ = e
+
+    def acknowledged(self, within: float) -> bool:
+        """Whether the rank took the call (or answered, or failed) within ``within`` seconds."""
+        return self._pending is None or self._pending.acknowledged(within)
+
+    def abandon(self, why: str) -> None:
+        """Give the call up (``why``: the error :meth:`result` raises): the connection is closed, so a
+        rank that reads the call later sees its caller gone and does not run it (:func:`caller_left`)."""
+        if self._pending is not None:
+            self._pending.abandon()
+            self._pending = None
+        self._error = EngineError(why, rank=self.rank)
+
+    def result(self, seconds: dict | None = None) -> Any:
+        """The verb's result; EngineError naming the rank otherwise. The wait is bounded by the call's
+        timeout from when it was sent. ``seconds``: as :func:`call_rank`'s."""
+        if self._error is not None:
+            raise self._error
+        left = self.timeout - (time.monotonic() - self.sent_at)
+        try:
+            status, payload = self._pending.answer(timeout=max(left, 1e-3))
+        except EngineUnreachable as e:
+            raise EngineError(f"rank {self.rank} ({self.url}) is unreachable: {e.message}", rank=self.rank) from e
+        if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
+            answer = error_answers.ErrorAnswer.of(payload)
+            raise answer.exception(f"rank {self.rank}: {answer.message or f'HTTP {status}'}", rank=self.rank)
+        if seconds is not None and isinstance(payload.get("seconds"), (int, float)):
+            seconds[self.rank] = payload["seconds"]
+        return payload["result"]
+
+
+def caller_left(connection: socket.socket) -> bool:
+    """Whether the peer of ``connection`` has closed it (nothing left to read but its end, or a
+    reset): a leader that gave a call up (a rank stopped past the acknowledgement's wait, then
+    resumed) must not have it run after all."""
     try:
-        status, payload = request("POST", url, routes.RANK_ROUTE_PREFIX + verb, body=body,
-                                  timeout=timeout or rank_timeout(),
-                                  connect_timeout=CONNECT_TIMEOUT, api_key=api_key)
-    except EngineUnreachable as e:
-        raise EngineError(f"rank {rank} ({url}) is unreachable: {e.message}", rank=rank) from e
-    if status != protocol.OK or not isinstance(payload, dict) or not payload.get("ok"):
-        answer = error_answers.ErrorAnswer.of(payload)
-        raise answer.exception(f"rank {rank}: {answer.message or f'HTTP {status}'}", rank=rank)
-    if seconds is not None and isinstance(payload.get("seconds"), (int, float)):
-        seconds[rank] = payload["seconds"]
-    return payload["result"]
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except (ConnectionError, OSError, ValueError):
+        return True
 
 
 def get_json(url: str, path: str, timeout: float = CONNECT_TIMEOUT, *, api_key: str | None = None) -> Any:

@@ -97,6 +97,8 @@ class ReceiverServer:
         self.session = sessions.SessionKeeper(lease=session_lease)
         self.base = CommittedBase()  # what deltas are computed against (deltas/committed.py)
         self.weight_version = str(weight_version)
+        # begin answers protocol.BEGIN_PAUSES: the owner's next begin may pause first (P2PW_RECEIVER_CONTROL)
+        self.pause_in_begin = setting("P2PW_RECEIVER_CONTROL") == "folded"
         self.paused = False
         self.updating = False
         self.update_selector: str | None = None
@@ -236,7 +238,9 @@ class ReceiverServer:
         return bodies.encode(bodies.GenerationAck("Generation continued successfully."))
 
     def _begin(self, req: bodies.BeginWeightUpdateReq) -> dict:
+        pause = bodies.begin_pause(req)  # checked before anything runs
         with self._control_lock:
+            paused = self._pause(pause) if pause is not None else None  # the owner's pause, folded in
             if not self.paused:
                 raise OutOfOrder("generation is running; call pause_generation() before begin_weight_update() "
                                 "(p2pweights writes land in live parameter memory)")
@@ -244,13 +248,16 @@ class ReceiverServer:
                 raise OutOfOrder(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
             # from here the weights may change: the committed base is forgotten, whatever follows
             delta = self.base.open(req.extra.get(DELTA_KEY), self.session.epoch, self._delta_support())
+            folds = {**({p.BEGIN_PAUSES: True} if self.pause_in_begin else {}),
+                     **({p.PAUSE_FIRST: paused} if paused is not None else {})}
             if self.updating:  # torn: taken over, not begun again
                 return {**bodies.encode(bodies.Ack(
-                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")), DELTA_KEY: delta}
+                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")), DELTA_KEY: delta,
+                    **folds}
             self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
-        # this end may bump the version and continue too
-        return {**bodies.encode(bodies.Ack()), p.END_FOLDS: True, DELTA_KEY: delta}
+        # this end may bump the version and continue too; the next begin may pause first
+        return {**bodies.encode(bodies.Ack()), p.END_FOLDS: True, DELTA_KEY: delta, **folds}
 
     def _delta_support(self) -> str:
         """Why this engine cannot take deltas now ("" when it can): every rank must publish a delta area."""
@@ -263,10 +270,11 @@ class ReceiverServer:
                     f"takes full writes: the GPU apply is not built yet)")
         return ""
 
-    def _apply_deltas(self, manifests: Any, verb: str = "end_weight_update") -> None:
-        """The owner's manifests (``{rank: manifest}``), applied before the post-processing; once per session."""
+    def _deltas_to_apply(self, manifests: Any, verb: str = "end_weight_update") -> dict[int, dict] | None:
+        """The owner's manifests (``{rank: manifest}``) checked, to apply before the post-processing;
+        once per session (None: the call names none)."""
         if manifests is None:
-            return
+            return None
         if not self.base.accepted:
             raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they "
                                  f"were applied already)")
@@ -278,14 +286,16 @@ class ReceiverServer:
                 raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
             parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
         self.base.accepted = False  # applied once: a second apply of the same records would be refused
-        self.hooks.on_apply_deltas(parsed)
+        return parsed
 
     def _apply_now(self, req: bodies.ApplyDeltasReq) -> dict:
         """``POST /p2pw_apply_deltas``: the deltas now, inside the session (verify=True digests after it)."""
         with self._control_lock:
             if not self.updating:
                 raise OutOfOrder(f"{p.NO_SESSION} is open; deltas are applied inside a session")
-            self._apply_deltas(req.manifests, "p2pw_apply_deltas")
+            parsed = self._deltas_to_apply(req.manifests, "p2pw_apply_deltas")
+            if parsed is not None:
+                self.hooks.on_apply_deltas(parsed)
         return bodies.encode(bodies.Ack())
 
     def _end(self, req: bodies.EndWeightUpdateReq) -> dict:
@@ -293,8 +303,11 @@ class ReceiverServer:
         with self._control_lock:
             if not self.updating:
                 raise OutOfOrder(f"{p.NO_SESSION} is open; call begin_weight_update() first")
-            self._apply_deltas(req.extra.get(DELTA_KEY))
-            self.hooks.on_end_update()
+            deltas = self._deltas_to_apply(req.extra.get(DELTA_KEY))
+            if deltas is None:
+                self.hooks.on_end_update()
+            else:  # applied, then post-processed: in one call to each rank where the hooks can
+                self.hooks.on_apply_deltas_then_end(deltas)
             self.updating, self.update_selector = False, None
             base = self.base.commit(self.session.epoch)  # the weights now: a new identity for the next delta
             if then is None:
