@@ -20,7 +20,6 @@ dies (``sglang_plugin/weight_registration.py``; the last test shows it on a plai
 """
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 import urllib.error
@@ -31,7 +30,7 @@ import pytest
 
 from conftest import require_sglang
 from replica_configs import write_config
-from sglang_server import free_port, log_tail, start_sglang_server, stop
+from sglang_server import log_tail, start_sglang_server, stop
 
 require_sglang()  # skips without sglang; fails in CI
 
@@ -41,23 +40,18 @@ from p2pweights.control import SglangEngine, http  # noqa: E402
 from p2pweights.control import protocol as p  # noqa: E402
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint  # noqa: E402
 from p2pweights.models.engine_layout import EngineLayout  # noqa: E402
-from p2pweights.replica.reference import reference_model  # noqa: E402
 from p2pweights.sender import WeightSender  # noqa: E402
 from p2pweights.sglang_plugin import weight_registration  # noqa: E402
+from p2pweights.sglang_plugin.weight_checksums import ExpectedChecksums, engine_checksums  # noqa: E402
 
-# sglang's flag for publishing the rank's weights over Mooncake; sglang's Mooncake defaults to RDMA
-# and to this host's outward address: TCP on loopback instead
-SEED_FLAG = "--remote-instance-weight-loader-start-seed-via-transfer-engine"
-MOONCAKE_ENV = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1"}
 STARTUP_TIMEOUT_S = 600.0  # the harness's 300 s is too short while other suites load this 2-core host
 FUSED = ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight")
 
 
 def start_seed_server(model_dir: str, log_path: str, env: dict[str, str] | None = None):
-    """A real server publishing its weights over Mooncake, on a bootstrap port of its own (not 6789:
-    other servers may run on this host)."""
-    return start_sglang_server(model_dir, log_path, env={**MOONCAKE_ENV, **(env or {})},
-                               extra_args=(SEED_FLAG, "--engine-info-bootstrap-port", str(free_port())))
+    """A real server publishing its weights over Mooncake (sglang's seed flag; TCP on 127.0.0.1), on a
+    bootstrap port of its own (not 6789: other servers may run on this host)."""
+    return start_sglang_server(model_dir, log_path, env=env, seed_via_mooncake=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,27 +80,22 @@ def seeded(servers):
         sender.close()
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """What sglang's checksum says of a CPU tensor: SHA-256 of its bytes, the first 8 bytes in hex."""
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()[:16]
-
-
 _EXPECTED: dict[int, dict[str, str]] = {}
 
 
 def expected(model_dir: str, seed: int) -> dict[str, str]:
-    """Each parameter's digest after sglang's own loader took ``random_checkpoint(.., seed)`` and its
-    update session's post-processing ran (a tp=1 rank)."""
+    """Each parameter's checksum after sglang's own loader took ``random_checkpoint(.., seed)`` and its
+    update session's post-processing ran (a tp=1 rank; ``sglang_plugin.weight_checksums``)."""
     if seed not in _EXPECTED:
-        model = reference_model(model_dir, EngineLayout.parse("tp=1"), 0, seed=seed, post_process=True)
-        _EXPECTED[seed] = {name: tensor_digest(param) for name, param in model.named_parameters()}
+        _EXPECTED[seed] = ExpectedChecksums(model_dir, EngineLayout.parse("tp=1")).of(seed)[0]
     return _EXPECTED[seed]
 
 
 def engine_digests(engine: SglangEngine) -> dict[str, str]:
-    answer = engine.weights_checker(action="checksum")
-    assert answer["success"] is True and len(answer["ranks"]) == 1, answer
-    return answer["ranks"][0]["checksums"]
+    """sglang's own checksums of the server's one rank."""
+    by_rank = engine_checksums(engine)
+    assert list(by_rank) == [0], by_rank.keys()
+    return by_rank[0]
 
 
 def update(seeded, version: str, seed: int, during=None):

@@ -43,13 +43,27 @@ DEFAULT_BUCKET_BYTES = REGISTRY["P2PW_BROADCAST_BUCKET"].default
 DEFAULT_TIMEOUT = 120.0
 
 
+def group_store(store: Any, group_name: str, backend: str) -> Any:
+    """``store`` as a real sglang rank's update group sees it, so that both ends meet on the same keys:
+    sglang's ``init_custom_process_group`` wraps the rendezvous store in ``PrefixStore(group_name)``,
+    and torch's process-group helper it calls wraps that in ``"{group_name}/"`` and then in the
+    device of the backend's first device (``"cpu/"`` for gloo, ``"cuda/"`` for nccl), as every
+    process group torch makes. A single ``PrefixStore(group_name)`` left a sender waiting for a real
+    server's ranks until the group's timeout."""
+    import torch.distributed as dist
+
+    device = "cpu" if backend == "gloo" else "cuda"
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+
+
 class WeightUpdateGroup:
     """One member of a torch.distributed group of its own (not the default group: the trainer has
     one, the engine may too), as sglang's ``init_custom_process_group`` makes, from public APIs
     only: group rank 0 hosts a ``TCPStore`` at ``master_address:master_port`` (or passes its own
-    ``store``), every member wraps it in a ``PrefixStore`` named after the group and builds the
-    backend's process group on it (``ProcessGroupGloo`` / ``ProcessGroupNCCL``). The group is not
-    registered in torch.distributed's global state, so its collectives are its own methods."""
+    ``store``), every member wraps it in the ``PrefixStore``s a real sglang rank's group reads its
+    keys through (:func:`group_store`) and builds the backend's process group on it
+    (``ProcessGroupGloo`` / ``ProcessGroupNCCL``). The group is not registered in torch.distributed's
+    global state, so its collectives are its own methods."""
 
     def __init__(self, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                  group_name: str, timeout: float = DEFAULT_TIMEOUT, store: Any = None):
@@ -61,7 +75,7 @@ class WeightUpdateGroup:
             store = dist.TCPStore(master_address, int(master_port), self.world_size, is_master=self.rank == 0,
                                   timeout=td, wait_for_workers=False, multi_tenant=True)
         self.store = store
-        prefixed = dist.PrefixStore(group_name, store)
+        prefixed = group_store(store, group_name, backend)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, td)
         elif backend == "nccl":

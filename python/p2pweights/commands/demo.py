@@ -13,6 +13,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b",
                    help="built-in shape (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3, deepseek-v3-fp8-tiny: FP8, "
                         "quantized on send) or a config dir; random weights, no download (default: %(default)s)")
+    p.add_argument("--engine-kind", choices=("receiver", "sglang"), default="receiver",
+                   help="what the engines are: receiver (p2pweights' receiver processes, each rank a real sglang "
+                        "model class in host memory) or sglang (real sglang servers, python -m "
+                        "sglang.launch_server on the CPU with the p2pweights plugin, publishing over Mooncake TCP; "
+                        "--engine tp=N only, transport mooncake, checked by sglang's own /weights_checker "
+                        "checksums) (default: %(default)s)")
     p.add_argument("--engines", type=int, default=2, help="engines to start (default: %(default)s)")
     p.add_argument("--engine", default="tp=2",
                    help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>]; a key "
@@ -68,6 +74,7 @@ def _default_transport() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import UnsupportedLayout
     from ..models import UnknownModel, load_config, resolve_model
     from ..models.quant import quant_scheme
     from .demo_run import results_json, run_demo
@@ -78,9 +85,21 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model)
     except UnknownModel as e:
         raise UnknownModel(f"--model: {e}") from None
-    EngineLayout.parse(args.engine, command="demo")
-    transport, why = pick_transport(args.transport or _default_transport())
+    sglang = args.engine_kind == "sglang"
     fp8 = quant_scheme(load_config(model)) is not None
+    if sglang:
+        from . import demo_sglang
+
+        if fp8:
+            raise UnsupportedLayout(f"--model {args.model}: --engine-kind sglang takes BF16 models only: sglang's "
+                                    f"checksum hashes FP8 weights dequantized, which the demo's check does not "
+                                    f"reproduce, and no FP8 model was run on the CPU platform; use --engine-kind "
+                                    f"receiver")
+        demo_sglang.engine_layout(args.engine, load_config(model))
+        transport, why = demo_sglang.pick_transport(args.transport or _default_transport())
+    else:
+        EngineLayout.parse(args.engine, command="demo")
+        transport, why = pick_transport(args.transport or _default_transport())
     modes = [m for m in (args.modes or ("p2p" if fp8 else "p2p,broadcast")).split(",") if m]
     unknown = set(modes) - {"p2p", "broadcast"}
     if unknown:
@@ -95,10 +114,11 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=out, flush=True)
 
     changed = f", {args.changed_fraction:g} of the elements changed per step" if args.changed_fraction is not None else ""
-    progress(f"p2pweights demo: model {args.model}, {args.engines} engine(s) x {args.engine}, "
+    progress(f"p2pweights demo: model {args.model}, {args.engines} {args.engine_kind} engine(s) x {args.engine}, "
              f"{args.senders} sender(s), {args.steps} step(s){changed}, transport {transport}{why}, "
              f"modes {','.join(modes)}")
-    results = run_demo(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
+    run_kind = demo_sglang.run_sglang_demo if sglang else run_demo
+    results = run_kind(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
                        progress=progress, verbose=args.verbose, verify=args.verify,
                        changed_fraction=args.changed_fraction)

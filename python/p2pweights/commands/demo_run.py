@@ -262,10 +262,17 @@ def _version(step: int, seed_base: int, changed_fraction: float | None) -> tuple
     return seed_base, (changed_fraction, step)
 
 
-def _check(engines: Sequence[Any], seed: int, enabled: bool,
-           changed: tuple[float, int] | None = None) -> tuple[bool | None, str]:
+# (seed, changed) of the step's checkpoint -> (equal, why not): how the engines' bytes are checked
+# when they are not p2pweights receivers (their ``p2pw_compare``), as real sglang servers are
+Checker = Callable[[int, "tuple[float, int] | None"], "tuple[bool | None, str]"]
+
+
+def _check(engines: Sequence[Any], seed: int, enabled: bool, changed: tuple[float, int] | None = None,
+           checker: Checker | None = None) -> tuple[bool | None, str]:
     if not enabled:
         return None, ""
+    if checker is not None:
+        return checker(seed, changed)
     from ..receiver import check_weights_equal
 
     version = {"changed_fraction": changed[0], "changed_steps": changed[1]} if changed else {}
@@ -277,9 +284,10 @@ def _check(engines: Sequence[Any], seed: int, enabled: bool,
 def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, transport: str, check: bool,
             overrides: dict, progress: Callable[[str], None], seed_base: int = 0, timeout: float = STEP_TIMEOUT,
             pool: "SenderPool | None" = None, verbose: bool = False, verify: str = "off",
-            changed_fraction: float | None = None) -> list[StepResult]:
+            changed_fraction: float | None = None, checker: Checker | None = None) -> list[StepResult]:
     """verify: "off", "on" (every step verified), "alternate" (even steps verified: its cost, same run).
     changed_fraction: step k pushes version k of the changed family of ``seed_base`` (None: fresh seeds).
+    checker: how each step is checked (default: the receivers' ``p2pw_compare``).
     Sender 0 of the pool's group controls each step's session; its report times the step."""
     t0 = time.perf_counter()
     if pool is None:
@@ -302,7 +310,7 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             # step has no report: the coordinator's round trip, an upper bound
             seconds = replies[0][1]["seconds"] if replies[0][0] == "done" else round_trip
             nbytes = max((p["bytes_max"] for p in done), default=0)
-            equal, why = _check(engines, seed, check, changed) if not failed else (False, "; ".join(failed))
+            equal, why = _check(engines, seed, check, changed, checker) if not failed else (False, "; ".join(failed))
             slowest = max(done, key=lambda p: p["loading"] + p["waiting"], default={"loading": 0.0, "waiting": 0.0})
             results.append(StepResult("p2p", transport, step, seconds, nbytes, nbytes / seconds / 1e9 if seconds else 0.0,
                                       equal, why, slowest["loading"], slowest["waiting"], verified,
@@ -322,8 +330,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
 
 
 def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool, progress: Callable[[str], None],
-                  seed_base: int = 1000, backend: str = "gloo",
-                  changed_fraction: float | None = None) -> list[StepResult]:
+                  seed_base: int = 1000, backend: str = "gloo", changed_fraction: float | None = None,
+                  checker: Checker | None = None) -> list[StepResult]:
     from ..baseline.broadcast import BroadcastSender
     from ..control import SglangEngine
     from ..models.checkpoint import checkpoint_tensors, random_checkpoint
@@ -342,7 +350,7 @@ def run_broadcast(model: str, engines: Sequence[Any], *, steps: int, check: bool
             report = bcast.update(tensors, version=f"broadcast-{step}")
             seconds = report.seconds
             nbytes = sum(int(t.numel()) * t.element_size() for _, t in tensors)  # every rank receives every byte
-            equal, why = _check(engines, seed, check, changed)
+            equal, why = _check(engines, seed, check, changed, checker)
             results.append(StepResult("broadcast", backend, step, seconds, nbytes, nbytes / seconds / 1e9, equal, why))
             progress(_row_text(results[-1]))
     return results
