@@ -25,10 +25,13 @@ def engines(cfg):
         e.close()
 
 
-def test_the_demo_writes_deltas_after_the_first_step_and_every_step_is_equal(cfg):
+@pytest.mark.parametrize("engines, engine", [(1, "tp=2"), (2, "tp=1")], ids=["1xtp2", "2xtp1"])
+def test_the_demo_writes_deltas_after_the_first_step_and_every_step_is_equal(cfg, engines, engine):
+    """2xtp1: each sender writes one engine only, so sender 0 claims (and must keep the answer of) an
+    engine it writes nothing into, for the other sender to follow."""
     lines = []
-    results = run_demo(cfg, engines=1, engine="tp=2", senders=2, steps=3, transport="mooncake", modes=("p2p",),
-                       changed_fraction=0.01, progress=lines.append)
+    results = run_demo(cfg, engines=engines, engine=engine, senders=2, steps=3, transport="mooncake",
+                       modes=("p2p",), changed_fraction=0.01, progress=lines.append)
     assert [r.step for r in results] == [1, 2, 3]
     assert all(r.equal is True and r.seconds > 0 for r in results)  # each engine rank byte for byte
     first, *later = results

@@ -139,6 +139,7 @@ class UpdateDeltas:
         self.changed = 0  # bytes found changed
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
         self.applied = False  # apply_now ran: the ends carry no manifests
+        self._claimed: list[Any] = []  # the engines claim() set a begin body for
         self._slot: int | None = None
         self._spare_array: np.ndarray | None = None
         self._spare_t: Any = None  # the open GPU slot's spare (index records)
@@ -148,6 +149,7 @@ class UpdateDeltas:
     # -- control ---------------------------------------------------------------------------------
     def claim(self, engines: Sequence[Any]) -> None:
         """Set each engine's begin body: a claim where it can take deltas (see the module)."""
+        self._claimed = list(engines)
         for e in engines:
             identity = self.bases.identities.pop(e.name, None)
             ranks = [x for x in self.targets.values() if x.t.engine.name == e.name]
@@ -160,18 +162,23 @@ class UpdateDeltas:
                 x.reason = why
 
     def opened(self, answers: Mapping[str, Any]) -> None:
-        """Each engine's begin answer decides its ranks' writes."""
+        """Each engine's begin answer decides its ranks' writes. Every claimed engine's answer is kept,
+        those this sender writes no rank of included: the group's other senders follow it (:meth:`said`)."""
+        for e in self._claimed:
+            e.begin_extra = {}
+            if e.begin_claim is None:
+                continue
+            answer = answers.get(e.name)
+            said = answer.get(DELTA_KEY) if isinstance(answer, dict) else None
+            e.begin_answer = said if isinstance(said, dict) else {}
         for x in self.targets.values():
-            x.t.engine.begin_extra = {}
             if x.reason:
                 continue
-            answer = answers.get(x.t.engine.name)
-            said = answer.get(DELTA_KEY) if isinstance(answer, dict) else None
-            x.t.engine.begin_answer = said if isinstance(said, dict) else {}
-            if isinstance(said, dict) and said.get("accepted") is True:
+            said = x.t.engine.begin_answer
+            if said.get("accepted") is True:
                 x.delta = True
             else:
-                x.reason = "the engine refused the base: " + (str(said.get("reason")) if isinstance(said, dict)
+                x.reason = "the engine refused the base: " + (str(said.get("reason")) if said
                                                               else "it answered no delta decision")
 
     # -- a group of senders: sender 0 opens and ends; every sender writes its own engine ranks ------
@@ -191,7 +198,8 @@ class UpdateDeltas:
                 elif answer.get("accepted") is True:
                     x.delta, x.reason = True, ""
                 else:
-                    x.reason = "the engine refused the base: " + str(answer.get("reason"))
+                    x.reason = "the engine refused the base: " + (str(answer.get("reason")) if answer
+                                                                  else "it answered no delta decision")
 
     def written(self) -> dict:
         """This sender's manifests, ``{engine: {rank: manifest}}`` (every sender's go to sender 0)."""
