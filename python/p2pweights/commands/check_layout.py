@@ -1,7 +1,7 @@
 """`p2pweights check-layout`: prove the replica path produces sglang's exact bytes.
 
     p2pweights check-layout --model MODEL --engine tp=2,ep=2[,dp_attention=2][,<arg>=<value>...]
-                            [--rank R] [--seed S] [--json]
+                            [--rank R] [--seed S] [--json] [--engine-kind sglang|vllm]
 
 MODEL is a built-in name (qwen3-0.6b, ...), a config folder or a config.json. An --engine key
 that does not decide a rank's bytes is refused (the replica would ignore it).
@@ -14,6 +14,7 @@ sender's formula); ``dtypes`` counts the parameters compared per dtype. An engin
 draft (``speculative_algorithm=NEXTN``) is checked per role: ``--json`` has ``"roles": {"target":
 {...}, "draft": {...}}`` (docs/replica.md, "Roles"). Exit code 0 only when every role of every rank
 is equal. Memory: one rank's parameters plus one slot; inputs are made per tensor.
+``--engine-kind vllm``: the same proof against vLLM 0.33's load and post-processing (docs/vllm.md).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=None, help="check only this engine rank")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random HF tensors")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--engine-kind", choices=("sglang", "vllm"), default="sglang",
+                        help="whose loaders to check against: sglang (default) or vllm 0.33 (--engine "
+                             "tp=2,dp=2,ep=4,moe_backend=triton,deep_gemm=0; docs/vllm.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from ..models.quant import quant_scheme
     from ..replica.roles import roles_of
 
+    if args.engine_kind == "vllm":  # vLLM is imported only here
+        from ..replica.vllm_check import run_check_layout
+
+        return run_check_layout(args.model, args.engine, rank=args.rank, seed=args.seed, as_json=args.json)
     try:
         model = resolve_model(args.model)
         quant_scheme(load_config(model))  # a quantization p2pweights cannot write: refused up front

@@ -61,6 +61,9 @@ def config_hash(config: Any) -> str:
 class ModelReplica:
     """The sglang model of one engine rank on meta, and what its loaders do with HF tensors."""
 
+    #: what the engine's loaders need active while they run (the vLLM replica has its own)
+    _loader_context = staticmethod(sglang_env.activate)
+
     def __init__(self, config: Any, engine: EngineLayout, rank: int, mapping: LoaderMapping,
                  model: "torch.nn.Module | None" = None, key: ReplicaKey | None = None):
         self.config_dir = sglang_env.config_dir_of(config)
@@ -223,7 +226,7 @@ class ModelReplica:
                 watched.setdefault(id(m), m)
         derived = _DerivedState(watched.values())
         try:
-            with sglang_env.activate(model), _named_parameters_from_sites(model, self._first_sites):
+            with self._loader_context(model), _named_parameters_from_sites(model, self._first_sites):
                 model.load_weights(iter([(n, hf_tensors[n]) for n in want]))
             for region, view in zip(regions, views):
                 # a loader may have rebound .data (or replaced the parameter): copy it back

@@ -15,7 +15,7 @@ twice, which on host slots saves a memset of every slot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import UnsupportedLayout
 from ..models.checkpoint import TensorSpec
@@ -212,8 +212,11 @@ class LoaderMapping:
         )
 
 
-def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) -> LoaderMapping:
+def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec], *,
+                  context: Callable[[Any], Any] = activate, engine: str = "") -> LoaderMapping:
     """Run ``model.load_weights`` on meta HF inputs and record the data flow into parameters.
+    ``context(model)``: what the engine's loaders need active while they run (sglang's, by default;
+    the vLLM replica passes its own); ``engine`` names the engine kind in errors.
 
     Raises :class:`UnsupportedLayout` naming every parameter no HF name reaches: the engine
     holds it, so a sender could never write it.
@@ -233,7 +236,7 @@ def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) 
         raise ValueError("probe_loaders needs a replica on the meta device")
     for p in params.values():
         flow.watch(p)
-    with activate(model), flow:
+    with context(model), flow:
         model.load_weights(iter(inputs))
     before = {n: _storage_key(p) for n, p in params.items()}
     params = dict(model.named_parameters())  # a loader may have replaced a parameter's data
@@ -255,7 +258,8 @@ def probe_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) 
     if uncovered:
         shown = ", ".join(uncovered[:8]) + (f" (+{len(uncovered) - 8} more)" if len(uncovered) > 8 else "")
         raise UnsupportedLayout(
-            f"{len(uncovered)} parameter(s) of the engine rank are reached by no HF tensor, "
+            f"{len(uncovered)} parameter(s) of the {engine + ' ' if engine else ''}engine rank are reached by no "
+            f"HF tensor, "
             f"so a sender could never write them: {shown}"
         )
     return LoaderMapping(

@@ -1,0 +1,194 @@
+"""The shard layout of a vLLM 0.33 engine, and the layouts whose post-processing rewrites the bytes.
+
+A :class:`VllmLayout` keeps what decides which bytes a vLLM engine rank holds after
+``process_weights_after_loading``: TP, DP, expert parallelism, the MoE backend, the dtype, and two
+facts about the engine's host that vLLM's kernel oracles read (``VLLM_USE_DEEP_GEMM``, and whether
+FlashInfer's kernels are installed: ``flashinfer-python`` is a dependency of vLLM's CUDA wheel).
+The engine is a Hopper (sm90) rank: the architecture the stand-in platform reproduces.
+
+vLLM's ranks: engine rank = DP rank x TP + TP rank. Attention is TP-sharded inside each DP rank
+(a DP rank's attention bytes equal the other DP ranks'); with ``enable_expert_parallel`` the
+experts are spread over EP = DP x TP ranks (vLLM has no separate EP size).
+
+:func:`refusal` says, before anything is built, whether vLLM's post-processing on such an engine
+would rewrite bytes a sender writes (DeepGEMM's FP8 requantization, FlashInfer MoE repacks), and
+what to start the engine with instead. It imports neither torch nor vLLM.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from ..errors import LayoutSpecError, UnsupportedLayout
+from ..models.engine_layout import parse_layout_spec
+
+#: MoE backends (vLLM's ``--moe-backend``) whose post-processing keeps the loaded expert bytes
+KEEPING_MOE_BACKENDS = ("auto", "triton")
+
+# --engine keys for a vLLM engine, as parse_layout_spec names them (tp -> tp_size, ep -> ep_size,
+# dp -> attn_dp_size: vLLM's data_parallel_size, which with EP is its attention-DP layout)
+_KEYS = {
+    "tp_size": "tp", "attn_dp_size": "dp", "data_parallel_size": "dp", "ep_size": "ep",
+    "enable_expert_parallel": "expert_parallel", "moe_backend": "moe_backend", "dtype": "dtype",
+    "use_deep_gemm": "deep_gemm", "deep_gemm": "deep_gemm", "vllm_use_deep_gemm": "deep_gemm",
+    "flashinfer": "flashinfer",
+}
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in (0, 1):
+        return bool(value)
+    raise LayoutSpecError(f"--engine {name}={value!r}: expected true/false or 1/0")
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """The byte-deciding settings of one vLLM engine (every rank of it). Hashable: a cache key."""
+
+    tp: int = 1
+    dp: int = 1
+    expert_parallel: bool = False
+    moe_backend: str = "auto"
+    dtype: str = "auto"
+    deep_gemm: bool = True  # VLLM_USE_DEEP_GEMM on the engine (vLLM's default 1; DeepGEMM ships in the wheel)
+    flashinfer: bool = True  # FlashInfer kernels usable on the engine (vLLM's CUDA wheel depends on it)
+
+    kind = "vllm"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise LayoutSpecError(f"{name}={getattr(self, name)!r} must be a whole number >= 1")
+
+    @classmethod
+    def parse(cls, spec: str, *, command: str = "check-layout") -> "VllmLayout":
+        """From ``tp=2,dp=2,ep=4,moe_backend=triton,deep_gemm=0``. ``ep`` is vLLM's
+        ``--enable-expert-parallel``: ``ep=tp*dp`` (or ``ep=true``) turns it on, ``ep=1`` leaves it off."""
+        why = ("a vLLM engine's layout is tp, dp, ep, moe_backend, dtype, deep_gemm (VLLM_USE_DEEP_GEMM) "
+               "and flashinfer (FlashInfer kernels installed on the engine)")
+        given = parse_layout_spec(spec, command=f"{command} --engine-kind vllm", honours=_KEYS, why=why)
+        values: dict[str, Any] = {}
+        for name, value in given.items():
+            values[_KEYS[name]] = value
+        tp, dp = int(values.pop("tp", 1)), int(values.pop("dp", 1))
+        ep = values.pop("ep", None)
+        expert_parallel = _flag("enable_expert_parallel", values.pop("expert_parallel", False))
+        if ep is not None:
+            if isinstance(ep, bool):
+                expert_parallel = expert_parallel or ep
+            elif ep == "tp" or int(ep) == tp * dp and tp * dp > 1:
+                expert_parallel = True
+            elif int(ep) != 1:
+                raise LayoutSpecError(
+                    f"--engine ep={ep}: vLLM's expert parallelism spans every rank (EP = dp x tp = {tp * dp}); "
+                    f"write ep={tp * dp}, or ep=1 for none")
+        for name in ("deep_gemm", "flashinfer"):
+            if name in values:
+                values[name] = _flag(name, values[name])
+        for name in ("moe_backend", "dtype"):
+            if name in values:
+                values[name] = str(values[name]).lower().replace("-", "_")
+        return cls(tp=tp, dp=dp, expert_parallel=expert_parallel, **values)
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Engine ranks: dp x tp (each DP rank is a TP group of its own)."""
+        return self.tp * self.dp
+
+    @property
+    def ep(self) -> int:
+        """Experts are spread over this many ranks (1: every rank holds every expert, TP-sharded)."""
+        return self.world_size if self.expert_parallel else 1
+
+    @property
+    def args(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted(asdict(self).items()))
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.args).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """``vllm:tp=2,dp=2,ep=4,...``: the non-default settings."""
+        parts = [f"tp={self.tp}"] + ([f"dp={self.dp}"] if self.dp > 1 else []) + (
+            [f"ep={self.ep}"] if self.expert_parallel else [])
+        defaults = VllmLayout()
+        for name in ("moe_backend", "dtype", "deep_gemm", "flashinfer"):
+            if getattr(self, name) != getattr(defaults, name):
+                value = getattr(self, name)
+                parts.append(f"{name}={int(value) if isinstance(value, bool) else value}")
+        return "vllm:" + ",".join(parts)
+
+    def engine_args(self) -> dict[str, Any]:
+        """Keyword arguments of vLLM's ``EngineArgs`` for this layout."""
+        return {"tensor_parallel_size": self.tp, "data_parallel_size": self.dp,
+                "enable_expert_parallel": self.expert_parallel, "moe_backend": self.moe_backend,
+                "dtype": self.dtype}
+
+    def rank_of(self, rank: int) -> tuple[int, int]:
+        """(DP rank, TP rank) of engine rank ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"engine rank {rank} is not a rank of {self.describe()} ({self.world_size} ranks)")
+        return divmod(rank, self.tp)
+
+    def check_supported(self) -> None:
+        """What the layout alone rules out (the model's part: :func:`refusal`)."""
+        if self.moe_backend not in KEEPING_MOE_BACKENDS and self.moe_backend not in _REPACKING_MOE_BACKENDS:
+            raise LayoutSpecError(f"moe_backend={self.moe_backend!r} is not a vLLM 0.33 MoE backend "
+                                  f"({', '.join(KEEPING_MOE_BACKENDS + tuple(_REPACKING_MOE_BACKENDS))})")
+
+
+# vLLM 0.33 MoE backends that repack (or may repack) expert weights in process_weights_after_loading
+_REPACKING_MOE_BACKENDS = {
+    "deep_gemm": "DeepGEMM re-lays out FP8 expert scales (and requantizes to UE8M0)",
+    "flashinfer_cutlass": "FlashInfer CUTLASS swaps the w13 halves to [w3; w1] and repacks FP8 scales",
+    "flashinfer_trtllm": "FlashInfer TRT-LLM shuffles the experts into its block layout",
+    "cutlass": "vLLM's CUTLASS MoE transposes and repacks FP8 experts",
+    "marlin": "Marlin repacks the weights into its tile layout",
+    "humming": "Humming converts the experts to its kernel format",
+    "aiter": "AITER (ROCm) shuffles the experts",
+    "hpc": "the HPC backend converts the experts to its format",
+}
+
+
+def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
+    """Why a Hopper vLLM 0.33 engine of ``layout`` serving ``config`` post-processes the loaded bytes
+    into others (so one-sided writes of the loaders' bytes would be wrong, or undone), and what to
+    start the engine with instead; None when post-processing keeps every byte a sender writes.
+
+    The rules follow vLLM's own kernel oracles for sm90 (vllm/model_executor/kernels/linear/__init__.py
+    ``_POSSIBLE_FP8_BLOCK_KERNELS``; layers/fused_moe/oracle/fp8.py ``_get_priority_backends``;
+    oracle/unquantized.py); the built replica's chosen kernels are checked against them
+    (``vllm_env.check_kernels``).
+    """
+    qc = config.get("quantization_config") or {}
+    fp8_block = str(qc.get("quant_method", "")).lower() == "fp8" and bool(qc.get("weight_block_size"))
+    moe = any(k in config for k in ("num_experts", "n_routed_experts"))
+    if layout.moe_backend in _REPACKING_MOE_BACKENDS and moe:
+        return (f"moe_backend={layout.moe_backend}: {_REPACKING_MOE_BACKENDS[layout.moe_backend]} in "
+                "process_weights_after_loading; start the engine with --moe-backend triton")
+    if fp8_block and layout.deep_gemm:
+        return ("FP8 block-quantized linears on Hopper use DeepGEMM when VLLM_USE_DEEP_GEMM=1 (vLLM's "
+                "default; DeepGEMM ships in the wheel): its process_weights_after_loading requantizes the "
+                "weights to UE8M0 scales (VLLM_USE_DEEP_GEMM_E8M0=1) and re-lays out the scales, so the "
+                "engine's bytes are not the checkpoint's; start the engine with VLLM_USE_DEEP_GEMM=0 "
+                "(and say deep_gemm=0)")
+    if fp8_block and moe and layout.expert_parallel and layout.moe_backend == "auto" and layout.flashinfer:
+        return ("FP8 block-quantized experts under expert parallelism on Hopper use FlashInfer CUTLASS "
+                "(vLLM's oracle puts it first for EP), whose process_weights_after_loading swaps the w13 "
+                "halves and repacks the scales; start the engine with --moe-backend triton (and say "
+                "moe_backend=triton), or without FlashInfer (flashinfer=0)")
+    return None
+
+
+def check_refusal(config: Mapping[str, Any], layout: VllmLayout) -> None:
+    """Raise :class:`UnsupportedLayout` with :func:`refusal`'s reason, if any."""
+    layout.check_supported()
+    why = refusal(config, layout)
+    if why:
+        raise UnsupportedLayout(f"vLLM engine {layout.describe()}: {why}")

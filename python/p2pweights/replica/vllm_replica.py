@@ -1,0 +1,95 @@
+"""The vLLM replica: vLLM's own model of one engine rank on meta, probed with vLLM's own loaders,
+behind the same interface as sglang's (:class:`~.model_replica.ModelReplica`: ``hf_specs``,
+``param_specs``, ``groups``, ``group_of``, ``load_group(s)``, ``largest_group_nbytes``).
+
+    from p2pweights.replica.vllm_layout import VllmLayout
+    from p2pweights.replica.vllm_replica import vllm_replicas
+    replica = vllm_replicas().get("deepseek-v3-fp8-tiny", VllmLayout.parse("tp=2,ep=2,deep_gemm=0,moe_backend=triton"), 1)
+    regions = replica.load_group(replica.group_of(hf_name), {hf_name: tensor, ...}, slot)
+
+What a sender writes is what vLLM's loaders write. For the layouts the replica builds (others are
+refused: :func:`.vllm_layout.refusal`), ``process_weights_after_loading`` keeps those bytes and
+only adds derived tensors (DeepSeek MLA's ``W_UV`` / ``W_UK_T`` from ``kv_b_proj``), which are
+never written: the engine's post-processing recomputes them when an update finishes.
+``p2pweights check-layout --engine-kind vllm`` proves both against a real post-processed load
+(:mod:`.vllm_check`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..models import resolve_model
+from ..models.checkpoint import TensorSpec, checkpoint_tensors
+from . import vllm_env
+from .model_replica import ModelReplica, ReplicaKey, config_hash
+from .probe import LoaderMapping, probe_loaders
+from .vllm_layout import VllmLayout
+
+if TYPE_CHECKING:
+    import torch
+
+
+def probe_vllm_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) -> LoaderMapping:
+    """The loader probe of :mod:`.probe` (tags following data through every aten op, overwrite
+    coverage per parameter), with the rank's vLLM context active instead of sglang's."""
+    return probe_loaders(model, hf_specs, context=vllm_env.activate, engine="vLLM")
+
+
+class VllmModelReplica(ModelReplica):
+    """vLLM's model of one engine rank on meta and what its loaders do with HF tensors."""
+
+    engine_kind = "vllm"
+    _loader_context = staticmethod(vllm_env.activate)  # load_groups runs vLLM's loaders in the rank's vLLM context
+
+    def __init__(self, config: Any, engine: VllmLayout, rank: int, mapping: LoaderMapping,
+                 model: "torch.nn.Module | None" = None, key: ReplicaKey | None = None):
+        super().__init__(config, engine, rank, mapping, model=model, key=key)
+        self._config = config
+
+    @property
+    def model(self) -> "torch.nn.Module":
+        with self._model_lock:
+            if self._model is None:
+                self._model = vllm_env.build_model(self._config, self.engine, self.rank)
+            return self._model
+
+
+class VllmReplicas:
+    """The process's vLLM replicas, one per (model config, vLLM layout, engine rank); in memory
+    only (no disk cache yet)."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[ReplicaKey, VllmModelReplica] = {}
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, config: Any, engine: VllmLayout, rank: int,
+            hf_specs: Mapping[str, TensorSpec] | None = None) -> VllmModelReplica:
+        """The replica of engine rank ``rank`` (DP rank x tp + TP rank) of a vLLM engine (built once)."""
+        if isinstance(config, str):
+            config = resolve_model(config)
+        key = ReplicaKey(config_hash(config), engine, rank, "target")
+        with self._lock:
+            replica = self._replicas.get(key)
+            if replica is None:
+                model = vllm_env.build_model(config, engine, rank)
+                mapping = probe_vllm_loaders(model, hf_specs if hf_specs is not None else checkpoint_tensors(config))
+                replica = VllmModelReplica(config, engine, rank, mapping, model=model, key=key)
+                self._replicas[key] = replica
+                self.builds += 1
+            return replica
+
+
+_DEFAULT: VllmReplicas | None = None
+
+
+def vllm_replicas() -> VllmReplicas:
+    """The process-wide :class:`VllmReplicas`."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = VllmReplicas()
+    return _DEFAULT
