@@ -14,7 +14,7 @@ LAYERS = [
     {"errors", "settings", "_native"},
     {"models", "transport", "control"},
     {"planner", "replica", "copyplans", "deltas"},
-    {"sender", "receiver", "baseline", "sglang_plugin"},
+    {"sender", "receiver", "baseline", "sglang_plugin", "vllm_backend"},
     {"benchmarking", "commands", "cli", "__main__"},
 ]
 MAX_LINES = 500

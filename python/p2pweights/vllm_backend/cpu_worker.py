@@ -1,0 +1,144 @@
+"""A vLLM 0.33 worker on a host where vLLM's own worker cannot run (a CPU-only machine: the CUDA
+wheel has no CPU kernels, docs/vllm_feasibility_notes.md section 5), for tests: one process standing
+where vLLM's worker process would.
+
+What is vLLM's own here: the platform (``VLLM_TARGET_DEVICE=cpu``: ``CpuPlatform``), the config
+(``EngineArgs(..., weight_transfer_config={"backend": "p2pweights"}).create_engine_config()``), the
+distributed groups (one gloo rank), the model classes, their ``load_weights`` and post-processing,
+the backend made by ``WeightTransferEngineFactory.create_engine`` as ``gpu_worker.load_model``
+makes it, and the worker methods every RPC runs (``CPUWorker``'s ``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``, ``compute_weight_checksums``,
+``reset_weights``), called through vLLM's ``run_method`` as its executors call them. Not vLLM's: the
+worker object is made without ``Worker.__init__`` (``WorkerBase.__init__`` only: no device setup,
+KV cache or compile), its model runner is a holder of the model, and the RPCs arrive over a
+``multiprocessing.connection`` (authkey) instead of vLLM's ZMQ engine-core channel.
+
+    python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P
+    # prints {"event": "ready", "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from . import register
+
+
+class ModelHolder:
+    """What the worker methods the backend's RPCs run ask of a model runner."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def get_model(self) -> Any:
+        return self.model
+
+    def get_draft_model(self) -> None:
+        return None
+
+    def reset_lora_state(self) -> None:
+        return None
+
+
+def engine_config(config_dir: str) -> Any:
+    """vLLM's config of one worker for ``config_dir`` with the ``p2pweights`` backend."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    register()  # what the vllm.general_plugins entry point runs (an installed wheel's metadata may predate it)
+    return EngineArgs(model=config_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy",
+                      enforce_eager=True, max_model_len=256,
+                      weight_transfer_config={"backend": "p2pweights"}).create_engine_config()
+
+
+def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *, post_process: bool = True) -> Any:
+    """vLLM's model class of ``config_dir`` on the CPU, loaded by its own ``load_weights`` from
+    p2pweights' random checkpoint ``seed`` (HF names), post-processed by vLLM (``post_process``)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
+        initialize_model_parallel(tensor_model_parallel_size=1)
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=vllm_config)
+        model.load_weights(random_checkpoint(checkpoint_tensors(config_dir), seed))
+        if post_process:
+            process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    return model
+
+
+def make_worker(vllm_config: Any, model: Any) -> Any:
+    """vLLM's ``CPUWorker`` holding ``model``, its backend made by vLLM's factory."""
+    import torch
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    worker = object.__new__(CPUWorker)
+    WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=0, rank=0,
+                        distributed_init_method="", is_driver_worker=True)
+    worker.device = torch.device("cpu")
+    worker.model_runner = ModelHolder(model)
+    worker._weight_update_active, worker._weight_update_is_draft = False, False
+    worker.weight_transfer_engine = WeightTransferEngineFactory.create_engine(  # as gpu_worker.load_model
+        vllm_config.weight_transfer_config, vllm_config, worker.device, model)
+    return worker
+
+
+def serve(worker: Any, vllm_config: Any, authkey: bytes, out: Any) -> None:
+    """Run each RPC that arrives with vLLM's ``run_method`` on ``worker``, one at a time."""
+    from multiprocessing.connection import Listener
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.serial_utils import run_method
+
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        print(json.dumps({"event": "ready", "address": list(listener.address), "pid": os.getpid()}), file=out,
+              flush=True)
+        while True:
+            with listener.accept() as conn:
+                while True:
+                    try:
+                        method, args, kwargs = conn.recv()
+                    except EOFError:
+                        break
+                    if method == "exit":
+                        return
+                    try:
+                        with set_current_vllm_config(vllm_config):
+                            conn.send(("ok", run_method(worker, method, tuple(args), dict(kwargs))))
+                    except Exception as e:  # noqa: BLE001 - vLLM's engine core reports a worker's error as text
+                        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dist-port", type=int, required=True)
+    args = ap.parse_args(argv)
+    out = os.fdopen(os.dup(1), "w")  # the ready line owns stdout; what vLLM prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    vllm_config = engine_config(args.model)
+    model = build_model(vllm_config, args.model, args.seed, args.dist_port)
+    worker = make_worker(vllm_config, model)
+    try:
+        serve(worker, vllm_config, authkey, out)
+    finally:
+        worker.weight_transfer_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""One vLLM worker's weight memory as p2pweights publishes it: the parameters where vLLM put them
+(never moved: CUDA graphs and kernels hold their addresses), registered with Mooncake or NIXL
+through the receiver's :class:`~p2pweights.transport.revocation.RevocableRegions` (one
+implementation: a takeover revokes them per epoch, as on a receiver), a delta area beside host-memory
+weights (``deltas.area.DeltaArea``), and the publication a sender reads.
+
+The regions registered are the parameters' byte ranges merged where they touch
+(``transport.publication.merge_regions``): the ranges a sender checks its writes against. vLLM
+allocates each parameter on its own, so a rank registers several ranges, each holding parameters.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..errors import InvalidWrite, LayoutMismatch
+from ..receiver.build_report import device_arch
+from ..settings import value as setting
+from ..transport import resolve_transport
+from ..transport.publication import merge_regions, params_table
+from ..transport.revocation import RevocableRegions
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def weights_device(model: "torch.nn.Module") -> str:
+    """Where every parameter lives (``cpu`` or ``cuda:N``); LayoutMismatch when they are spread or on meta."""
+    devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}"
+               for p in model.parameters()}
+    if len(devices) != 1 or "meta" in devices:
+        raise LayoutMismatch(f"the model's parameters are on {sorted(devices) or 'no device'}: p2pweights registers "
+                             f"one rank's parameters on one device")
+    return devices.pop()
+
+
+def _bytes_at(address: int, nbytes: int) -> Any:
+    """A uint8 tensor over ``nbytes`` of host memory at ``address`` (a weight range, for index records)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+
+
+class RankMemory:
+    """The worker's registrations (``transport``: mooncake, nixl or auto) and publication for
+    ``rank``; ``deltas``: open a delta area of ``area`` bytes (None: ``P2PW_DELTA_AREA``, else an
+    eighth of the weights) beside host-memory weights (GPU weights take full writes)."""
+
+    def __init__(self, model: "torch.nn.Module", transport: str, rank: int, engine: str = "vllm", *,
+                 deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None):
+        self.model, self.rank, self.engine = model, int(rank), engine
+        self.transport = resolve_transport(transport)[0]
+        self.device = weights_device(model)
+        self.table = params_table(model.named_parameters())
+        self.regions = merge_regions((ptr, numel * size) for ptr, numel, size in self.table.values())
+        self.build = dict(build or {})
+        self.area: DeltaArea | None = None
+        if deltas and self.device == "cpu":
+            weight_bytes = sum(n for _, n in self.regions)
+            self.area = DeltaArea(area_bytes(weight_bytes, area or setting("P2PW_DELTA_AREA")), self.rank, engine)
+        self._tensors = [_bytes_at(a, n) for a, n in self.regions] if self.area is not None else []
+        arch = device_arch(self.device)
+        published_area = self.area.published() if self.area is not None else None
+
+        def decorate(publication: Any) -> None:
+            publication.device_arch = arch
+            publication.delta_area = tuple(published_area) if published_area else None
+
+        regions = [(a, n, self.device) for a, n in self.regions] + ([self.area.region()] if self.area else [])
+        try:
+            self.registrations = RevocableRegions(self.transport, regions, self.table, self.rank, decorate=decorate)
+        except BaseException:
+            if self.area is not None:
+                self.area.close()
+            raise
+
+    @property
+    def epoch(self) -> int:
+        return self.registrations.epoch
+
+    def publication(self) -> dict:
+        """What the gate serves at ``/remote_instance_transfer_engine_info?rank=R``: the receiver's
+        publication (table, peer, ``registered_memory``, ``epoch``, ``device_arch``, ``delta_area``)
+        plus this worker's build (``vllm_version``)."""
+        return {**self.registrations.publication.to_dict(), **self.build}
+
+    def revoke(self, epoch: int) -> dict:
+        """A takeover: the same memory under a new endpoint and ``epoch``, the old one closed."""
+        self.registrations.revoke(int(epoch))
+        return self.publication()
+
+    def check_in_place(self) -> None:
+        """Refuse (LayoutMismatch) when a parameter no longer lies where it was published: vLLM's
+        post-processing replaced its storage, so one-sided writes would miss it."""
+        now = params_table(self.model.named_parameters())
+        moved = sorted(n for n, row in self.table.items() if now.get(n) != row)
+        moved += sorted(n for n in now if n not in self.table)
+        if moved:
+            raise LayoutMismatch(f"{len(moved)} parameter(s) no longer lie where this rank published them (vLLM's "
+                                 f"post-processing replaced or added them): {', '.join(moved[:4])}; one-sided writes "
+                                 f"would miss them", rank=self.rank, parameter=moved[0],
+                                 hint="this layout cannot take p2pweights' one-sided writes: use vLLM's nccl backend")
+
+    def apply_deltas(self, manifests: dict) -> dict:
+        """This rank's manifest in ``manifests`` (``{rank: manifest}``; none: nothing), checked whole
+        against what the area holds, then applied into the weights (deltas/area.py)."""
+        manifest = manifests.get(str(self.rank))
+        if manifest is None:
+            return {"rank": self.rank, "records": 0}
+        if self.area is None:
+            raise InvalidWrite(f"engine {self.engine} rank {self.rank} has no delta area (weights on {self.device})",
+                               rank=self.rank)
+        parsed = Manifest.parse(manifest, f"engine {self.engine} rank {self.rank}")
+        return {"rank": self.rank, **self.area.apply(parsed, self.regions, self._tensors)}
+
+    def close(self) -> None:
+        try:
+            self.registrations.close()
+        finally:
+            if self.area is not None:
+                self._tensors = []
+                self.area.close()
