@@ -11,6 +11,7 @@
 #include "buffers/copy_program.h"
 #include "buffers/cuda_runtime.h"
 #include "buffers/delta_codec.h"
+#include "buffers/delta_apply_gpu.h"
 #include "buffers/delta_find.h"
 #include "buffers/transfer_buffer.h"
 #include "transport/loopback.h"
@@ -231,6 +232,27 @@ PYBIND11_MODULE(_native, m) {
     }
     return py::make_tuple(static_cast<int>(s.code()), s.message());
   }, py::arg("words"), py::arg("n_words"), py::arg("out"), py::arg("stream"));
+  // An area's index records checked and applied (csrc/buffers/delta_apply_gpu.h; deltas/index_apply.py).
+  m.attr("DELTA_CHECK_WORDS") = kDeltaCheckWords;
+  m.attr("DELTA_APPLY_ELEMENTS") = kDeltaApplyElements;
+  m.def("delta_apply_kernels_embedded", &delta_apply_kernels_embedded,
+        "Whether the GPU kernels that check and apply an area's index records were built in (nvcc).");
+  m.def("delta_records_check", [](uint64_t records, int n_records, uint64_t verdicts, uint64_t blocks, uint64_t stream) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_records_check(records, n_records, verdicts, blocks, stream);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("records"), py::arg("n_records"), py::arg("verdicts"), py::arg("blocks"), py::arg("stream"));
+  m.def("delta_records_apply", [](uint64_t records, int n_records, uint64_t rows, uint64_t blocks, uint64_t stream) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = delta_records_apply(records, n_records, rows, blocks, stream);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message());
+  }, py::arg("records"), py::arg("n_records"), py::arg("rows"), py::arg("blocks"), py::arg("stream"));
 
   // Delta records (csrc/buffers/delta_codec.h; p2pweights/deltas): raw addresses, the GIL released.
   auto ptr = [](uint64_t addr) { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr)); };

@@ -28,7 +28,7 @@ class Rank:
         for p, o in zip(params, self.offsets):
             self.weights[o:o + p.numel() * p.element_size()] = p.reshape(-1).view(torch.uint8)
         self.area = DeltaArea(1 << 20, device=device)
-        self.cursor, self.records, self.hash, self.checks = 0, 0, hashlib.sha256(), []
+        self.cursor, self.records, self.hash, self.checks, self.starts = 0, 0, hashlib.sha256(), [], []
 
     @property
     def regions(self):
@@ -50,6 +50,7 @@ class Rank:
             head = head_edit(head)
         self.hash.update(head)
         self.checks.append(check)
+        self.starts.append(self.cursor)  # the record's offset in the area
         raw = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.weights.device)
         at = self.cursor
         target = self.area.tensor if self.area.device != "cpu" else torch.from_numpy(self.area.array)
@@ -58,13 +59,14 @@ class Rank:
         self.cursor += len(head) + payload.numel()
         self.records += 1
 
-    def manifest(self) -> Manifest:
+    def manifest(self, offsets: bool = True) -> Manifest:
+        """The owner's word: with each record's offset (as senders send it), or without (the rank walks)."""
         digest = self.hash.copy()
         digest.update(ir.checksum_words(self.checks))
-        return Manifest(self.cursor, self.records, digest.hexdigest())
+        return Manifest(self.cursor, self.records, digest.hexdigest(), tuple(self.starts) if offsets else None)
 
-    def apply(self) -> dict:
-        return self.area.apply(self.manifest(), self.regions, [self.weights])
+    def apply(self, offsets: bool = True, manifest: Manifest | None = None) -> dict:
+        return self.area.apply(manifest or self.manifest(offsets), self.regions, [self.weights])
 
 
 def _laid_out(params: list[torch.Tensor], gap: int) -> tuple[torch.Tensor, list[int]]:
@@ -109,10 +111,11 @@ def _table(rank: Rank, params: list[torch.Tensor], unit: int) -> list:
     return rows
 
 
+@pytest.mark.parametrize("offsets", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.03, 0.5, 1.0])
 @pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2), (torch.float32, 4), (torch.uint8, 1)])
-def test_a_record_applied_leaves_exactly_the_new_bytes(device, fraction, dtype, unit):
+def test_a_record_applied_leaves_exactly_the_new_bytes(device, fraction, dtype, unit, offsets):
     gen = torch.Generator().manual_seed(1)
     old = [torch.randn(n, generator=gen).to(dtype).to(device) for n in (1000, 37, 4096)]
     new = [_changed(p.cpu(), fraction, k).to(device) for k, p in enumerate(old)]
@@ -125,7 +128,7 @@ def test_a_record_applied_leaves_exactly_the_new_bytes(device, fraction, dtype, 
         assert torch.equal(b, p.reshape(-1).view(torch.uint8))
     if found.count:
         rank.write(found, _table(rank, old, unit))
-    assert rank.apply()["records"] == (1 if found.count else 0)
+    assert rank.apply(offsets)["records"] == (1 if found.count else 0)
     for k, p in enumerate(new):
         assert torch.equal(rank.param(k, p).view(torch.uint8), p.view(torch.uint8)), f"param {k}"
 
@@ -139,11 +142,13 @@ def _one(device: str = "cpu"):
     return old, rank, found
 
 
-def _refused(rank: Rank, old: list, match: str) -> None:
+def _refused(rank: Rank, old: list, match: str, manifest: Manifest | None = None) -> None:
+    """Refused with and without offsets (unless ``manifest`` is given), the weights untouched."""
     before = rank.weights.clone()
-    with pytest.raises(InvalidWrite, match=match):
-        rank.apply()
-    assert torch.equal(rank.weights, before), "a refused area changed the weights"
+    for offsets in ([True] if manifest is not None else [True, False]):
+        with pytest.raises(InvalidWrite, match=match):
+            rank.apply(offsets, manifest)
+        assert torch.equal(rank.weights, before), "a refused area changed the weights"
     for k, p in enumerate(old):
         assert torch.equal(rank.param(k, p), p)
 
@@ -206,6 +211,75 @@ def test_one_bad_record_refuses_the_good_ones_before_them():
     _refused(rank, old, f"the record at byte {good_end}")
 
 
+def _three(device: str = "cpu", gap: int = 0, back: int = 0):
+    """Three records of one change set, ``gap`` bytes of zeros after the first (or the second written
+    ``back`` bytes into the first): the weights they were made for, the rank."""
+    old, rank, found = _one(device)
+    for k in range(3):
+        rank.write(found, _table(rank, old, 2))
+        if k == 0:
+            rank.cursor += gap - back
+    return old, rank
+
+
+@pytest.mark.parametrize("forge", ["into a record", "not ascending", "first past 0", "past the bytes", "bytes past the last",
+                                   "one offset short"])
+def test_offsets_that_do_not_chain_are_refused_before_any_byte_is_applied(forge):
+    old, rank = _three()
+    o, m = list(rank.starts), rank.manifest()
+    if forge == "into a record":  # record 1 begins 8 bytes into its payload: record 0 would not end there
+        o[1] += 8
+    elif forge == "not ascending":
+        o[1], o[2] = o[2], o[1]
+    elif forge == "first past 0":
+        o[0] = 8
+    elif forge == "past the bytes":
+        o[2] = m.bytes
+    elif forge == "bytes past the last":  # the last record does not end at the manifest's bytes
+        m = Manifest(m.bytes + 8, m.records, m.sha256, m.offsets)
+    elif forge == "one offset short":
+        o = o[:2]
+    _refused(rank, old, "do not chain|offsets", Manifest(m.bytes, m.records, m.sha256, tuple(o))
+             if forge != "bytes past the last" else m)
+
+
+def test_a_gap_between_records_is_refused_though_the_digest_covers_only_the_records():
+    old, rank = _three(gap=64)  # the gap's bytes are no record's: the digest does not cover them
+    _refused(rank, old, "do not chain", rank.manifest())
+
+
+def test_a_record_written_over_the_end_of_the_one_before_it_is_refused():
+    old, rank = _three(back=8)  # record 1 overlaps record 0's last payload word
+    _refused(rank, old, "do not chain", rank.manifest())
+
+
+def test_a_payload_whose_checksum_is_not_the_owners_is_refused():
+    old, rank, found = _one()
+    rank.write(found, _table(rank, old, 2))
+    rank.checks[-1] = ir.checksum(torch.zeros(8, dtype=torch.uint8))  # the owner's word names another payload
+    _refused(rank, old, "SHA-256 differs")
+
+
+def test_the_owners_offsets_and_the_walk_find_the_same_records():
+    old, rank = _three()
+    walked = rank.area.check(rank.manifest(False), rank.regions, [rank.weights])[0]
+    named = rank.area.check(rank.manifest(True), rank.regions, [rank.weights])[0]
+    assert [r[1].at for r in walked] == [r[1].at for r in named] == rank.starts
+    assert [r[1].rows for r in walked] == [r[1].rows for r in named]
+
+
+def test_a_table_larger_than_the_first_window_is_read_whole():
+    gen = torch.Generator().manual_seed(4)
+    old = [torch.randn(8, generator=gen).bfloat16() for _ in range(200)]  # 200 rows: past a 4 KiB window
+    new = [_changed(p, 0.3, 40 + k) for k, p in enumerate(old)]
+    rank = Rank(old, "cpu")
+    found, _ = _find(old, new, 2)
+    rank.write(found, _table(rank, old, 2))
+    rank.apply()
+    for k, p in enumerate(new):
+        assert torch.equal(rank.param(k, p).view(torch.uint8), p.view(torch.uint8)), f"param {k}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU area needs CUDA (runs on the GPU machine)")
 def test_a_gpu_area_takes_index_records_only():
     from p2pweights.deltas.codec import encode
@@ -217,7 +291,7 @@ def test_a_gpu_area_takes_index_records_only():
     prefix = PREFIX.pack(rank.weights.data_ptr(), len(data))
     body = prefix + data + b"\0" * (-len(data) % 8)
     rank.area.tensor[:len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8).cuda()
-    rank.cursor, rank.records = len(body), 1
+    rank.cursor, rank.records, rank.starts = len(body), 1, [0]
     rank.hash.update(body)
     _refused(rank, old, "not an index record")
 

@@ -47,18 +47,20 @@ def _area_with(weights: np.ndarray, changes: np.ndarray) -> tuple[DeltaArea, Man
     return area, Manifest(len(body), 1, hashlib.sha256(body).hexdigest()), changes
 
 
-def test_an_area_applies_its_records_exactly():
+@pytest.mark.parametrize("offsets", [(0,), None])  # as senders send it, and as an owner that names none
+def test_an_area_applies_its_records_exactly(offsets):
     rng = np.random.default_rng(0)
     weights = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     new = weights.copy()
     new[rng.integers(0, new.size, 600)] ^= 0x5A
     area, manifest, _ = _area_with(weights, new)
+    manifest = Manifest(manifest.bytes, 1, manifest.sha256, offsets)
     stats = area.apply(manifest, [(int(weights.ctypes.data), weights.nbytes)])
     assert stats["records"] == 1 and np.array_equal(weights, new)
     area.close()
 
 
-@pytest.mark.parametrize("fault", ["digest", "records", "bytes", "outside", "corrupt"])
+@pytest.mark.parametrize("fault", ["digest", "records", "bytes", "outside", "corrupt", "offset", "past the last"])
 def test_a_wrong_area_is_refused_before_any_byte_of_the_weights_changes(fault):
     rng = np.random.default_rng(1)
     weights = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
@@ -74,6 +76,11 @@ def test_a_wrong_area_is_refused_before_any_byte_of_the_weights_changes(fault):
         manifest = Manifest(area.nbytes + 8, 1, manifest.sha256)
     elif fault == "outside":  # the record's destination is not this rank's weights
         regions = [(int(weights.ctypes.data) + 4096, weights.nbytes - 4096)]
+    elif fault == "offset":  # a forged offset: the record does not begin there
+        manifest = Manifest(manifest.bytes, 1, manifest.sha256, (8,))
+    elif fault == "past the last":  # bytes after the last record that no record spans (the digest skips none)
+        area.array[manifest.bytes:manifest.bytes + 8] = 0
+        manifest = Manifest(manifest.bytes + 8, 1, hashlib.sha256(area.array[:manifest.bytes + 8]).hexdigest(), (0,))
     elif fault == "corrupt":  # the owner's own bytes, broken (its digest matches them)
         area.array[PREFIX.size + codec.HEADER_BYTES + 3] ^= 0xFF
         manifest = Manifest(manifest.bytes, 1, hashlib.sha256(area.array[:manifest.bytes]).hexdigest())
@@ -89,3 +96,13 @@ def test_a_manifest_from_the_network_is_type_checked():
                 {"bytes": 1, "records": 1, "sha256": "XYZ"}):
         with pytest.raises(InvalidWrite):
             Manifest.parse(bad, "test")
+
+
+def test_a_manifest_names_where_each_record_begins_and_one_without_still_parses():
+    m = Manifest.parse({"bytes": 128, "records": 2, "sha256": "0" * 64, "offsets": [0, 64]}, "test")
+    assert m.offsets == (0, 64) and Manifest.parse(m.to_dict(), "test") == m
+    older = Manifest.parse({"bytes": 128, "records": 2, "sha256": "0" * 64}, "test")
+    assert older.offsets is None and "offsets" not in older.to_dict()
+    for bad in ([0], [0, 64, 128], [0, -8], [0, True], "0,64", [0, 64.0], {"0": 0}):
+        with pytest.raises(InvalidWrite, match="offsets"):
+            Manifest.parse({"bytes": 128, "records": 2, "sha256": "0" * 64, "offsets": bad}, "test")

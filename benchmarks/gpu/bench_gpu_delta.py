@@ -113,18 +113,19 @@ def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20) -> lis
     new.view(torch.int16)[::100] += 1
     base = weights.clone()
     area = DeltaArea(weight_bytes // 8, device="cuda")
-    digest, checks, cursor, records = hashlib.sha256(), [], 0, 0
+    digest, checks, cursor, records, offsets = hashlib.sha256(), [], 0, 0, []
     for at in range(0, weight_bytes, slot):
         found = index_records.find_changes(new, base, [(at, at, slot)], 2)
         nrec = index_records.record_bytes(1, found.count, 2)
         head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, [(0, slot // 2, weights.data_ptr() + at)])
+        offsets.append(cursor)
         area.tensor[cursor:cursor + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).cuda()
         checks.append(index_records.write_payload(found, area.tensor[cursor + len(head):cursor + PREFIX.size + nrec]))
         digest.update(head)
         cursor += PREFIX.size + nrec
         records += 1
     digest.update(index_records.checksum_words(checks))
-    manifest = Manifest(cursor, records, digest.hexdigest())
+    manifest = Manifest(cursor, records, digest.hexdigest(), tuple(offsets))  # as a sender sends it
     torch.cuda.synchronize()
     rows = []
     for run in ("first", "again"):  # the first pays CUDA's lazy kernel loading; again: the same records re-applied

@@ -10,15 +10,20 @@ Every host of an engine rank (our receiver, the sglang plugin, the vLLM backend)
     (u64, the record's bytes) | the record | zero padding to 8 bytes
 
 A record is a codec record (deltas/codec.py: a host slot's varint runs; host areas only) or an index
-record (deltas/index_records.py: a GPU slot's changed positions and values; any area, applied with
-torch on the device of the weights). A rank whose weights are on a GPU keeps its area in GPU memory.
+record (deltas/index_records.py: a GPU slot's changed positions and values; any area, checked and
+applied on the device of the weights: index_apply.py). A rank whose weights are on a GPU keeps its
+area in GPU memory.
 
-The session's owner names, in its end call, how many bytes and records it wrote and the SHA-256 of
-what it wrote (:class:`Manifest`): every codec record's bytes, every index record's prefix, header
-and table, then every index record's payload checksum (computed on the device; index_records.py). :meth:`DeltaArea.apply`
-refuses the whole area unless the bytes are exactly those, every record passes its checks and every
-destination lies inside the rank's weight regions — before the first byte is applied. A refused
-apply fails the end: the engine is torn, as after any failed update (docs/deltas.md).
+The session's owner names, in its end call, how many bytes and records it wrote, where each record
+begins and the SHA-256 of what it wrote (:class:`Manifest`): every codec record's bytes, every index
+record's prefix, header and table, then every index record's payload checksum (computed on the
+device; index_records.py). :meth:`DeltaArea.apply` refuses the whole area unless the offsets chain
+exactly (each the previous one plus its record's span, the last ending at the manifest's bytes),
+the bytes are exactly those, every record passes its checks and every destination lies inside the
+rank's weight regions — before the first byte is applied. Knowing every offset, a GPU area reads
+every record's prefix, header and table from the device in one copy, and every payload's device
+checks in one more: the waits per end do not grow with the records. A refused apply fails the end:
+the engine is torn, as after any failed update (docs/deltas.md).
 """
 from __future__ import annotations
 
@@ -33,13 +38,13 @@ import numpy as np
 
 from .. import _native
 from ..errors import InvalidWrite, OutOfRegion, raise_for_status
-from . import index_records
+from . import index_apply, index_records
 from .codec import HEADER, HEADER_BYTES
 
 #: a record's prefix: destination address, codec record bytes
 PREFIX = struct.Struct("<QQ")
 ALIGN = 8
-_WINDOW = 16 << 10  # bytes of a GPU area read per record: the prefix, header and a table of 680 rows
+_WINDOW = 4 << 10  # bytes of a GPU area read per record at first: the prefix, header and a table of 168 rows
 
 
 def record_span(nbytes: int) -> int:
@@ -54,9 +59,15 @@ class Manifest:
     bytes: int
     records: int
     sha256: str
+    #: each record's first byte in the area, ascending (None: the owner sent none; the rank walks the
+    #: records, one read per record from a GPU area's device)
+    offsets: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict:
-        return {"bytes": self.bytes, "records": self.records, "sha256": self.sha256}
+        d = {"bytes": self.bytes, "records": self.records, "sha256": self.sha256}
+        if self.offsets is not None:
+            d["offsets"] = list(self.offsets)
+        return d
 
     @classmethod
     def parse(cls, d: Any, where: str) -> "Manifest":
@@ -70,7 +81,12 @@ class Manifest:
         digest = d.get("sha256")
         if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise InvalidWrite(f"{where}: delta manifest field 'sha256' must be 64 lowercase hex digits")
-        return cls(int(d["bytes"]), int(d["records"]), digest)
+        offsets = d.get("offsets")
+        if offsets is not None and (not isinstance(offsets, list) or len(offsets) != d["records"] or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in offsets)):
+            raise InvalidWrite(f"{where}: delta manifest field 'offsets' must list an integer >= 0 for each of its "
+                               f"{d['records']} records")
+        return cls(int(d["bytes"]), int(d["records"]), digest, None if offsets is None else tuple(offsets))
 
 
 class DeltaArea:
@@ -97,6 +113,7 @@ class DeltaArea:
             self.array = np.empty(0, dtype=np.uint8)
             self.address = int(self.tensor.data_ptr())
         self.last: dict = {}  # the last apply's figures
+        self._reads = 0  # reads from a GPU area's device in the last check
 
     def region(self) -> tuple[int, int, str]:
         """(address, bytes, device) to register next to the weights."""
@@ -109,9 +126,27 @@ class DeltaArea:
         raise cls(f"engine {self.engine} rank {self.rank}: delta area refused, nothing applied: {what}")
 
     def _bytes(self, at: int, n: int) -> bytes:
+        self._reads += self.device != "cpu"
         if self.device == "cpu":
             return self.array[at:at + n].tobytes()
         return self.tensor[at:at + n].cpu().numpy().tobytes()
+
+    def _windows(self, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """The bytes of each (start, length) of the area: a GPU area's in one copy from the device."""
+        if self.device == "cpu":
+            return [memoryview(self.array[a:a + n]) for a, n in spans]
+        if not spans:
+            return []
+        import torch
+
+        parts = [self.tensor[a:a + n] for a, n in spans]
+        flat = memoryview((torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy().tobytes())
+        self._reads += 1
+        out, at = [], 0
+        for _, n in spans:
+            out.append(flat[at:at + n])
+            at += n
+        return out
 
     def _payload(self, at: int, n: int) -> Any:
         """``n`` bytes of the area from ``at`` as a uint8 tensor on the area's device (no copy)."""
@@ -121,50 +156,85 @@ class DeltaArea:
 
         return torch.from_numpy(self.array[at:at + n])
 
+    def _offsets(self, manifest: Manifest) -> list[int]:
+        """Where each record begins: the manifest's offsets (checked to ascend inside its bytes; that
+        they chain exactly is checked against the records' prefixes), else found by walking the
+        records (an owner that sends none: a GPU area then reads each prefix from the device)."""
+        if manifest.offsets is None:
+            offsets, pos = [], 0
+            while pos < manifest.bytes:
+                if manifest.bytes - pos < PREFIX.size + HEADER_BYTES:
+                    self._refuse(InvalidWrite, f"a record at byte {pos} is cut short")
+                n = PREFIX.unpack(self._bytes(pos, PREFIX.size))[1]
+                if n < HEADER_BYTES or record_span(n) > manifest.bytes - pos:
+                    self._refuse(InvalidWrite, f"the record at byte {pos} claims {n} bytes")
+                offsets.append(pos)
+                pos += record_span(n)
+            return offsets
+        offsets = list(manifest.offsets)
+        if len(offsets) != manifest.records or (manifest.bytes and not offsets):
+            self._refuse(InvalidWrite, f"the manifest names {manifest.records} records, {len(offsets)} offsets and "
+                                       f"{manifest.bytes} bytes")
+        for k, at in enumerate(offsets):
+            if (at != 0 if k == 0 else at <= offsets[k - 1]) or at % ALIGN or manifest.bytes - at < PREFIX.size + HEADER_BYTES:
+                self._refuse(InvalidWrite, f"the records' offsets do not chain: record {k} at byte {at} of "
+                                           f"{manifest.bytes}")
+        return offsets
+
     def check(self, manifest: Manifest, regions: Sequence[tuple[int, int]],
-              tensors: Sequence[Any] = ()) -> list[tuple]:
+              tensors: Sequence[Any] = ()) -> tuple[list[tuple], index_apply.Checked]:
         """Every record of the manifest's bytes, checked (``tensors``: the weight regions as uint8
-        tensors, for index records): [("runs", record address, bytes, dest, dest bytes) or ("index",
-        checked record)]. Raises (nothing applied) unless all of them are sound."""
+        tensors, for index records): ([("runs", record address, bytes, dest, dest bytes) or ("index",
+        index_apply.Record)], the index records' device verdicts). Raises (nothing applied) unless all
+        of them are sound. A GPU area is read from the device once for every record's prefix, header
+        and table (twice when a table outgrows its window), and once for every payload's verdicts."""
         if manifest.bytes > self.nbytes:
             self._refuse(OutOfRegion, f"the manifest names {manifest.bytes} bytes; the area holds {self.nbytes}")
-        digest = hashlib.sha256()
-        used = self.array[:manifest.bytes] if self.device == "cpu" else None
-        out: list[tuple] = []
-        pos = 0
-        while pos < manifest.bytes:
-            if manifest.bytes - pos < PREFIX.size + HEADER_BYTES:
-                self._refuse(InvalidWrite, f"a record at byte {pos} is cut short")
-            # a GPU area: one read from the device per record, its prefix, header and (most) table
-            first = self._bytes(pos, min(manifest.bytes - pos, _WINDOW if used is None else PREFIX.size + 4))
-            dest, n = PREFIX.unpack_from(first, 0)
-            span = record_span(n)
-            if n < HEADER_BYTES or span > manifest.bytes - pos:
-                self._refuse(InvalidWrite, f"the record at byte {pos} claims {n} bytes")
-            if first[PREFIX.size:PREFIX.size + 4] == index_records.MAGIC:
-                out.append(("index", self._check_index(pos, n, span, regions, tensors, digest, first)))
-            elif used is None:
+        self._reads = 0
+        offsets = self._offsets(manifest)
+        ends = [*offsets[1:], manifest.bytes]
+        gpu = self.device != "cpu"
+        windows = self._windows([(a, min(e - a, _WINDOW) if gpu else e - a) for a, e in zip(offsets, ends)])
+        heads: dict[int, int] = {}  # index records: their prefix, header and table bytes
+        for k, (pos, end, w) in enumerate(zip(offsets, ends, windows)):
+            n = PREFIX.unpack_from(w, 0)[1]
+            if n < HEADER_BYTES or record_span(n) != end - pos:
+                self._refuse(InvalidWrite, f"the records' offsets do not chain: the record at byte {pos} spans "
+                                           f"{record_span(n)} bytes (it claims {n}), the next begins at byte {end}")
+            if w[PREFIX.size:PREFIX.size + 4] == index_records.MAGIC:
+                entries = index_records.HEADER.unpack_from(w, PREFIX.size)[3]
+                heads[k] = min(PREFIX.size + index_records.HEADER.size + index_records.ENTRY.size * entries, end - pos)
+            elif gpu:
                 self._refuse(InvalidWrite, f"the record at byte {pos} is not an index record (a GPU area takes "
                                            f"no others)")
+        longer = [k for k, need in heads.items() if need > len(windows[k])]  # tables past the window
+        for k, w in zip(longer, self._windows([(offsets[k], heads[k]) for k in longer])):
+            windows[k] = w
+        digest = hashlib.sha256()
+        out: list[tuple] = []
+        for k, (pos, w) in enumerate(zip(offsets, windows)):
+            dest, n = PREFIX.unpack_from(w, 0)
+            if k in heads:
+                digest.update(w[:heads[k]])
+                out.append(("index", self._check_index(pos, n, w[:heads[k]], regions, tensors)))
             else:
-                digest.update(used[pos:pos + span])
-                out.append(("runs", *self._check_runs(used, pos, n, dest, regions)))
-            pos += span
-        indexed = [r[1] for r in out if r[0] == "index"]
-        digest.update(index_records.checksum_words([r.checksum for r in indexed]))  # one wait for all
+                digest.update(w)
+                out.append(("runs", *self._check_runs(w, pos, n, dest, regions)))
+        checked = index_apply.verdicts([r[1] for r in out if r[0] == "index"], tensors)  # one read for all
+        digest.update(checked.checksum_words())
         if digest.hexdigest() != manifest.sha256:
             self._refuse(InvalidWrite, "its bytes are not the ones the session's owner wrote (SHA-256 differs)")
         if len(out) != manifest.records:
             self._refuse(InvalidWrite, f"the manifest names {manifest.records} records; the area holds {len(out)}")
-        bad = index_records.any_bad(indexed)
-        if bad:
-            self._refuse(InvalidWrite, f"index record {bad[0]}: its positions are not ascending inside its table")
-        return out
+        if checked.bad:
+            self._refuse(InvalidWrite, f"index record {checked.bad[0]}: its positions are not ascending inside its "
+                                       f"table")
+        return out, checked
 
-    def _check_runs(self, used: np.ndarray, pos: int, n: int, dest: int,
+    def _check_runs(self, record: memoryview, pos: int, n: int, dest: int,
                     regions: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
         rec = self.address + pos + PREFIX.size
-        dst_nbytes = HEADER.unpack_from(used, pos + PREFIX.size)[5]
+        dst_nbytes = HEADER.unpack_from(record, PREFIX.size)[5]
         if not any(a <= dest and dest + dst_nbytes <= a + size for a, size in regions):
             self._refuse(OutOfRegion, f"the record at byte {pos} writes [{dest:#x}, +{dst_nbytes}), outside "
                                       f"this rank's weights")
@@ -174,38 +244,34 @@ class DeltaArea:
                                    f"applied: the record at byte {pos}: {message}")
         return rec, n, dest, dst_nbytes
 
-    def _check_index(self, pos: int, n: int, span: int, regions: Sequence[tuple[int, int]], tensors: Sequence[Any],
-                     digest: Any, window: bytes = b"") -> Any:
-        at = pos + PREFIX.size
-
-        def read(start: int, size: int) -> bytes:  # from the window read already, else the area
-            if start - pos + size <= len(window):
-                return window[start - pos:start - pos + size]
-            return self._bytes(start, size)
-
-        head = read(at, index_records.HEADER.size)
+    def _check_index(self, pos: int, n: int, head: memoryview, regions: Sequence[tuple[int, int]],
+                     tensors: Sequence[Any]) -> index_apply.Record:
+        """One index record's header and table (``head``: its prefix, header and table bytes)."""
         try:
-            unit, entries, count, _ = index_records.parse_header(head)
-            table_end = index_records.HEADER.size + index_records.ENTRY.size * entries
-            if index_records.record_bytes(entries, count, unit) != n:
-                raise ValueError(f"it claims {n} bytes for {entries} table rows and {count} changes")
-            if len(tensors) != len(regions):
-                raise ValueError("this rank gave no tensors of its weights to apply it with")
-            table = read(at + index_records.HEADER.size, table_end - index_records.HEADER.size)
-            digest.update(read(pos, PREFIX.size) + head + table)
-            return index_records.check(head, table, self._payload(at + table_end, n - table_end),
-                                       [(a, size, t) for (a, size), t in zip(regions, tensors)])
-        except ValueError as e:
+            if len(tensors) != len(regions) or any(t.numel() * t.element_size() < size
+                                                   for (_, size), t in zip(regions, tensors)):
+                raise ValueError("this rank gave no tensors of its weights (as large as its regions) to apply it with")
+            at = PREFIX.size + index_records.HEADER.size
+            unit, count, total, rows = index_records.table_rows(bytes(head[PREFIX.size:at]), head[at:], n, regions)
+        except (ValueError, struct.error) as e:
             self._refuse(InvalidWrite, f"the index record at byte {pos}: {e}")
+        payload_at = pos + len(head)
+        return index_apply.Record(pos, self._payload(payload_at, pos + PREFIX.size + n - payload_at), unit, count,
+                                  total, rows)
 
     def apply(self, manifest: Manifest, regions: Sequence[tuple[int, int]], tensors: Sequence[Any] = ()) -> dict:
-        """Check every record (:meth:`check`), then apply them into the weights."""
+        """Check every record (:meth:`check`), then apply them into the weights: the index records
+        all at once (one kernel launch, or torch), where the first of them lies."""
         t0 = time.perf_counter()
-        records = self.check(manifest, regions, tensors)
+        records, checked = self.check(manifest, regions, tensors)
+        reads = self._reads + (self.device != "cpu" and bool(checked.records))  # the verdicts: one more
         t1 = time.perf_counter()
+        indexed = False
         for kind, *rest in records:
             if kind == "index":
-                index_records.apply(rest[0])
+                if not indexed:
+                    index_apply.apply(checked)
+                    indexed = True
                 continue
             rec, n, dest, dst_nbytes = rest
             code, message = _native.delta_apply(rec, n, dest, dst_nbytes)
@@ -216,7 +282,8 @@ class DeltaArea:
 
             torch.cuda.synchronize(self.device)  # applied before the end's post-processing reads them
         self.last = {"records": len(records), "bytes": manifest.bytes, "check_s": round(t1 - t0, 6),
-                     "apply_s": round(time.perf_counter() - t1, 6)}
+                     "apply_s": round(time.perf_counter() - t1, 6), "device_reads": reads,
+                     "index_path": "kernels" if checked.device is not None else "torch"}
         return dict(self.last)
 
     def close(self) -> None:

@@ -19,12 +19,14 @@ record's checksum, so the owner's word covers the whole record without moving it
 host, and each side waits for the device once for all its checksums, not once per record. The
 header's ``checksum`` field is reserved (0).
 
-The engine rank checks a record whole before any is applied (:func:`check`: the table inside its
-weights, positions ascending and inside the concatenation, the checksum), then applies it
-(:func:`apply`: one scatter per weight region the record touches).
+The engine rank checks every record of its area before any is applied: each header and table on
+the host (:func:`table_rows`: the table inside its weights), then every payload on the device at
+once (index_apply.py: positions ascending and inside the table, the checksum), then applies them
+all (index_apply.py: one kernel launch for the area, or torch).
 """
 from __future__ import annotations
 
+import bisect
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -219,29 +221,6 @@ def header_and_table(found: Found, table: Sequence[tuple[int, int, int]]) -> byt
         ENTRY.pack(*row) for row in table)
 
 
-@dataclass
-class Checked:
-    """A record checked on the host, ready to apply once its device checks pass: per weight region,
-    the element indices and values; ``checksum`` and ``bad`` are device scalars (read for all
-    records at once: :func:`checksum_words`, :func:`any_bad`)."""
-
-    scatters: list  # [(region tensor viewed as the unit's dtype, int64 indices, values)]
-    checksum: Any = None
-    bad: Any = None
-
-
-def any_bad(records: Sequence[Checked]) -> list[int]:
-    """The indices of the records whose positions are not ascending inside their table (one wait)."""
-    import torch
-
-    flags = [r.bad for r in records if r.bad is not None]
-    if not flags:
-        return []
-    got = torch.stack(flags).cpu().tolist()
-    at = [i for i, r in enumerate(records) if r.bad is not None]
-    return [at[k] for k, b in enumerate(got) if b]
-
-
 def parse_header(head: bytes) -> tuple[int, int, int, int]:
     """(unit, entries, count, checksum) of a record's header; ValueError names what is wrong."""
     magic, version, unit, entries, _reserved, count, check = HEADER.unpack(head[:HEADER.size])
@@ -254,64 +233,32 @@ def parse_header(head: bytes) -> tuple[int, int, int, int]:
     return unit, entries, count, check
 
 
-def check(head: bytes, table: bytes, payload: Any, regions: Sequence[tuple[int, int, Any]]) -> Checked:
-    """Check one record's header and table (``regions``: the rank's weights as (address, bytes,
-    uint8 tensor)); ValueError names the first fault. Its device checks (checksum, positions) are
-    read later, for all records at once. Nothing is applied."""
-    import torch
-
+def table_rows(head: bytes, table: bytes, nbytes: int,
+               regions: Sequence[tuple[int, int]]) -> tuple[int, int, int, list[tuple[int, int, int, int]]]:
+    """Check one record's header and table on the host (``nbytes``: the record's bytes as its prefix
+    says; ``regions``: the rank's weights as (address, bytes)): (unit, count, elements of the table,
+    rows), each row (position, elements, region, byte offset in the region). ValueError names the
+    first fault. The payload's checks run on the device, for all records at once (index_apply.py)."""
     unit, entries, count, _ = parse_header(head)
+    if record_bytes(entries, count, unit) != nbytes:
+        raise ValueError(f"it claims {nbytes} bytes for {entries} table rows and {count} changes")
     if len(table) != ENTRY.size * entries:
         raise ValueError(f"the table holds {len(table)} bytes for {entries} rows")
-    if payload.numel() != payload_bytes(count, unit):
-        raise ValueError(f"the payload holds {payload.numel()} bytes for {count} changes of {unit} bytes")
+    order = sorted(range(len(regions)), key=lambda i: regions[i][0])
+    starts = [regions[i][0] for i in order]
     rows, at = [], 0
-    for k in range(entries):
-        position, elements, dest = ENTRY.unpack_from(table, k * ENTRY.size)
+    for k, (position, elements, dest) in enumerate(ENTRY.iter_unpack(table)):
         if position != at or elements == 0:
             raise ValueError(f"table row {k} starts at {position} (expected {at}) with {elements} elements")
-        where = [i for i, (a, n, _) in enumerate(regions) if a <= dest and dest + elements * unit <= a + n]
-        if not where or (dest - regions[where[0]][0]) % unit:
+        r = order[bisect.bisect_right(starts, dest) - 1] if starts and dest >= starts[0] else -1
+        a, n = regions[r] if r >= 0 else (0, 0)
+        # a region that does not hold it may overlap one that does: look at every one then
+        if r < 0 or dest + elements * unit > a + n:
+            r = next((i for i, (a, n) in enumerate(regions) if a <= dest and dest + elements * unit <= a + n), -1)
+            a = regions[r][0] if r >= 0 else 0
+        if r < 0 or dest % unit or (dest - a) % unit:
             raise ValueError(f"table row {k} writes [{dest:#x}, +{elements * unit}), outside this rank's weights "
                              f"or off its {unit}-byte elements")
-        rows.append((position, elements, where[0], (dest - regions[where[0]][0]) // unit))
+        rows.append((position, elements, r, dest - a))
         at += elements
-    check = checksum(payload)
-    if count == 0:
-        return Checked([], check)
-    n4 = _pad8(4 * count)
-    positions = payload[:4 * count].view(torch.int32).to(torch.int64)
-    values = payload[n4:n4 + unit * count].view(_dtype(unit))
-    bad = (positions[0] < 0) | (positions[-1] >= at)
-    if count > 1:
-        bad = bad | (positions[1:] <= positions[:-1]).any()
-    positions = positions.clamp(0, at - 1)  # a bad record is refused before any scatter; no stray index meanwhile
-    starts = _upload([r[0] for r in rows], torch.int64, positions.device)
-    row = torch.searchsorted(starts, positions, right=True) - 1
-    shift = _upload([r[3] - r[0] for r in rows], torch.int64, positions.device)
-    index = positions + shift[row]
-    scatters = []
-    used = sorted({r[2] for r in rows})
-    for region in used:
-        tensor = regions[region][2].view(_dtype(unit))
-        if len(used) == 1:
-            scatters.append((tensor, index, values))
-            continue
-        in_region = _upload([r[2] == region for r in rows], torch.bool, positions.device)[row]
-        scatters.append((tensor, index[in_region], values[in_region]))
-    return Checked(scatters, check, bad)
-
-
-def _upload(values: list, dtype: Any, device: Any) -> Any:
-    """A small host list on ``device`` without waiting for the stream (``torch.tensor(..., device=)``
-    waits; a pageable non-blocking copy is staged before it returns)."""
-    import torch
-
-    t = torch.tensor(values, dtype=dtype)
-    return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
-
-
-def apply(checked: Checked) -> None:
-    """Apply a checked record: one scatter per weight region it touches."""
-    for tensor, index, values in checked.scatters:
-        tensor.index_copy_(0, index, values)
+    return unit, count, at, rows

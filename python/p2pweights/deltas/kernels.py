@@ -1,8 +1,10 @@
-"""The GPU delta kernels (csrc/kernels/delta_find.cu) behind index_records.py: change detection in
-two launches per record with one wait for the device between them (the total, to size the
-payload), and the payload's checksum in one launch. Where the native module was built without
-nvcc, or the tensors are not on a CUDA device, index_records uses torch instead; both give the same
-record, byte for byte (tests/test_index_records_gpu.py).
+"""The GPU delta kernels behind index_records.py and index_apply.py. The sender's
+(csrc/kernels/delta_find.cu): change detection in two launches per record with one wait for the
+device between them (the total, to size the payload), and the payload's checksum in one launch.
+The engine rank's (csrc/kernels/delta_apply.cu): every index record of its area checked in one
+launch (read back in one copy), then applied in one launch. Where the native module was built
+without nvcc, or the tensors are not on a CUDA device, torch does the same; both give the same
+records, verdicts and weights, byte for byte (tests/test_delta_kernels.py).
 
 ``ENABLED`` switches the kernels off for a process (benchmarks compare both ways).
 """
@@ -21,11 +23,19 @@ _GROUPS = int(_native.DELTA_GROUPS_PER_BLOCK)  # counts per block
 _SPANS: dict[tuple, tuple[Any, int, int]] = {}  # (slot, base, params) -> (device int64[n, 5], blocks, words)
 _MAX_SPANS = 4096
 _DRIVER: dict | None = None  # cuda_driver_info(), read once
+CHECK_WORDS = int(getattr(_native, "DELTA_CHECK_WORDS", 4096))  # payload words per check block
+APPLY_ELEMENTS = int(getattr(_native, "DELTA_APPLY_ELEMENTS", 2048))  # changed elements per apply block
 
 
 def usable(*tensors: Any) -> bool:
     """Whether the kernels run for these tensors: built in, switched on, every tensor on a CUDA device."""
     return ENABLED and _native.delta_kernels_embedded() and all(t.is_cuda for t in tensors)
+
+
+def apply_usable(*tensors: Any) -> bool:
+    """Whether the engine side's kernels (delta_apply.cu) run for these tensors."""
+    built = getattr(_native, "delta_apply_kernels_embedded", None)  # a module built before them: no
+    return ENABLED and built is not None and built() and all(t.is_cuda for t in tensors)
 
 
 def _check(answer: tuple, what: str) -> None:
@@ -140,3 +150,34 @@ def checksum(payload: Any) -> Any:
     _check(_native.payload_checksum(payload.data_ptr(), payload.numel() // 8, out.data_ptr(), _stream(payload)),
            "payload checksum")
     return out[0]
+
+
+class Launched:
+    """An area's index records on the device (delta_apply.cu's Record and Row arrays) and their
+    verdicts, read back: per record (checksum, faults)."""
+
+    def __init__(self, records: Any, n_records: int, rows: Any, apply_blocks: int, verdicts: Any, stream: int):
+        self.records, self.n_records, self.rows, self.apply_blocks = records, n_records, rows, apply_blocks
+        self.verdicts, self.stream = verdicts, stream
+
+
+def records_check(descriptors: tuple[list, list, int, int], like: Any) -> Launched:
+    """index_apply's records (``descriptors``: Record rows, Row rows, check grid, apply grid) uploaded
+    in one copy and checked in one launch on ``like``'s device; the verdicts read in one copy (the wait)."""
+    import torch
+
+    recs, rows, check_blocks, apply_blocks = descriptors
+    host = torch.tensor([v for r in recs for v in r] + [v for r in rows for v in r], dtype=torch.int64)
+    flat = host.to(like.device, non_blocking=True)  # pageable: staged before it returns, no wait
+    records, table = flat[:8 * len(recs)], flat[8 * len(recs):]
+    verdicts = torch.zeros(2 * len(recs), dtype=torch.int64, device=like.device)
+    stream = _stream(like)
+    _check(_native.delta_records_check(records.data_ptr(), len(recs), verdicts.data_ptr(), check_blocks, stream),
+           "delta records check")
+    return Launched(records, len(recs), table, apply_blocks, verdicts.view(-1, 2).cpu(), stream)
+
+
+def records_apply(launched: Launched) -> None:
+    """Every checked record applied: one launch (on the stream that checked them)."""
+    _check(_native.delta_records_apply(launched.records.data_ptr(), launched.n_records, launched.rows.data_ptr(),
+                                       launched.apply_blocks, launched.stream), "delta records apply")

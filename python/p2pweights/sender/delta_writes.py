@@ -111,13 +111,14 @@ class _Target:
         self.records = 0
         self.hash = hashlib.sha256()
         self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
+        self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
         self.area = t.publication.delta_area
 
     def manifest(self) -> Manifest:
         """The owner's word on this rank's area: the digest ends with the index records' checksums."""
         digest = self.hash.copy()
         digest.update(index_records.checksum_words(self.checks))
-        return Manifest(self.cursor, self.records, digest.hexdigest())
+        return Manifest(self.cursor, self.records, digest.hexdigest(), tuple(self.offsets))
 
 
 class UpdateDeltas:
@@ -340,6 +341,7 @@ class UpdateDeltas:
                      (self._spare_offset(rec), span - PREFIX.size, x.t.writer_id, remote + PREFIX.size)]
             x.hash.update(prefix)
             x.hash.update(self._spare_view()[rec:rec + span - PREFIX.size])
+            x.offsets.append(x.cursor)
             x.cursor += span
             x.records += 1
             self.encoded += span
@@ -418,6 +420,7 @@ class UpdateDeltas:
                      (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]
             x.hash.update(head)
             x.checks.append(check)
+            x.offsets.append(x.cursor)
             x.cursor += PREFIX.size + nrec
             x.records += 1
             self.encoded += PREFIX.size + nrec
