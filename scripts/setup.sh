@@ -31,6 +31,17 @@ $PIP "uvloop==0.23.0" "setproctitle==1.3.8" "python-multipart==0.0.34" "soundfil
 # meta package drags in a CUDA torch).
 $PIP mooncake-transfer-engine-non-cuda
 $PIP --no-deps nixl-cu12
+# vLLM 0.33 for the vLLM replica and backend (docs/vllm.md), installed apart in .vllm_site (pip --target,
+# no dependencies: the registry's wheel is a CUDA build and pins another torch). Apart, because vLLM
+# needs an openai that sglang's pin refuses, and sglang's CPU kernels take vLLM's (GPU-only) ops
+# whenever vLLM imports: the tests put .vllm_site on the path of the vLLM tests' own process only
+# (tests/test_vllm_suite.py).
+if [ ! -f .vllm_site/vllm/__init__.py ]; then
+  $PIP --no-deps --target .vllm_site "vllm==0.33.0" "cbor2==6.3.0" "cachetools==8.0.2" "blake3==1.0.11" \
+    "py-cpuinfo==9.0.0" "ijson==3.6.0" "python-json-logger==4.2.0" "oss-harmony==0.0.11" \
+    "prometheus_client==0.26.0" "prometheus-fastapi-instrumentator==8.1.0" "openai==2.25.0" "llguidance==1.7.6" \
+    "watchfiles==1.3.0"
+fi
 # Build and test tools.
 $PIP "pybind11>=2.13" "scikit-build-core>=0.10" cmake ninja pytest pytest-benchmark hypothesis "ruff==0.17.6"
 # The package itself (C++ core built by scikit-build-core + CMake).

@@ -48,3 +48,20 @@ def require_sglang():
         pytest.skip(f"sglang is not importable ({e})", allow_module_level=True)
     return sglang
 
+
+
+# -- vLLM: installed apart (scripts/setup.sh, .vllm_site), on the path of its tests' own process only ---------
+VLLM_SITE = ROOT / ".vllm_site"
+VLLM_TESTS = ("test_vllm_replica.py", "test_vllm_backend.py")
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+# Where this process has no vLLM, its tests run in tests/test_vllm_suite.py's child pytest (PYTHONPATH
+# .vllm_site), not here: putting .vllm_site on this process's path would hand every sglang test vLLM's
+# openai and make sglang's CPU kernels take vLLM's GPU-only ops.
+collect_ignore = [] if _vllm_importable() else list(VLLM_TESTS)
