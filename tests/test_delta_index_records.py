@@ -9,6 +9,7 @@ import hashlib
 import pytest
 import torch
 
+from p2pweights import _native
 from p2pweights.deltas import index_records as ir
 from p2pweights.deltas.area import PREFIX, DeltaArea, Manifest
 from p2pweights.errors import InvalidWrite
@@ -328,3 +329,204 @@ def test_the_word_compare_finds_what_the_element_compare_finds(device, unit):
         expect = (flat_old != flat_new).nonzero().squeeze(1)
         assert torch.equal(found.positions.long(), expect)
         assert torch.equal(found.values, flat_new[expect])
+
+
+# -- one wait per slot: every record of a slot counted, their counts read at once, then gathered ---------
+def _records(device: str):
+    """Five records over one slot and one base (disjoint): BF16 at 1%, FP32 unchanged, uint8 at 100%
+    (dense at a limit), BF16 of an odd size (compared element by element), int64 (unit 8) at 3%."""
+    gen = torch.Generator().manual_seed(21)
+    specs = [(torch.bfloat16, 2, (3000, 517), 0.01, None), (torch.float32, 4, (800,), 0.0, None),
+             (torch.uint8, 1, (4096,), 1.0, 100), (torch.bfloat16, 2, (1001, 9), 0.05, None),
+             (torch.int64, 8, (640,), 0.03, None)]
+    new, old, records = [], [], []
+    for dtype, unit, sizes, fraction, limit in specs:
+        first = len(new)
+        for n in sizes:
+            p = torch.randint(0, 100, (n,), generator=gen).to(dtype)
+            old.append(p.to(device))
+            new.append(_changed(p, fraction, len(new)).to(device))
+        records.append((unit, first, len(new), limit))
+    slot, so = _laid_out(new, 512)
+    base, bo = _laid_out(old, 256)
+    params = [(s, b, p.numel() * p.element_size()) for s, b, p in zip(so, bo, new)]
+    return slot, base, [(unit, params[a:z], limit) for unit, a, z, limit in records]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_records_counted_together_are_the_records_found_one_by_one(device):
+    slot, base, records = _records(device)
+    alone_base = base.clone()
+    alone = [ir.find_changes(slot, alone_base, params, unit, limit) for unit, params, limit in records]
+    countings = [ir.count_changes(slot, base, params, unit) for unit, params, _ in records]
+    totals = ir.read_counts(countings)
+    together = [ir.gather_changes(c, n, limit) for c, n, (_, _, limit) in zip(countings, totals, records)]
+    assert [f.count for f in alone][:3] == [f.count for f in together][:3] and alone[0].count > 0
+    assert alone[1].count == 0 and alone[2].positions is None  # unchanged; dense
+    for a, t in zip(alone, together):
+        assert (a.unit, a.elements, a.count) == (t.unit, t.elements, t.count)
+        assert (a.positions is None) == (t.positions is None)
+        if a.positions is not None:
+            assert torch.equal(a.positions, t.positions) and torch.equal(a.values, t.values)
+    assert torch.equal(base, alone_base)  # the bases moved on alike
+    for _, params, _ in records:
+        for s, b, n in params:
+            assert torch.equal(base[b:b + n], slot[s:s + n])
+
+
+class SenderSlot:
+    """A sender's index-record writes (sender/delta_writes.py) of one slot of real TransferBuffers on
+    ``device``: two prepared engine ranks of one engine (TP2), each loading the parameters of
+    ``specs`` [(name, dtype, numel)] into the slot. The target ranks' weights and delta areas are
+    addresses only: the test reads what the rows would put on the wire, from the slot."""
+
+    def __init__(self, device: str, specs: list, seed: int = 0):
+        from p2pweights.control import SglangEngine
+        from p2pweights.sender.buffers import TransferBuffers, slot_size
+        from p2pweights.sender.delta_writes import DeltaBases
+        from p2pweights.sender.fillers import HostSlotFiller
+        from p2pweights.sender.prepared import EngineTarget, PreparedRank
+        from p2pweights.transport.publication import EnginePublication, ParamTarget
+
+        gen = torch.Generator().manual_seed(seed)
+        self.engine = SglangEngine("http://127.0.0.1:9", name="e")
+        self.ranks, self.entries, self.values, at = [], [], [], 0
+        for r in range(2):
+            entries, values, table = [], [], {}
+            for k, (name, dtype, numel) in enumerate(specs):
+                n = numel * torch.empty(0, dtype=dtype).element_size()
+                entries.append((name, at, n))
+                values.append(torch.randint(0, 100, (numel,), generator=gen).to(dtype))
+                table[name] = ParamTarget(0x7000_0000 + r * (1 << 24) + k * (1 << 20), numel, n // numel)
+                at += -(-n // 256) * 256
+            pub = EnginePublication("nixl", "peer", table, rank=r, delta_area=(0x9000_0000 + r * (1 << 24), 1 << 24))
+            self.ranks.append(PreparedRank("tp=2", r, None, None, [EngineTarget(self.engine, r, r, pub)]))
+            self.entries.append(entries)
+            self.values.append(values)
+        # an aligned slot, as a sender asks for: GPU slots take their spare from the rounding up
+        self.buffers = TransferBuffers(slot_size(at), 1, pin="none", device=device, spare_bytes=1 << 20)
+        assert self.buffers.spare_bytes >= 1 << 20
+        self.bases = DeltaBases()
+        self.filler = HostSlotFiller(None)
+        self.filler.slot = 0
+        self.updates = 0
+        self.load()
+
+    def change(self, fractions: list, seed: int) -> None:
+        """Rank r's k-th parameter changes in ``fractions[r][k]`` of its elements (loaded into the slot)."""
+        self.values = [[_changed(v, f, seed + 7 * k + r) for k, (v, f) in enumerate(zip(vs, fs))]
+                       for r, (vs, fs) in enumerate(zip(self.values, fractions))]
+        self.load()
+
+    def load(self) -> None:
+        slot = self.buffers.slot_tensor(0)
+        for entries, values in zip(self.entries, self.values):
+            for (_, o, n), v in zip(entries, values):
+                slot[o:o + n] = v.reshape(-1).view(torch.uint8).to(slot.device)
+
+    def update(self, batched: bool = True) -> tuple:
+        """One update's slot: the first writes in full; later ones take deltas. ``batched``: as the
+        pipeline runs (every rank's rows, then the slot's records at its close); else each record
+        gathered alone, right after its rank's rows of one element size (one wait per record)."""
+        from p2pweights.deltas.committed import DELTA_KEY
+        from p2pweights.sender.delta_writes import UpdateDeltas
+
+        if self.updates:
+            self.bases.identities[self.engine.name] = {"epoch": 1, "token": "t"}  # the last commit's
+        self.updates += 1
+        d = UpdateDeltas(self.bases, self.ranks, self.buffers, wanted=True)
+        d.claim([self.engine])
+        d.opened({self.engine.name: {DELTA_KEY: {"accepted": True}}})
+        d.new_slot()
+        rows = []
+        for p, entries in zip(self.ranks, self.entries):
+            units = {e[2] // p.targets[0].publication.params[e[0]].numel for e in entries}
+            groups = [entries] if batched else [[e for e in entries if e[2] // p.targets[0].publication.params[
+                e[0]].numel == u] for u in sorted(units)]
+            for group in groups:
+                rows += d.slot_rows(p, group, self.filler)
+                rows += [] if batched else d.slot_records()
+        rows += d.slot_records()
+        return d, rows
+
+    def wire(self, rows: list) -> list:
+        """What each row puts at its remote address: (remote, bytes), sorted."""
+        whole = torch.cat([self.buffers.slot_tensor(0), self.buffers.spare_tensor(0)]).cpu()
+        return sorted((remote, whole[o:o + n].numpy().tobytes()) for o, n, _, remote in rows)
+
+
+SPECS = [("a", torch.bfloat16, 30000), ("b", torch.float32, 5000), ("c", torch.bfloat16, 777 * 8),
+         ("d", torch.float32, 2000)]
+#: rank 0: BF16 sparse, FP32 sparse; rank 1: BF16 dense (b), FP32 unchanged: sparse, dense and empty records
+FRACTIONS = [[0.01, 0.02, 0.005, 0.03], [1.0, 0.0, 0.02, 0.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slot_gathered_at_its_close_writes_what_records_gathered_one_by_one_write(device, monkeypatch):
+    """The batched slot (kernels, on a GPU) against each record alone (torch, on a GPU): the same
+    rows, the same bytes on the wire, the same manifests and bases."""
+    from p2pweights.deltas import kernels
+    from p2pweights.sender import delta_writes
+
+    monkeypatch.setattr(delta_writes, "INDEX_RECORDS_ON_HOST", True)
+    got = []
+    for batched in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", batched)
+        s = SenderSlot(device, SPECS, seed=3)
+        first, rows = s.update(batched)
+        assert first.reasons() == {"e/rank0": delta_writes.FIRST, "e/rank1": delta_writes.FIRST}
+        s.change(FRACTIONS, seed=5)
+        d, rows = s.update(batched)
+        assert d.reasons() == {"e/rank0": "", "e/rank1": ""}
+        bases = [b.cpu().clone() for b, _ in s.bases.ranks.values()]
+        got.append((rows, s.wire(rows), d.written(), d.encoded, bases, s))
+    (rows, wire, written, encoded, bases, s), (rows1, wire1, written1, encoded1, bases1, _) = got
+    assert rows == rows1 and wire == wire1 and written == written1 and encoded == encoded1
+    assert all(torch.equal(a, b) for a, b in zip(bases, bases1))
+    records = {r: m["records"] for r, m in written["e"].items()}
+    assert records == {"0": 2, "1": 0}, records  # rank 1: its BF16 record dense, its FP32 one empty
+    for r, entries in enumerate(s.entries):  # the bases hold what the slot held
+        base, offsets = s.bases.ranks[("tp=2", r)]
+        for (name, _, n), v in zip(entries, s.values[r]):
+            assert torch.equal(base[offsets[name]:offsets[name] + n].cpu(), v.reshape(-1).view(torch.uint8))
+
+
+GPU_KERNELS = torch.cuda.is_available() and _native.delta_kernels_embedded()
+SLEEP = 2_000_000_000  # GPU cycles (about a second): the device stays busy while the host builds the slot
+
+
+@pytest.mark.skipif(not GPU_KERNELS, reason="needs a CUDA device and the native module's delta kernels")
+def test_a_gpu_slot_waits_for_the_device_once_whatever_its_records(monkeypatch):
+    """Every torch synchronization is counted (sync debug mode), and the device is kept busy before
+    the counts are read and again after: a wait anywhere else (a driver's wait included) finds it idle."""
+    import warnings
+
+    s = SenderSlot("cuda", SPECS, seed=4)
+    s.update()  # in full: the bases
+    s.change(FRACTIONS, seed=6)
+    s.update()  # deltas: the records' spans are kept from here on
+    s.change(FRACTIONS, seed=8)
+    stream, reads, real = torch.cuda.current_stream(), [], ir.read_counts
+
+    def read_counts(countings):
+        reads.append((len(countings), stream.query()))  # still busy: nothing before the read waited
+        out = real(countings)
+        torch.cuda._sleep(SLEEP)  # busy again: a wait after the read would find it idle
+        return out
+
+    monkeypatch.setattr(ir, "read_counts", read_counts)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            d, rows = s.update()
+            busy = not stream.query()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert reads == [(4, False)] and busy, (reads, busy)  # two ranks x two element sizes, one read
+    assert len(syncs) == 1, syncs
+    torch.cuda.synchronize()
+    assert {r: m["records"] for r, m in d.written()["e"].items()} == {"0": 2, "1": 0} and rows

@@ -96,6 +96,18 @@ class Found:
     values: Any = None  # the unit's integer dtype
 
 
+class Counting:
+    """One record's first pass (:func:`count_changes`), its total not read yet: ``total`` is a device
+    int64 scalar (None: nothing to compare) that :func:`read_counts` reads with the other records'
+    (the kernels: the changed elements; torch in words: the changed words; torch element by
+    element: the changed elements); ``state`` is what the path's second pass takes."""
+
+    def __init__(self, slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int, path: str,
+                 state: Any, total: Any):
+        self.slot, self.base, self.params, self.unit = slot, base, params, unit
+        self.path, self.state, self.total = path, state, total
+
+
 def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
                  limit: int | None = None, into: Callable[[int], Any] | None = None) -> Found:
     """Compare the parameters a slot holds with their bases and move the bases on: ``slot`` and
@@ -105,38 +117,90 @@ def find_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], u
     ``into(count)`` (optional): where the payload goes (:func:`payload_bytes`); the kernels gather
     into it directly, and :func:`write_payload` then only checksums it.
 
+    One record alone: :func:`count_changes`, :func:`read_counts` (one wait for the device),
+    :func:`gather_changes`. A sender runs the first pass of every record of a slot, reads all their
+    counts at once, then gathers each (sender/delta_writes.py): one wait per slot, the same records."""
+    counting = count_changes(slot, base, params, unit)
+    return gather_changes(counting, read_counts([counting])[0], limit, into)
+
+
+def count_changes(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int) -> Counting:
+    """The first pass of :func:`find_changes` (its arguments), launched without waiting for the device.
+
     Where every offset and size is a multiple of 8 (parameters are) and the tensors are on a CUDA
-    device, the kernels of delta_find.cu find them in two launches (kernels.py). Else, with torch,
-    the compare runs on 8-byte words: one mask byte per word, counted (a wait for the device; more
-    changed words than ``limit``: dense), ``nonzero`` over it, then the changed words alone are
-    compared element by element and scattered whole into the base. A dense record's ``count`` is
-    then the changed words'
-    elements (an upper bound)."""
+    device, the kernels of delta_find.cu count (kernels.py). Else torch compares in 8-byte words:
+    one mask byte per word, counted (more changed words than the limit: dense, and the record's
+    ``count`` is then the changed words' elements, an upper bound); the gather runs ``nonzero`` over
+    the mask, then compares the changed words alone element by element and scatters them whole into
+    the base. A unit of 8 or an odd size is compared element by element."""
     import torch
 
-    if unit < 8 and all(so % 8 == 0 and bo % 8 == 0 and n % 8 == 0 for so, bo, n in params):
-        if kernels.usable(slot, base) and slot.data_ptr() % 8 == 0 and base.data_ptr() % 8 == 0:
-            return _find_by_kernels(slot, base, params, unit, limit, into)
-        return _find_by_words(slot, base, params, unit, limit)
-    dt = _dtype(unit)
-    su, bu = slot.view(dt), base.view(dt)
-    elements = [n // unit for _, _, n in params]
-    total = sum(elements)
+    total = sum(n // unit for _, _, n in params)
     if total > MAX_POSITIONS:
         raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
-    mask = torch.empty(total, dtype=torch.bool, device=slot.device)
+    if unit < 8 and all(so % 8 == 0 and bo % 8 == 0 and n % 8 == 0 for so, bo, n in params):
+        if kernels.usable(slot, base) and slot.data_ptr() % 8 == 0 and base.data_ptr() % 8 == 0:
+            c = kernels.count(slot, base, params, unit)
+            return Counting(slot, base, params, unit, "kernels", c, None if c.ends is None else c.ends[-1])
+        size, dt = 8, torch.int64
+    else:
+        size, dt = unit, _dtype(unit)
+    su, bu = slot.view(dt), base.view(dt)
+    items = [n // size for _, _, n in params]
+    mask = torch.empty(sum(items), dtype=torch.bool, device=slot.device)
     starts, at = [], 0
-    for (so, bo, _), e in zip(params, elements):
-        torch.ne(su[so // unit:so // unit + e], bu[bo // unit:bo // unit + e], out=mask[at:at + e])
+    for (so, bo, _), k in zip(params, items):
+        torch.ne(su[so // size:so // size + k], bu[bo // size:bo // size + k], out=mask[at:at + k])
         starts.append(at)
-        at += e
+        at += k
+    return Counting(slot, base, params, unit, "words" if size == 8 else "elements", (mask, starts, items),
+                    mask.sum())  # the mask is an eighth of the bytes (words): counting first is cheap
+
+
+def read_counts(countings: Sequence[Counting]) -> list[int]:
+    """Every record's total (see :class:`Counting`): one read from each device they are on, the
+    sender's one wait for the device per slot."""
+    import torch
+
+    by_device: dict[Any, list[int]] = {}
+    for k, c in enumerate(countings):
+        if c.total is not None:
+            by_device.setdefault(c.total.device, []).append(k)
+    out = [0] * len(countings)
+    for ks in by_device.values():
+        for k, v in zip(ks, torch.stack([countings[k].total.reshape(()) for k in ks]).cpu().tolist()):
+            out[k] = int(v)
+    return out
+
+
+def gather_changes(c: Counting, count: int, limit: int | None = None,
+                   into: Callable[[int], Any] | None = None) -> Found:
+    """The second pass of :func:`find_changes` for a record whose total (:func:`read_counts`) is
+    ``count``: the positions and values, the bases moved on."""
+    if c.path == "kernels":
+        elements, count, positions, values = kernels.gather(c.state, count, limit, into)
+        if positions is None:
+            return Found(c.unit, elements, count)
+        return Found(c.unit, elements, count, positions, values.view(_dtype(c.unit)))
+    if c.path == "words":
+        return _gather_words(c, count, limit)
+    return _gather_elements(c, limit)
+
+
+def _gather_elements(c: Counting, limit: int | None) -> Found:
+    import torch
+
+    unit, params = c.unit, c.params
+    mask, starts, elements = c.state
+    su, bu = c.slot.view(_dtype(unit)), c.base.view(_dtype(unit))
+    total = sum(elements)
     positions = mask.nonzero().squeeze(1)
     count = int(positions.numel())
     if limit is not None and count > limit:
         for (so, bo, _), e in zip(params, elements):
             bu[bo // unit:bo // unit + e].copy_(su[so // unit:so // unit + e])
         return Found(unit, total, count)
-    at_slot, at_base = _placed(positions, params, starts, unit, slot.device)
+    at_slot, at_base = _placed(positions, params, starts, unit, c.slot.device)
     values = su[at_slot]
     bu.index_copy_(0, at_base, values)
     return Found(unit, total, count, positions.to(torch.int32), values)
@@ -155,42 +219,22 @@ def _placed(positions: Any, params: Sequence[tuple[int, int, int]], starts: Sequ
     return positions + shifts[:, 0], positions + shifts[:, 1]
 
 
-def _find_by_kernels(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-                     limit: int | None, into: Callable[[int], Any] | None) -> Found:
-    total = sum(n for _, _, n in params) // unit
-    if total > MAX_POSITIONS:
-        raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
-    elements, count, positions, values = kernels.find(slot, base, params, unit, limit, into)
-    if positions is None:
-        return Found(unit, elements, count)
-    return Found(unit, elements, count, positions, values.view(_dtype(unit)))
-
-
-def _find_by_words(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-                   limit: int | None) -> Found:
+def _gather_words(c: Counting, nwords: int, limit: int | None) -> Found:
     import torch
 
+    unit, params = c.unit, c.params
+    mask, starts, words = c.state
     dt, per = _dtype(unit), 8 // unit
-    sw, bw = slot.view(torch.int64), base.view(torch.int64)
-    words = [n // 8 for _, _, n in params]
+    sw, bw = c.slot.view(torch.int64), c.base.view(torch.int64)
     total = sum(words) * per
-    if total > MAX_POSITIONS:
-        raise ValueError(f"an index record covers at most {MAX_POSITIONS} elements, not {total}")
-    mask = torch.empty(sum(words), dtype=torch.bool, device=slot.device)
-    starts, at = [], 0
-    for (so, bo, _), w in zip(params, words):
-        torch.ne(sw[so // 8:so // 8 + w], bw[bo // 8:bo // 8 + w], out=mask[at:at + w])
-        starts.append(at)
-        at += w
-    nwords = int(mask.sum().item())  # the mask is an eighth of the bytes: counting first is cheap
     if not nwords:
-        return Found(unit, total, 0, torch.empty(0, dtype=torch.int32, device=slot.device), sw[:0].view(dt))
+        return Found(unit, total, 0, torch.empty(0, dtype=torch.int32, device=c.slot.device), sw[:0].view(dt))
     if limit is not None and nwords > limit:  # each holds at least one changed element: dense
         for (so, bo, _), w in zip(params, words):
             bw[bo // 8:bo // 8 + w].copy_(sw[so // 8:so // 8 + w])
         return Found(unit, total, nwords * per)
     changed = mask.nonzero().squeeze(1)  # the changed words
-    at_slot, at_base = _placed(changed, params, starts, 8, slot.device)
+    at_slot, at_base = _placed(changed, params, starts, 8, c.slot.device)
     cur = sw[at_slot]
     inside = (cur.view(dt) != bw[at_base].view(dt)).nonzero().squeeze(1)  # the changed elements of those words
     bw.index_copy_(0, at_base, cur)  # whole words: their other elements are equal

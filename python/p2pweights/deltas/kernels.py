@@ -1,6 +1,7 @@
 """The GPU delta kernels behind index_records.py and index_apply.py. The sender's
-(csrc/kernels/delta_find.cu): change detection in two launches per record with one wait for the
-device between them (the total, to size the payload), and the payload's checksum in one launch.
+(csrc/kernels/delta_find.cu): change detection in two launches per record, the count pass of
+every record of a slot launched before one wait for the device reads all their totals (to size the
+payloads), then the gathers; and the payload's checksum in one launch.
 The engine rank's (csrc/kernels/delta_apply.cu): every index record of its area checked in one
 launch (read back in one copy), then applied in one launch. Where the native module was built
 without nvcc, or the tensors are not on a CUDA device, torch does the same; both give the same
@@ -76,32 +77,48 @@ def forget() -> None:
     _SPANS.clear()
 
 
-def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int,
-         limit: int | None, into: Callable[[int], Any] | None = None) -> tuple[int, int, Any, Any]:
-    """(elements, changed, positions, values) of the record of ``params`` (index_records.find_changes'
-    arguments, every offset and size a multiple of 8, ``unit`` 1, 2 or 4). The bases move on: the
-    changed words alone when the positions are gathered, every byte when there are more than
-    ``limit`` changes (positions and values None). ``into(count)``: the payload's place (uint8,
+class Counted:
+    """One record's count pass, launched: its mask and each group's end (an inclusive scan of the
+    group counts) on the device. ``ends`` is None for a record of no words. Its total (``ends[-1]``)
+    is read with the other records of its slot (index_records.read_counts), then :func:`gather` runs."""
+
+    def __init__(self, slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int, spans: Any,
+                 blocks: int, words: int, mask: Any = None, ends: Any = None):
+        self.slot, self.base, self.params, self.unit = slot, base, params, unit
+        self.spans, self.blocks, self.words, self.mask, self.ends = spans, blocks, words, mask, ends
+
+
+def count(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int) -> Counted:
+    """Launch the count pass of the record of ``params`` (index_records.find_changes' arguments, every
+    offset and size a multiple of 8, ``unit`` 1, 2 or 4) and the scan of its counts; no wait."""
+    import torch
+
+    spans, blocks, words = _spans(slot, base, params)
+    if not blocks:
+        return Counted(slot, base, params, unit, spans, 0, words)
+    mask = torch.empty(blocks * _MASK_WORDS, dtype=torch.int32, device=slot.device)
+    counts = torch.empty(blocks * _GROUPS, dtype=torch.int64, device=slot.device)
+    _check(_native.delta_find_count(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), counts.data_ptr(),
+                                    blocks, _stream(slot)), "delta count")
+    return Counted(slot, base, params, unit, spans, blocks, words, mask, torch.cumsum(counts, 0))
+
+
+def gather(c: Counted, count: int, limit: int | None,
+           into: Callable[[int], Any] | None = None) -> tuple[int, int, Any, Any]:
+    """(elements, changed, positions, values) of a counted record whose total is ``count``. The bases
+    move on: the changed words alone when the positions are gathered, every byte when there are more
+    than ``limit`` changes (positions and values None). ``into(count)``: the payload's place (uint8,
     8-aligned, index_records.payload_bytes(count, unit)); the positions and values are gathered
     straight into it, its padding zeroed (no copy after)."""
     import torch
 
-    spans, blocks, words = _spans(slot, base, params)
-    per = 8 // unit
-    if not blocks:
-        return 0, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
-    stream = _stream(slot)
-    mask = torch.empty(blocks * _MASK_WORDS, dtype=torch.int32, device=slot.device)
-    counts = torch.empty(blocks * _GROUPS, dtype=torch.int64, device=slot.device)
-    _check(_native.delta_find_count(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), counts.data_ptr(),
-                                    blocks, stream), "delta count")
-    ends = torch.cumsum(counts, 0)
-    count = int(ends[-1].item())  # the one wait: the payload's size
+    slot, unit = c.slot, c.unit
+    elements = c.words * (8 // unit)
     if count == 0:
-        return words * per, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
+        return elements, 0, torch.empty(0, dtype=torch.int32, device=slot.device), slot[:0]
     if limit is not None and count > limit:
-        copy_spans(slot, base, params)
-        return words * per, count, None, None
+        copy_spans(slot, c.base, c.params)
+        return elements, count, None, None
     if into is not None:
         out = into(count)
         n4, nv = -(-4 * count // 8) * 8, -(-unit * count // 8) * 8
@@ -112,9 +129,10 @@ def find(slot: Any, base: Any, params: Sequence[tuple[int, int, int]], unit: int
     else:
         positions = torch.empty(count, dtype=torch.int32, device=slot.device)
         values = torch.empty(count * unit, dtype=torch.uint8, device=slot.device)
-    _check(_native.delta_find_gather(spans.data_ptr(), spans.shape[0], unit, mask.data_ptr(), ends.data_ptr(),
-                                     positions.data_ptr(), values.data_ptr(), blocks, stream), "delta gather")
-    return words * per, count, positions, values
+    _check(_native.delta_find_gather(c.spans.data_ptr(), c.spans.shape[0], unit, c.mask.data_ptr(),
+                                     c.ends.data_ptr(), positions.data_ptr(), values.data_ptr(), c.blocks,
+                                     _stream(slot)), "delta gather")
+    return elements, count, positions, values
 
 
 def _driver() -> dict:

@@ -20,7 +20,8 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
 
 A group's sender 0 claims and ends for every sender: the others follow its word (``follow``,
 ``follow_commit``) and hand it their manifests (``written``). Staged slots (GPU tensors into host
-slots) write in full (docs/deltas.md).
+slots) write in full (docs/deltas.md). A GPU slot's index records are counted as each rank's loaders
+finish and gathered when the slot closes (``slot_records``): one wait for the device per slot.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ class UpdateDeltas:
         self._spare_t: Any = None  # the open GPU slot's spare (index records)
         self._spare_used = 0
         self._scratch = np.empty(0, dtype=np.uint8)
+        # the open GPU slot's records, counted on the device, gathered at its close (slot_records)
+        self._counted: list[tuple[int, list, list, Any]] = []
 
     # -- control ---------------------------------------------------------------------------------
     def claim(self, engines: Sequence[Any]) -> None:
@@ -277,7 +280,7 @@ class UpdateDeltas:
 
     # -- data ------------------------------------------------------------------------------------
     def new_slot(self) -> None:
-        self._slot, self._spare_used = None, 0
+        self._slot, self._spare_used, self._counted = None, 0, []
 
     def slot_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], filler: Any) -> list:
         """Writer rows for one prepared rank's parameters in the open slot (see the module)."""
@@ -374,13 +377,33 @@ class UpdateDeltas:
             else:
                 by_unit.setdefault(unit, []).append((param, o, n, at))
         kernels.copy_spans(slot, base, copies)
-        for unit, params in by_unit.items():
-            rows += self._index_record(unit, params, slot, base, deltas)
+        for unit, params in by_unit.items():  # counted now, gathered with the slot's other records
+            counting = index_records.count_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit)
+            self._counted.append((unit, params, deltas, counting))
         return rows
 
-    def _index_record(self, unit: int, params: list, slot: Any, base: Any, deltas: list) -> list:
+    def slot_records(self) -> list:
+        """The open GPU slot's index records, every rank's: all their counts read in one wait for the
+        device, then each gathered into the spare and given its rows, in the order counted."""
         import torch
 
+        counted, self._counted = self._counted, []
+        rows: list = []
+        heads: list[tuple[int, bytes]] = []  # (spare offset, prefix + header + table) per delta target
+        for (unit, params, deltas, counting), total in zip(counted, index_records.read_counts(
+                [c for *_, c in counted])):
+            rows += self._index_record(unit, params, deltas, counting, total, heads)
+        if heads:  # one pinned buffer: a copy from pageable memory may wait for the stream
+            host = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
+            host = host.pin_memory() if self._spare_t.is_cuda else host
+            at = 0
+            for hat, head in heads:
+                self._spare_t[hat:hat + len(head)].copy_(host[at:at + len(head)], non_blocking=True)
+                at += len(head)
+        return rows
+
+    def _index_record(self, unit: int, params: list, deltas: list, counting: Any, total: int,
+                      head_copies: list) -> list:
         full = sum(n for _, _, n, _ in params)
         heads = PREFIX.size + index_records.record_bytes(len(params), 0, unit)
         room = (self._spare_t.numel() - self._spare_used - heads * len(deltas)) // (4 + unit) - 2
@@ -392,7 +415,7 @@ class UpdateDeltas:
             placed.append(self._spare(n))
             return self._spare_t[placed[0]:placed[0] + n]
 
-        found = index_records.find_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit, limit, into)
+        found = index_records.gather_changes(counting, total, limit, into)
         self.changed += found.count * unit
         if not found.count:
             return []
@@ -413,8 +436,7 @@ class UpdateDeltas:
                 pos += n // unit
             head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, table)
             hat = self._spare(len(head))
-            # pageable: the driver stages it before returning, so no wait for the stream (torch waits without non_blocking)
-            self._spare_t[hat:hat + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8), non_blocking=True)
+            head_copies.append((hat, head))  # copied with the slot's other heads (slot_records)
             remote = x.area[0] + x.cursor
             rows += [(self._spare_offset(hat), len(head), x.t.writer_id, remote),
                      (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]

@@ -111,6 +111,10 @@ class SlotPipeline:
         if self._filler is None:
             return
         self._load_placed()
+        if self.deltas is not None:  # every rank's index records of the slot: one wait for the device
+            t0 = time.perf_counter()
+            self._rows += self.deltas.slot_records()
+            self.times.staging += time.perf_counter() - t0
         rows, self._rows = self._rows, []
         self._filler.close(rows)
         self._filler = None
