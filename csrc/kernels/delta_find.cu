@@ -3,7 +3,7 @@
 // over one record (the parameters of one unit size one rank loaded into one slot):
 //   p2pw_delta_count   reads slot and base once, 8-byte words: one mask bit per changed word and,
 //                      per group of 256 words, how many unit-sized elements changed;
-//   (the host: an inclusive scan of the group counts, torch.cumsum, and one read of the total)
+//   (the host: an inclusive scan of the group counts, torch.cumsum, and the total, read with every other record of the slot in one copy)
 //   p2pw_delta_gather  per changed word, its changed elements' positions (int32, ascending) and values
 //                      at the group's offset, and the word copied into the base.
 // Only the count pass touches every byte; at 1% changed the gather reads a mask of 1/64 of the slot
