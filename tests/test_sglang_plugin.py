@@ -90,8 +90,12 @@ def test_the_guard_accepts_the_sglang_it_was_written_for():
     # every process's targets; the HTTP server's (main only) is checked by the real servers above
     assert version_guard.mismatches(kind="scheduler") == {}
     assert version_guard.mismatches(kind="dp_controller") == {}
-    assert {t for kind in KINDS for t in version_guard.hooked_in(kind)} == set(version_guard.HOOKED)
+    assert version_guard.mismatches(version_guard.hooked_in("scheduler", cpu_platform=True)) == {}
+    assert {t for kind in KINDS for t in version_guard.hooked_in(kind, cpu_platform=True)} == set(version_guard.HOOKED)
     assert not set(version_guard.hooked_in("scheduler")) & version_guard.HTTP_PROCESS_ONLY
+    # a GPU server (no p2pw_cpu platform) neither hooks nor checks the CPU platform's targets
+    assert not {t for kind in KINDS for t in version_guard.hooked_in(kind, cpu_platform=False)} & \
+        version_guard.CPU_PLATFORM_ONLY
 
 
 def test_the_guard_names_a_missing_function_and_a_changed_signature():

@@ -12,7 +12,9 @@ Built so far: :func:`register` records which process kind loaded it (:data:`LOAD
 weight-update sessions with owners, leases and the torn state (``sessions.py``); it reports the
 ranks' GPU architecture (``gpu_arch.py``) and puts the server's API key on the engine-info bootstrap
 server (``bootstrap_key.py``); host-memory ranks take delta updates (``delta_updates.py``,
-``rank_deltas.py``); before registering
+``rank_deltas.py``); a takeover revokes every rank's registrations under a new epoch (``fencing.py``,
+``rank_epochs.py``); a drafting server publishes both roles in one table (``draft_roles.py``);
+before registering
 any hook it checks every hooked sglang function against the ones it was written for
 (``version_guard.py``) and, on a mismatch, refuses to attach: an error in the log and in
 ``p2pw_plugin.error``. docs/sglang.md.
@@ -91,15 +93,33 @@ def register() -> None:
         bootstrap_key.register(kind)
         gpu_arch.register(kind)
         digest.register(kind)  # POST /p2pw_weights_digest in the launcher, answered by each rank's scheduler
+        fenced = None
+        if kind == "main":  # a takeover revokes every rank's registrations (fencing.py)
+            from . import fencing
+
+            fenced = fencing.live
+        elif kind == "scheduler":  # before rank_deltas' hooks: inside them, the area is open (rank_epochs.py)
+            from . import rank_epochs
+
+            rank_epochs.register()
         delta_updates.register(kind)  # delta areas published, claims answered, manifests applied in each scheduler
-        live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live, delta_updates.live)
-                                      if source is not None))
+        live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live, delta_updates.live,
+                                                            fenced) if source is not None))
     if server_info.TARGET not in problems:  # else only the log can say it
         HookRegistry.register(server_info.TARGET, server_info.after_build(__version__, error, live), HookType.AFTER)
     if error is None and kind == "scheduler":  # where the model runs: weights in host memory (a CPU engine)
         from . import weight_registration  # registered with Mooncake; CUDA ones are left to sglang
 
         HookRegistry.register(weight_registration.TARGET, weight_registration.register_memory_region, HookType.AROUND)
-    # The receiver's other hooks (fencing, deltas, publications) will register here, only
-    # when error is None, each with its target listed in version_guard.HOOKED.
+        from . import rank_epochs
+
+        rank_epochs.register_recorder()  # after it: what sglang (or the hook above) registers is recorded
+        from . import draft_roles  # outermost: a draft's regions go to the target's engine, recorded
+
+        draft_roles.register()
+        if os.environ.get("SGLANG_PLATFORM") == CPU_PLATFORM:  # a drafting CPU server's KV pool and LM head
+            from . import cpu_platform
+
+            cpu_platform.register_scheduler_hooks()
+    # Further hooks register here, only when error is None, each with its target in version_guard.HOOKED.
 

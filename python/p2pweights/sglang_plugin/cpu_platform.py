@@ -26,6 +26,9 @@ from sglang.srt.platforms.device_mixin import PlatformEnum
 from ..replica.sglang_imports import StubFinder
 
 NAME = "p2pw_cpu"  # the entry-point name, what SGLANG_PLATFORM must say
+KV_COPY_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
+LM_HEAD_TARGET = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head"
+DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 
 
 class CpuHostPlatform(CpuSRTPlatform):
@@ -37,12 +40,23 @@ class CpuHostPlatform(CpuSRTPlatform):
         # an OOT platform must name one (sglang raises otherwise); the one that needs no kernels
         return "torch_native"
 
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        # a drafting server must start and load both roles here (the plugin's per-role publications);
+        # its drafting kernels are never run on this platform
+        return algorithm in ("EAGLE", "NEXTN")
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return backend == "torch_native"
+
 
 def activate() -> str | None:
     """sglang's platform entry point: this class's qualified name when selected, else None."""
     if os.environ.get("SGLANG_PLATFORM", "") != NAME or torch.cuda.is_available():
         return None
     _stub_torchvision_if_missing()
+    # a drafting server's KV pool moves cache slots; its tiled copy is a Triton kernel, which needs a
+    # GPU driver: the native move instead (sglang reads this when it builds the pool)
+    os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
     return f"{CpuHostPlatform.__module__}.{CpuHostPlatform.__qualname__}"
 
 
@@ -56,3 +70,52 @@ def _stub_torchvision_if_missing() -> None:
         found = False
     if not found and not any(isinstance(f, StubFinder) and "torchvision" in f.packages for f in sys.meta_path):
         sys.meta_path.insert(0, StubFinder(("torchvision",)))
+
+
+def around_kv_copy_warmup(original, pool, *args, **kwargs):
+    """AROUND ``MHATokenToKVPool._init_kv_copy_and_warmup`` (registered in the schedulers of a server on
+    this platform): a pool that moves its slots natively (``SGLANG_NATIVE_MOVE_KV_CACHE``, set by
+    :func:`activate`) never runs the tiled copy, so neither its config nor its Triton warm-up (no
+    driver here: "0 active drivers"); any other pool is sglang's."""
+    if getattr(pool, "use_native_move_kv_cache", False):
+        pool._kv_copy_config = None
+        return None
+    return original(pool, *args, **kwargs)
+
+
+def around_init_lm_head(original, worker, *args, **kwargs):
+    """AROUND ``EagleDraftWorker.init_lm_head`` (the schedulers of a server on this platform): the
+    draft's ``set_embed_and_head`` ends with ``torch.cuda.synchronize()``, which a torch without CUDA
+    refuses; here it has nothing to wait for, so it is a no-op while the draft takes the target's
+    embedding and head (as the sender's replica does, replica/draft_model.py)."""
+    if torch.cuda.is_available():
+        return original(worker, *args, **kwargs)
+    empty_cache, synchronize = torch.cuda.empty_cache, torch.cuda.synchronize
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        return original(worker, *args, **kwargs)
+    finally:
+        torch.cuda.empty_cache, torch.cuda.synchronize = empty_cache, synchronize
+
+
+def around_draft_extend_backend(original, factory, *args, **kwargs):
+    """AROUND ``DraftBackendFactory.create_draft_extend_backend`` (the schedulers of a server on this
+    platform): sglang has no draft-extend backend for ``torch_native``; None keeps the draft runner's
+    own (torch-native) backend, so a drafting server starts and holds both roles' weights. Its
+    drafting itself is never run on this platform (servers here skip the warm-up generate)."""
+    try:
+        return original(factory, *args, **kwargs)
+    except ValueError as e:
+        if "torch_native" not in str(e):
+            raise
+        return None
+
+
+def register_scheduler_hooks() -> None:
+    """The hooks a drafting server needs on this platform, in each scheduler."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(KV_COPY_TARGET, around_kv_copy_warmup, HookType.AROUND)
+    HookRegistry.register(LM_HEAD_TARGET, around_init_lm_head, HookType.AROUND)
+    HookRegistry.register(DRAFT_EXTEND_TARGET, around_draft_extend_backend, HookType.AROUND)

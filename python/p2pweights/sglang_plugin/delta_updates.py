@@ -6,7 +6,8 @@
   on ``EngineInfoBootstrapServer.__init__`` marks the construction, an AFTER hook on
   ``fastapi_telemetry_disabled_kwargs`` adds it, as ``bootstrap_key.py`` adds its guard), keeps the
   ``delta_area`` a rank's PUT carries once sglang accepted the PUT, and adds it to that rank's GET
-  answer (which the HTTP server's ``/remote_instance_transfer_engine_info`` proxy passes on as is).
+  answer (which the HTTP server's ``/remote_instance_transfer_engine_info`` proxy passes on as is). It
+  keeps the rank's ``epoch`` the same way (``rank_epochs.py``, ``fencing.py``).
 - **The identity.** One :class:`CommittedBase` (deltas/committed.py) for the engine, kept by the
   session gate (``sessions.py``): a begin answers the claim ``p2pw_delta``; an end whose body names
   manifests has every rank apply its own first (the weight checker's communicator, the action
@@ -41,6 +42,8 @@ _BUILDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_de
 # The launcher's state: the areas the ranks published (tp_rank -> [addr, nbytes]); the sglang
 # handles the apply needs (set by the BEFORE hook); why deltas are not offered.
 AREAS: dict[int, list[int]] = {}
+EPOCHS: dict[int, int] = {}  # the registration epoch each rank's last accepted PUT carried (fencing.py)
+EPOCH_KEY = rank_deltas.EPOCH_KEY
 TOKENIZER: Any = None
 TP_SIZE = 0
 REFUSED: str | None = None
@@ -48,7 +51,7 @@ BASE = CommittedBase("sglang")  # the engine's committed identity, kept by the s
 
 
 class AreaBook:
-    """ASGI middleware on the bootstrap server's app: keeps and serves each rank's ``delta_area``."""
+    """ASGI middleware on the bootstrap server's app: keeps and serves each rank's ``delta_area`` and ``epoch``."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -66,11 +69,16 @@ class AreaBook:
         status = await self._forward(scope, replay(raw), send)
         try:
             data = json.loads(raw)
-            area, rank = data.get(rank_deltas.AREA_KEY), data.get("tp_rank")
+            area, rank, epoch = data.get(rank_deltas.AREA_KEY), data.get("tp_rank"), data.get(EPOCH_KEY)
         except (ValueError, AttributeError):
             return
         if p.ok(status) and isinstance(rank, int) and isinstance(area, list) and len(area) == 2:
             AREAS[rank] = [int(area[0]), int(area[1])]
+        if p.ok(status) and isinstance(rank, int):  # a session without an epoch is not revocable
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0:
+                EPOCHS[rank] = epoch
+            else:
+                EPOCHS.pop(rank, None)
 
     async def _forward(self, scope: dict, receive: Any, send: Any) -> int:
         status = [0]
@@ -88,9 +96,10 @@ class AreaBook:
         if p.ok(status):
             try:
                 answer = json.loads(body)
-                area = AREAS.get(int(answer.get("rank")))
-                if area is not None:
-                    body = json.dumps({**answer, rank_deltas.AREA_KEY: area}).encode()
+                rank = int(answer.get("rank"))
+                keys = {rank_deltas.AREA_KEY: AREAS.get(rank), EPOCH_KEY: EPOCHS.get(rank)}
+                if any(v is not None for v in keys.values()):
+                    body = json.dumps({**answer, **{k: v for k, v in keys.items() if v is not None}}).encode()
             except (ValueError, TypeError, AttributeError):
                 pass
         await asgi.respond(send, status, headers, body)

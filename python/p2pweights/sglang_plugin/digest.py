@@ -44,6 +44,7 @@ from ..control.error_answers import error_payload
 from ..control.weights_digest import ALGORITHM, parameter_digests
 from ..errors import InvalidRequest, UnknownParameter
 from . import version_guard
+from .rank_gather import every_tp_rank, output_of
 
 logger = logging.getLogger(__name__)
 
@@ -141,19 +142,11 @@ def around_check_weights(original: Any, manager: Any, recv_req: Any, *args: Any,
     if getattr(recv_req, "action", None) != ACTION:
         return original(manager, recv_req, *args, **kwargs)
     import msgspec
-    import torch.distributed as dist
     from sglang.srt.managers.io_struct import ChecksumInfo, CheckWeightsReqOutput
 
-    mine = rank_answer(manager, recv_req)
-    group = manager.tp_cpu_group
-    size = dist.get_world_size(group=group) if dist.is_initialized() else 1
-    answers: list[Any] = [mine]
-    if size > 1:  # every TP rank joins, as in sglang's checksum; rank 0's answer reaches the launcher
-        answers = [None] * size
-        dist.all_gather_object(answers, mine, group=group)
-    failed = next((a["error"] for a in answers if "error" in a), None)
-    if failed is not None:
-        return CheckWeightsReqOutput(success=False, message=json.dumps({_ERROR: failed}))
+    answers = every_tp_rank(manager, rank_answer(manager, recv_req))  # as in sglang's checksum
+    if any("error" in a for a in answers):
+        return output_of(answers, _ERROR)
     payload = [msgspec.convert({"checksums": a["digests"], "per_gpu_checksum": "", "parallelism_info": [a["where"]]},
                                ChecksumInfo) for a in answers]
     return CheckWeightsReqOutput(success=True, message="Success.", payload=payload)

@@ -33,6 +33,7 @@ from ..control.error_answers import error_payload
 from ..deltas.area import DeltaArea, Manifest, area_bytes
 from ..settings import value as setting
 from ..transport.publication import merge_regions
+from .rank_gather import every_tp_rank, output_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ REQUESTS_TARGET = "requests.sessions.Session.request"
 REGISTER_PATH = routes.route("register_transfer_engine_info").path
 ACTION = "p2pw_apply_deltas"  # the weight checker's action that applies the session's deltas
 AREA_KEY = "delta_area"       # the publication's key (transport/publication.py)
+EPOCH_KEY = "epoch"           # the publication's key of the rank's registration epoch (rank_epochs.py)
 ERROR_KEY = "p2pw_error"
 
 # This scheduler's area and the weight regions its records may write (one rank per scheduler).
@@ -81,6 +83,15 @@ def _bytes_at(address: int, nbytes: int) -> Any:
 def merged_regions(table: dict) -> list[tuple[int, int]]:
     """sglang's weights table ``{name: (ptr, numel, size)}`` -> the byte ranges registered."""
     return list(merge_regions((ptr, numel * size) for ptr, numel, size in table.values()))
+
+
+def cover(table: dict) -> None:
+    """The area's records may write every region of ``table`` from now on (a drafting rank's table
+    gained the draft's parameters: ``draft_roles.py``); nothing where the rank keeps no area."""
+    global REGIONS, TENSORS
+    if AREA is not None:
+        REGIONS = merged_regions(table)
+        TENSORS = [_bytes_at(a, n) for a, n in REGIONS]
 
 
 def _open_beside(transporter: Any) -> None:
@@ -154,22 +165,10 @@ def around_check_weights(original: Any, manager: Any, recv_req: Any, *args: Any,
     """AROUND ``SchedulerWeightUpdaterManager.check_weights``: :data:`ACTION` is this plugin's."""
     if getattr(recv_req, "action", None) != ACTION:
         return original(manager, recv_req, *args, **kwargs)
-    import torch.distributed as dist
-    from sglang.srt.managers.io_struct import CheckWeightsReqOutput
     from sglang.srt.runtime_context import get_parallel
 
     (raw,) = recv_req.skip_tensor_list or [None]
-    mine = rank_apply(int(get_parallel().tp_rank), raw)
-    group = manager.tp_cpu_group
-    size = dist.get_world_size(group=group) if dist.is_initialized() else 1
-    answers: list[Any] = [mine]
-    if size > 1:
-        answers = [None] * size
-        dist.all_gather_object(answers, mine, group=group)
-    failed = [a for a in answers if "error" in a]
-    if failed:
-        return CheckWeightsReqOutput(success=False, message=json.dumps({ERROR_KEY: failed[0]["error"]}))
-    return CheckWeightsReqOutput(success=True, message=json.dumps({"ranks": answers}))
+    return output_of(every_tp_rank(manager, rank_apply(int(get_parallel().tp_rank), raw)), ERROR_KEY)
 
 
 def register() -> None:

@@ -27,6 +27,10 @@ names manifests has every rank apply its own before sglang's end runs, and answe
 refused apply fails the end and tears the weights. ``POST /p2pw_apply_deltas`` (``verify=True``) is
 answered by the gate itself.
 
+Fencing (docs/sglang.md, "Fencing"; ``fencing.py``): a begin that takes a lost owner's session over
+first has every rank move its registrations to a new endpoint under the next epoch (the old one
+closed), and answers that epoch; a revocation that fails answers 500 and leaves the engine torn.
+
 sglang adds its API-key middleware after this hook ran, so the key middleware wraps the gate: a call
 without the key is refused (401) before the gate reads it.
 
@@ -50,9 +54,9 @@ from ..control import bodies, routes
 from ..control import protocol as p
 from ..control.error_answers import error_payload
 from ..deltas.committed import BASE_KEY, DELTA_KEY
-from ..errors import InvalidRequest, InvalidWrite, SessionConflict, TornWeights
+from ..errors import EngineError, InvalidRequest, InvalidWrite, SessionConflict, TornWeights
 from ..receiver import session_keeper as sk
-from . import asgi, delta_updates
+from . import asgi, delta_updates, fencing
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +88,19 @@ class SglangSessionHost:
 
     def __init__(self, engine: str, lease: float | None = None):
         self.session = sk.SessionKeeper(engine, lease)
+        self.revoking = False  # admit asked for a revocation; the gate awaits it before sglang's begin
 
     def revoke_epoch(self) -> None:
-        """A takeover of a lost owner's session: sglang's ranks cannot re-register their regions under a
-        new epoch (yet), so the epoch stays and the fence is the senders' own lease deadline alone."""
-        logger.warning("engine %s cannot revoke its registrations (the sglang plugin does not fence yet): a "
-                       "lost owner's writes in flight may still land", self.session.engine)
+        """``session_keeper.admit``'s call at a takeover of a lost owner's session. The ranks are reached
+        through sglang's async communicator, so this only marks it: the gate awaits :meth:`revoke` next,
+        still under its lock, before the begin reaches sglang."""
+        self.revoking = True
+
+    async def revoke(self) -> None:
+        """Every rank moves its registrations to a new endpoint under the next epoch (``fencing.py``);
+        raises EngineError (the begin fails, the engine stays torn) when one cannot."""
+        self.revoking = False
+        self.session.epoch = await fencing.revoke(self.session.epoch, self.session.engine)
 
 
 # The HTTP process's host once installed; why sessions are not offered when they could not be.
@@ -193,6 +204,8 @@ class SessionGate:
             status, headers, body = p.CONFLICT, _JSON, _encode(error_payload(e))
         except InvalidRequest as e:
             status, headers, body = p.BAD_REQUEST, _JSON, _encode(error_payload(e))
+        except EngineError as e:  # a takeover that could not revoke: still torn
+            status, headers, body = p.ENGINE_FAILED, _JSON, _encode(error_payload(e))
         await asgi.respond(send, status, headers, body)
 
     async def _gated(self, verb: str, scope: dict, receive: Any) -> tuple[int, list, bytes]:
@@ -202,6 +215,8 @@ class SessionGate:
         async with self._lock if verb not in sk.UNLOCKED else contextlib.nullcontext():
             taking_over = verb == BEGIN and session.lost
             sk.admit(self.host, verb, owner)
+            if self.host.revoking:  # a takeover: the lost owner's registrations go before sglang's begin
+                await self.host.revoke()
             if verb == APPLY:
                 return await _apply_now(receive, session, owner)
             claim, receive = (await _delta_part(receive)) if verb in (BEGIN, END) else (None, receive)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 from typing import Any, Mapping
 
@@ -39,6 +40,14 @@ HOOKED: dict[str, tuple[str, ...]] = {
     # a rank's scheduler answers sglang's weight checker: the digest action (digest.py)
     ("sglang.srt.managers.scheduler_components.weight_updater."
      "SchedulerWeightUpdaterManager.check_weights"): ("self", "recv_req"),
+    # a runner's transporter is built: which runner is the draft's (draft_roles.py)
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_remote_instance_weight_transporter": ("self",),
+    # the KV pool's Triton warm-up, skipped on the p2pw_cpu platform (cpu_platform.py)
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup": ("self",),
+    # the draft takes the target's embedding and head: no CUDA synchronize on the p2pw_cpu platform
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head": ("self",),
+    # sglang has no draft-extend backend for torch_native: the draft keeps its own (cpu_platform.py)
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": ("self",),
     # not sglang's: how sglang's own calls of the bootstrap server are sent (bootstrap_key.py)
     "requests.sessions.Session.request": (
         "self", "method", "url", "params", "data", "headers", "cookies", "files", "auth", "timeout",
@@ -61,6 +70,10 @@ ONLY_IN: dict[str, frozenset[str]] = {
     ("sglang.srt.managers.scheduler_components.weight_updater."
      "SchedulerWeightUpdaterManager.check_weights"): frozenset({"main", "scheduler"}),
     "sglang.srt.model_loader.remote_instance_weight_loader_utils.register_memory_region": frozenset({"scheduler"}),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_remote_instance_weight_transporter": frozenset({"scheduler"}),
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup": frozenset({"scheduler"}),
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head": frozenset({"scheduler"}),
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": frozenset({"scheduler"}),
 }
 
 
@@ -84,10 +97,23 @@ def mismatch(target: str, parameters: tuple[str, ...]) -> str | None:
     return None
 
 
-def hooked_in(kind: str) -> dict[str, tuple[str, ...]]:
-    """The targets the plugin hooks in a process of ``kind`` (``sglang_plugin.process_kind``)."""
+#: targets hooked only on the plugin's ``p2pw_cpu`` platform (cpu_platform.py): a GPU server neither
+#: hooks nor checks them, so a change there in another sglang never refuses the plugin on a GPU
+CPU_PLATFORM_ONLY = frozenset({
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head",
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
+})
+
+
+def hooked_in(kind: str, cpu_platform: bool | None = None) -> dict[str, tuple[str, ...]]:
+    """The targets the plugin hooks in a process of ``kind`` (``sglang_plugin.process_kind``);
+    ``cpu_platform``: whether the server runs on ``p2pw_cpu`` (None: ``SGLANG_PLATFORM`` says)."""
+    if cpu_platform is None:
+        cpu_platform = os.environ.get("SGLANG_PLATFORM") == "p2pw_cpu"  # cpu_platform.NAME (not imported: torch)
     return {t: p for t, p in HOOKED.items()
-            if (kind == "main" or t not in HTTP_PROCESS_ONLY) and kind in ONLY_IN.get(t, (kind,))}
+            if (kind == "main" or t not in HTTP_PROCESS_ONLY) and kind in ONLY_IN.get(t, (kind,))
+            and (cpu_platform or t not in CPU_PLATFORM_ONLY)}
 
 
 def _import_failure(target: str) -> str | None:

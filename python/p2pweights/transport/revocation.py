@@ -11,8 +11,9 @@ write it had posted before it stopped.
 The engine revokes when a session is taken over after its owner lost it (expired, released): the
 only case in which an old owner may still have writes in flight. A session that ended (every write
 landed) needs no revocation, so a steady update pays nothing. The receiver's ranks and the
-transport tests' stand-in peer use this module; the sglang plugin and the vLLM backend are to use
-the same one.
+transport tests' stand-in peer use this module, and so do the sglang plugin's ranks
+(``sglang_plugin/rank_epochs.py``), whose first epoch is sglang's own Mooncake engine: memory registered
+by someone else, adopted (``endpoint=``) rather than opened here.
 """
 from __future__ import annotations
 
@@ -35,11 +36,14 @@ _FRESH_PEER_ATTEMPTS = 8
 class RevocableRegions:
     """The rank's regions ``[(address, nbytes, device)]`` registered with ``transport`` and published
     with ``table`` (``{name: [data_ptr, numel, element_size]}``) for ``rank``; ``decorate`` adds the
-    rank's own keys to each publication (build, architecture). ``make_endpoint`` is for tests."""
+    rank's own keys to each publication (build, architecture). ``make_endpoint`` opens each later
+    epoch's endpoint (a host's own settings; tests). ``endpoint``: the first epoch's, already holding
+    ``regions`` (registered by someone else, such as sglang's own transfer engine); it is adopted, and
+    closed like any other at the first revocation. Without it the first endpoint is opened here."""
 
     def __init__(self, transport: str, regions: Sequence[tuple[int, int, str]], table: dict[str, Any],
                  rank: int, decorate: Callable[[EnginePublication], None] | None = None,
-                 make_endpoint: Callable[[str], Any] = make_receiver_endpoint):
+                 make_endpoint: Callable[[str], Any] = make_receiver_endpoint, endpoint: Any = None):
         self.transport = transport
         self.regions = [(int(a), int(n), str(d)) for a, n, d in regions]
         self.table = table
@@ -49,7 +53,10 @@ class RevocableRegions:
         self._peers: set[str] = set()  # every peer this rank published: never reused by a later epoch
         self.epoch = FIRST_EPOCH
         self.revoke_seconds = 0.0      # the last revocation's time (new endpoint, registration, old closed)
-        self.endpoint, self.publication = self._open(self.epoch)
+        if endpoint is None:
+            self.endpoint, self.publication = self._open(self.epoch)
+        else:
+            self.endpoint, self.publication = endpoint, self._publish(endpoint, self.epoch)
 
     def _open(self, epoch: int) -> tuple[Any, EnginePublication]:
         for _ in range(_FRESH_PEER_ATTEMPTS):
@@ -63,16 +70,19 @@ class RevocableRegions:
         try:
             for address, nbytes, device in self.regions:
                 endpoint.register(address, nbytes, device)
-            publication = endpoint.publication(self.table, rank=self.rank)
+            return endpoint, self._publish(endpoint, epoch)
         except BaseException:
             endpoint.close()
             raise
+
+    def _publish(self, endpoint: Any, epoch: int) -> EnginePublication:
+        publication = endpoint.publication(self.table, rank=self.rank)
         publication.registered = [(a, n) for a, n, _ in self.regions]  # senders check entries lie inside
         publication.epoch = epoch
         if self._decorate is not None:
             self._decorate(publication)
         self._peers.add(endpoint.peer)
-        return endpoint, publication
+        return publication
 
     def revoke(self, epoch: int) -> EnginePublication:
         """Move to ``epoch`` (> the current one): a new endpoint for the same memory, published; then
