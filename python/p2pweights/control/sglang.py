@@ -201,6 +201,10 @@ class SglangEngine:
 
     # ---- HTTP -------------------------------------------------------------------------------
 
+    def _route(self, verb: str) -> routes.Route:
+        """The route this engine serves ``verb`` on (an engine of another kind maps its own: control/vllm.py)."""
+        return routes.route(verb)
+
     def _json(self, verb: str, *, body: bodies.Body | None = None, params: Mapping[str, Any] | None = None,
               base: str | None = None, headers: Mapping[str, str] | None = None,
               timeout: float | None = None) -> Any:
@@ -213,7 +217,7 @@ class SglangEngine:
         """One call of ``verb``'s route; (status, answer: JSON, text, or {} when empty). ``headers``
         are added to the client's own (the key, the session owner); ``timeout`` overrides the client's."""
         extra_headers = headers
-        route = routes.route(verb)
+        route = self._route(verb)
         base = base or self.base_url
         target = route.path + ("?" + urlencode(params) if params else "")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None

@@ -27,7 +27,6 @@ from ..control.lease import new_owner_id
 from ..copyplans import PlanRecorder, ReplayOrder
 from ..errors import EngineError, P2PWeightsError, SenderGroupError
 from ..models.checkpoint import load_config
-from ..models.engine_layout import EngineLayout
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
 from ..planner.assign import Engine as PlanEngine
@@ -159,7 +158,7 @@ class WeightSender:
         attaching detaches what it attached and leaves the sender disconnected. Both re-raise."""
         if self._closed:
             raise P2PWeightsError("WeightSender is closed")
-        from ..replica.build_check import engine_identity
+        from .engine_kinds import layout_and_identity  # replica/ (engine_identity, vLLM's layouts)
 
         phases = self.connect_phases = ConnectPhases(self.replicas)
         if self.transport is not None and self._transport is None and self._early is None:
@@ -173,10 +172,9 @@ class WeightSender:
         if self.transport is None:  # cold auto sender: the agent for the engines' transport
             self.transport, self.transport_why = transport, why
             self._early = self._early_slots()
-        layouts = [EngineLayout.from_server_info(info) for info in infos]
-        # same build, same architecture (replica/build_check.py): refused before any replica is built
-        identities = [engine_identity(c.name, info, self.config, gpu_arch=getattr(c, "gpu_arch", None))
-                      for c, info in zip(clients, infos)]
+        # layout; same build, same architecture (engine_kinds.py): refused before any replica is built
+        facts = [layout_and_identity(c, info, self.config) for c, info in zip(clients, infos)]
+        layouts, identities = [f[0] for f in facts], [f[1] for f in facts]
         plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
         mine = [p for p in plan if p.sender == self.sender_index]
         phases.lap("identity + plan")
@@ -232,11 +230,11 @@ class WeightSender:
         phases.done()
 
     def _prepare(self, layout: Any, rank: int) -> PreparedRank:
-        from ..replica.roles import rank_replica
+        from .engine_kinds import rank_replica_of
 
         # an engine running a draft: its target and draft roles joined (replica/roles.py), so every
         # weight each role's loader loads goes to that role's published regions ("draft." names)
-        replica = rank_replica(self.replicas, self.model, layout, rank)
+        replica = rank_replica_of(self.replicas, self.model, layout, rank)  # a vLLM engine's: VllmReplicas
         expected = stage_hf_names(replica.hf_specs, int(self.config["num_hidden_layers"]), self.pp_stage, self.pp_size)
         stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs, expected,
                              where=f"{layout.describe()} rank {rank}")

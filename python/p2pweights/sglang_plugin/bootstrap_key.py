@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from ..control import routes
 from ..control.protocol import PLUGIN_BOOTSTRAP_KEY as OFFER
+from ..receiver import asgi_steps as asgi
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class KeyGuard:
             from starlette.responses import JSONResponse
 
             decision = decide_request_auth(
-                method=scope["method"], path=_route_path(scope),
+                method=scope["method"], path=asgi.route_path(scope),
                 authorization_header=Headers(scope=scope).get("authorization"),
                 api_key=self.keys.api_key, admin_api_key=self.keys.admin_api_key,
                 auth_level=AuthLevel.ADMIN_OPTIONAL)
@@ -217,7 +218,7 @@ class ProxyCarriesKey:
         self.app, self.key = app, key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or _route_path(scope) not in PROXY_PATHS:
+        if scope["type"] != "http" or asgi.route_path(scope) not in PROXY_PATHS:
             return await self.app(scope, receive, send)
         token = _CARRY.set(_Carry(self.key))
         try:
@@ -263,8 +264,3 @@ def register(kind: str) -> None:
         HookRegistry.register(RANK_TARGET, around_rank_registration, HookType.AROUND)
     if kind in ("main", "scheduler"):
         HookRegistry.register(REQUESTS_TARGET, around_session_request, HookType.AROUND)
-
-
-def _route_path(scope: dict) -> str:
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path

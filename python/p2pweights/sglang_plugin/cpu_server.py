@@ -37,6 +37,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence, TypeVar
 
+from ..control import routes
 from ..control.protocol import SEED_FLAG
 from ..errors import EngineError
 
@@ -135,7 +136,7 @@ class CpuSglangServer:
             if code is not None:
                 self.fail(f"exited with code {code} before it was healthy")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.url + routes.route("health").path, timeout=5) as r:
                     if r.status == 200:
                         self.healthy_after_s = time.monotonic() - self.started
                         return

@@ -26,7 +26,8 @@ from ..control import routes
 from ..deltas.area import Manifest
 from ..deltas.committed import CommittedBase
 from ..errors import InvalidRequest, InvalidWrite
-from . import asgi, rank_deltas, version_guard
+from ..receiver import asgi_steps as asgi
+from . import rank_deltas, version_guard
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class AreaBook:
 
     async def _register(self, scope: dict, receive: Any, send: Any) -> None:
         raw = await asgi.read_body(receive)
-        status = await self._forward(scope, replay(raw), send)
+        status = await self._forward(scope, asgi.replay(raw), send)
         try:
             data = json.loads(raw)
             area, rank, epoch = data.get(rank_deltas.AREA_KEY), data.get("tp_rank"), data.get(EPOCH_KEY)
@@ -103,18 +104,6 @@ class AreaBook:
             except (ValueError, TypeError, AttributeError):
                 pass
         await asgi.respond(send, status, headers, body)
-
-
-def replay(raw: bytes) -> Callable[[], Any]:
-    sent = [False]
-
-    async def receive() -> dict:
-        if sent[0]:
-            return {"type": "http.disconnect"}
-        sent[0] = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    return receive
 
 
 def around_server_init(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -55,8 +55,9 @@ from ..control import protocol as p
 from ..control.error_answers import error_payload
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import EngineError, InvalidRequest, InvalidWrite, SessionConflict, TornWeights
+from ..receiver import asgi_steps as asgi
 from ..receiver import session_keeper as sk
-from . import asgi, delta_updates, fencing
+from . import delta_updates, fencing
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ GATED_PATHS: dict[str, str] = {
                                      "resume_memory_occupation")},
 }
 
-_JSON = [(b"content-type", b"application/json")]
+_JSON = asgi.JSON_HEADERS
 
 
 class SglangSessionHost:
@@ -195,17 +196,17 @@ class SessionGate:
         self._lock = asyncio.Lock()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        verb = GATED_PATHS.get(_route_path(scope)) if scope["type"] == "http" else None
+        verb = GATED_PATHS.get(asgi.route_path(scope)) if scope["type"] == "http" else None
         if verb is None:
             return await self.app(scope, receive, send)
         try:
             status, headers, body = await self._gated(verb, scope, receive)
         except (SessionConflict, TornWeights) as e:
-            status, headers, body = p.CONFLICT, _JSON, _encode(error_payload(e))
+            status, headers, body = p.CONFLICT, _JSON, asgi.encode(error_payload(e))
         except InvalidRequest as e:
-            status, headers, body = p.BAD_REQUEST, _JSON, _encode(error_payload(e))
+            status, headers, body = p.BAD_REQUEST, _JSON, asgi.encode(error_payload(e))
         except EngineError as e:  # a takeover that could not revoke: still torn
-            status, headers, body = p.ENGINE_FAILED, _JSON, _encode(error_payload(e))
+            status, headers, body = p.ENGINE_FAILED, _JSON, asgi.encode(error_payload(e))
         await asgi.respond(send, status, headers, body)
 
     async def _gated(self, verb: str, scope: dict, receive: Any) -> tuple[int, list, bytes]:
@@ -230,14 +231,14 @@ class SessionGate:
             if taking_over and status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in body.decode("utf-8", "replace"):
                 # sglang's session is still the lost owner's: the new owner continues it (not begun again)
                 status, out_headers = p.OK, _JSON
-                body = _encode(bodies.encode(bodies.Ack(
+                body = asgi.encode(bodies.encode(bodies.Ack(
                     message=f"took over a {p.TORN} weight-update session: a complete update heals it")))
-            answer = sk.settle(session, verb, headers, owner, lease, status, _decode(body) if verb == BEGIN else None)
+            answer = sk.settle(session, verb, headers, owner, lease, status, asgi.decode(body) if verb == BEGIN else None)
             if verb == BEGIN and p.ok(status):
-                out_headers, body = _JSON, _encode({**answer, DELTA_KEY: delta})
+                out_headers, body = _JSON, asgi.encode({**answer, DELTA_KEY: delta})
             elif verb == END and p.ok(status):  # the weights now: a new identity for the next delta
                 base = delta_updates.BASE.commit(session.epoch)
-                out_headers, body = _JSON, _encode({**(_decode(body) or {}), BASE_KEY: base})
+                out_headers, body = _JSON, asgi.encode({**(asgi.decode(body) or {}), BASE_KEY: base})
             elif verb == END:
                 delta_updates.BASE.forget("the last end_weight_update failed")
         return status, out_headers, body
@@ -246,22 +247,22 @@ class SessionGate:
 async def _delta_part(receive: Any) -> tuple[Any, Any]:
     """The body's ``p2pw_delta`` (None without one) and the body without it, as sglang reads it."""
     raw = await asgi.read_body(receive)
-    obj = _decode(raw) if raw.strip() else None
+    obj = asgi.decode(raw) if raw.strip() else None
     if not isinstance(obj, dict) or DELTA_KEY not in obj:
-        return None, delta_updates.replay(raw)
+        return None, asgi.replay(raw)
     claim = obj.pop(DELTA_KEY)
-    return claim, delta_updates.replay(_encode(obj))
+    return claim, asgi.replay(asgi.encode(obj))
 
 
 async def _apply_now(receive: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes]:
     """``POST /p2pw_apply_deltas {"manifests"}``: the deltas now, inside the session (the receiver's route)."""
-    obj = _decode(await asgi.read_body(receive))
+    obj = asgi.decode(await asgi.read_body(receive))
     if not isinstance(obj, dict):
         raise InvalidRequest("the body must be a JSON object")
     if not session.open:
         raise InvalidRequest(f"{p.NO_SESSION} is open; deltas are applied inside a session")
     refused = await _apply_deltas(obj.get("manifests"), session, owner)
-    return refused or (p.OK, _JSON, _encode(bodies.encode(bodies.Ack())))
+    return refused or (p.OK, _JSON, asgi.encode(bodies.encode(bodies.Ack())))
 
 
 async def _apply_deltas(manifests: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes] | None:
@@ -277,20 +278,4 @@ async def _apply_deltas(manifests: Any, session: sk.SessionKeeper, owner: str) -
     session.release(owner)  # torn until a complete update heals it (the next begin takes it over)
     session.torn = f"the deltas were refused, the weights may be partly applied: {why}"
     error = InvalidWrite(f"end_weight_update refused: the deltas were not applied: {why}")
-    return p.ENGINE_FAILED, _JSON, _encode(error_payload(error))
-
-
-def _route_path(scope: dict) -> str:
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-def _encode(obj: Any) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def _decode(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
+    return p.ENGINE_FAILED, _JSON, asgi.encode(error_payload(error))

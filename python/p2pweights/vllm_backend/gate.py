@@ -36,7 +36,7 @@ import logging
 import os
 from typing import Any
 
-from ..control import bodies
+from ..control import bodies, routes
 from ..control import protocol as p
 from ..control.error_answers import error_payload
 from ..control.http import key_matches
@@ -53,24 +53,25 @@ logger = logging.getLogger(__name__)
 BEGIN, END, RENEW, APPLY = "begin_weight_update", "end_weight_update", "renew_weight_update", "p2pw_apply_deltas"
 WRITE = "update_weights_from_distributed"  # session_keeper's verb for a write inside the owner's session
 UPDATE_WEIGHTS = "/update_weights"
-PUBLICATION, DIGEST, STATE = "/remote_instance_transfer_engine_info", "/p2pw_weights_digest", "/p2pw_weight_update"
+PUBLICATION, DIGEST = routes.route("remote_instance_transfer_engine_info").path, routes.route("p2pw_weights_digest").path
+STATE = "/p2pw_weight_update"
 
 #: vLLM's routes (and ours) under the owner rules -> session_keeper's verb
 GATED: dict[str, str] = {
     "/pause": "pause_generation", "/resume": "continue_generation",
     "/start_weight_update": BEGIN, "/start_draft_weight_update": BEGIN, UPDATE_WEIGHTS: WRITE,
-    "/finish_weight_update": END, "/update_weight_version": "update_weight_version",
+    "/finish_weight_update": END, routes.route("update_weight_version").path: "update_weight_version",
     "/init_weight_transfer_engine": "init_weights_update_group",
     "/shutdown_weight_transfer_engine": "destroy_weights_update_group",
     "/weight_checker": WRITE,   # only its "reset" action (it zeroes every weight); the others read
     "/collective_rpc": WRITE,   # any worker method: may write the weights
-    "/renew_weight_update": RENEW, "/p2pw_apply_deltas": APPLY,
+    routes.route(RENEW).path: RENEW, routes.route(APPLY).path: APPLY,
 }
 #: vLLM routes that free or move the weights' registered memory: refused outright
 REFUSED = frozenset({"/sleep", "/wake_up", "/scale_elastic_ep"})
 #: every path that needs the key: vLLM's RL and dev routes (which its --api-key leaves open) and ours
 KEYED = frozenset(GATED) | REFUSED | {
-    "/abort_requests", "/is_paused", "/weight_info", "/get_world_size", "/server_info", "/reset_prefix_cache",
+    "/abort_requests", "/is_paused", "/weight_info", "/get_world_size", routes.route("server_info").path, "/reset_prefix_cache",
     "/reset_mm_cache", "/reset_encoder_cache", "/release_kv_cache_memory", "/is_sleeping", "/is_scaling_elastic_ep",
     PUBLICATION, DIGEST, STATE}
 BODY_LIMIT = 32 << 20

@@ -1,0 +1,113 @@
+"""What connect asks of an engine that depends on its kind: its shard layout, the identity its ranks'
+publications are checked against, and the replica of one of its ranks. sglang engines (and
+receivers) answer with sglang's layout, build check and replicas; vLLM engines
+(``control.vllm.VllmEngine``) with a :class:`~p2pweights.replica.vllm_layout.VllmLayout`, vLLM's
+version and refusals (:class:`VllmIdentity`) and :class:`~p2pweights.replica.vllm_replica.VllmReplicas`.
+
+A vLLM engine's layout is read from vLLM's ``/server_info?config_format=json`` (the parallel config,
+``kernel_config.moe_backend``, the dtype, ``VLLM_USE_DEEP_GEMM``) or given (``VllmEngine(layout=)``),
+and either way checked against the engine's ``/get_world_size``. Nothing here imports vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import EngineError, EngineMismatch, LayoutMismatch
+from ..models.engine_layout import EngineLayout
+from ..replica.build_check import engine_identity
+from ..replica.roles import rank_replica
+from ..replica.vllm_env import vllm_version
+from ..replica.vllm_layout import VllmLayout, check_refusal
+from ..replica.vllm_replica import vllm_replicas
+
+_LAYOUT_HINT = "pass the engine's layout: VllmEngine(url, layout='tp=...,dp=...')"
+
+
+def is_vllm(engine: Any) -> bool:
+    return getattr(engine, "engine_kind", "sglang") == "vllm"
+
+
+def layout_and_identity(client: Any, info: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(layout, identity) of one engine from what its ``server_info()`` answered; raises before any
+    replica is built when the sender cannot serve it."""
+    if is_vllm(client):
+        layout = vllm_layout(client, info)
+        return layout, VllmIdentity.judge(client.name, info, config, layout)
+    return (EngineLayout.from_server_info(info),
+            engine_identity(client.name, info, config, gpu_arch=getattr(client, "gpu_arch", None)))
+
+
+def rank_replica_of(replicas: Any, model: Any, layout: Any, rank: int) -> Any:
+    """The replica a sender prepares for engine rank ``rank`` of an engine of ``layout``."""
+    if isinstance(layout, VllmLayout):
+        return vllm_replicas().get(model, layout, rank)
+    return rank_replica(replicas, model, layout, rank)
+
+
+def vllm_layout(client: Any, info: Mapping[str, Any]) -> VllmLayout:
+    """The engine's VllmLayout: the one given to its client, else read from ``info`` (``VllmEngine.
+    server_info``); its world size must be what the engine reports (LayoutMismatch otherwise)."""
+    given = client.given_layout
+    if isinstance(given, str):
+        given = VllmLayout.parse(given, command="VllmEngine(layout=...)")
+    layout = given if given is not None else layout_of(info.get("vllm_server_info"), client.name)
+    world = info.get("world_size")
+    if world != layout.world_size:
+        raise LayoutMismatch(f"engine {client.name} runs {world} rank(s) (/get_world_size), the layout "
+                             f"{layout.describe()} has {layout.world_size}", engine=client.name, hint=_LAYOUT_HINT)
+    return layout
+
+
+def layout_of(server_info: Any, engine: str) -> VllmLayout:
+    """A VllmLayout from vLLM's ``/server_info?config_format=json`` (``vllm_config``, ``vllm_env``).
+    FlashInfer's presence is not reported there: assumed (vLLM's CUDA wheel depends on it)."""
+    config = server_info.get("vllm_config") if isinstance(server_info, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("parallel_config"), dict):
+        raise EngineError(f"engine {engine}: vLLM's /server_info has no vllm_config (is VLLM_SERVER_DEV_MODE=1 set?)",
+                          engine=engine, hint=_LAYOUT_HINT)
+    par = config["parallel_config"]
+    model, kernel = config.get("model_config") or {}, config.get("kernel_config") or {}
+    env = server_info.get("vllm_env") or {}
+    if not all(isinstance(x, dict) for x in (model, kernel, env)):
+        raise EngineError(f"engine {engine}: vLLM's /server_info is not vLLM's config", engine=engine)
+    if par.get("pipeline_parallel_size") not in (None, 1):
+        raise LayoutMismatch(f"engine {engine}: pipeline parallelism is not supported for vLLM engines", engine=engine)
+    dtype = str(model.get("dtype") or "auto").replace("torch.", "")
+    try:
+        return VllmLayout(tp=int(par.get("tensor_parallel_size") or 1), dp=int(par.get("data_parallel_size") or 1),
+                          expert_parallel=bool(par.get("enable_expert_parallel")),
+                          moe_backend=str(kernel.get("moe_backend") or "auto").lower(), dtype=dtype,
+                          deep_gemm=str(env.get("VLLM_USE_DEEP_GEMM", "1")).lower() not in ("0", "false"))
+    except (TypeError, ValueError) as e:  # an answer that is not vLLM's config
+        raise EngineError(f"engine {engine}: vLLM's /server_info reports no usable layout ({e})", engine=engine,
+                          hint=_LAYOUT_HINT) from None
+
+
+@dataclass(frozen=True)
+class VllmIdentity:
+    """A vLLM engine as connect judged it: the vLLM version its ranks publish (the sender's replicas
+    are built with the local vLLM: the same release, or refused) and its GPU architecture."""
+
+    engine: str
+    version: str
+    arch: str | None
+
+    @classmethod
+    def judge(cls, engine: str, info: Mapping[str, Any], config: Mapping[str, Any], layout: VllmLayout
+              ) -> "VllmIdentity":
+        check_refusal(config, layout)  # UnsupportedLayout: post-processing would rewrite the written bytes
+        local, theirs = vllm_version(), info.get("vllm_version")
+        if local is None or theirs is None or str(theirs) != local:
+            raise EngineMismatch(f"engine {engine} runs vLLM {theirs}, the sender's replicas are built with vLLM "
+                                 f"{local}: the layouts and post-processing may differ; refusing to connect",
+                                 engine=engine, parameter="vllm_version",
+                                 hint=f"install vllm=={theirs} where the sender runs (or serve with vllm=={local})")
+        arch = info.get("device_arch")
+        return cls(engine, local, str(arch) if arch else None)
+
+    def check_rank(self, rank: int, published_arch: Any = None, published_version: Any = None) -> None:
+        """Every rank runs on the architecture rank 0 published (the replica models one)."""
+        if published_arch and self.arch and str(published_arch) != self.arch:
+            raise EngineMismatch(f"engine {self.engine} rank {rank} runs on {published_arch}, rank 0 on {self.arch}: "
+                                 f"refusing to connect", engine=self.engine, rank=rank, parameter="device_arch")
