@@ -82,6 +82,9 @@ PLUGIN_DIGEST = "digest"
 PLUGIN_DELTAS = "deltas"
 PLUGIN_BOOTSTRAP_KEY = "bootstrap_key"
 PLUGIN_GPU_ARCH = "gpu_arch"
+#: the offer: a takeover revokes every rank's registrations under the next epoch, published with the
+#: ranks' tables and in begin's answer (docs/security.md, "Epochs"); the sender follows it as a receiver's
+PLUGIN_FENCING = "fencing"
 
 
 def plugin_offers(server_info: object) -> frozenset[str]:

@@ -21,12 +21,13 @@ import json
 import logging
 from typing import Any
 
+from ..control import protocol as p
 from ..errors import EngineError
 from . import delta_updates, rank_epochs
 
 logger = logging.getLogger(__name__)
 
-OFFER = "fencing"  # what p2pw_plugin.offers lists while every TP rank publishes a revocable epoch
+OFFER = p.PLUGIN_FENCING  # what p2pw_plugin.offers lists while every TP rank publishes a revocable epoch
 
 
 def support() -> str:
