@@ -13,7 +13,9 @@ flipped in the server's memory through Mooncake, as any process that reaches the
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -245,6 +247,23 @@ def test_a_tp2_server_answers_every_ranks_digest_and_names_the_rank_that_differs
         status, answer = ask(server, {"0": ["model.norm.weight"], "1": ["no.such.param"]})
         assert status == p.BAD_REQUEST and answer["error"]["rank"] == 1, answer  # every rank still answered
         assert held(server, 0, ["model.norm.weight"]) == {"model.norm.weight": want[0]["model.norm.weight"]}
+
+        # a takeover of a lapsed session revokes both ranks (their all-gathered answer) under epoch 2
+        before = {r: EnginePublication.from_json(engine.transfer_engine_info(r)) for r in (0, 1)}
+        assert {pub.epoch for pub in before.values()} == {1}
+        lost, taker = (SglangEngine(server.url, name=n, timeout=120) for n in ("lost", "taker"))
+        for e in (lost, taker):
+            e.session_owner, e.session_label = secrets.token_urlsafe(32), f"test:{e.name}"
+        lost.pause_generation()
+        lost.begin_weight_update(lease=1.0)
+        time.sleep(2.5)  # the owner stays silent past its lease: torn
+        taken = taker.begin_weight_update()
+        assert taken["took_over"] is True and taken["epoch"] == 2, taken
+        after = {r: EnginePublication.from_json(engine.transfer_engine_info(r)) for r in (0, 1)}
+        assert {pub.epoch for pub in after.values()} == {2}
+        assert all(after[r].peer != before[r].peer and after[r].params == before[r].params for r in (0, 1))
+        assert taker.end_weight_update()["success"] is True
+        taker.continue_generation()
     finally:
         server.stop()
 
