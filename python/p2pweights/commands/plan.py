@@ -27,6 +27,7 @@ from ..planner.delta_cost import (
     parse_fractions,
     predict_deltas,
 )
+from .plan_vllm import vllm_engines
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
 PLAN_KEYS = frozenset({"tp_size", "ep_size", "attn_dp_size", "enable_dp_lm_head",
@@ -84,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta-area", type=float, default=AREA_FRACTION, metavar="FRACTION",
                         help="an engine rank's delta area as a fraction of its bytes (default 1/8, "
                              "P2PW_DELTA_AREA's default): records past it go as full writes")
+    parser.add_argument("--engine-kind", choices=("sglang", "vllm"), default="sglang",
+                        help="what the engines are: sglang (default; --engine takes sglang's server args) or vLLM "
+                             "0.33 (--engine tp=..,dp=..,ep=..,moe_backend=..,deep_gemm=..: its layout, refused where "
+                             "vLLM's post-processing rewrites the bytes; docs/vllm.md)")
     parser.add_argument("--json", action="store_true", help="print the plan and cost as JSON")
 
 
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         shape = model_shape(read_model(args.model))
         trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
-        engines = parse_engines(args.engines, args.engine, shape)
+        engines = (parse_engines(args.engines, args.engine, shape) if args.engine_kind == "sglang" else
+                   vllm_engines(engine_sizes(args.engines), args.engine, read_model(args.model)))
         links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
                       host_slots=args.slots == "host", production=args.production,
                       production_gbps=args.production_gbps, gather_gbps=args.gather_gbps)
@@ -156,6 +162,19 @@ def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = Non
         args = parse_layout_spec(engine, command="plan", honours=PLAN_KEYS, why=_PLAN_READS)
     except P2PWeightsError as e:
         raise PlanError(str(e)) from None
+    sizes = engine_sizes(engines)
+    layouts: dict[int, EngineLayout] = {}
+    for gpus in sizes:
+        if gpus not in layouts:
+            try:
+                layouts[gpus] = EngineLayout.from_args({"tp_size": gpus, **args})
+            except P2PWeightsError as e:
+                raise PlanError(f"--engine: {e}") from None
+    return [Engine(gpus=gpus, layout=layouts[gpus]) for gpus in sizes]
+
+
+def engine_sizes(engines: str) -> list[int]:
+    """``3x4,1x2`` -> each engine's GPU count, in order."""
     sizes: list[int] = []
     for item in filter(None, (s.strip() for s in engines.split(","))):
         count, sep, gpus = item.partition("x")
@@ -167,14 +186,7 @@ def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = Non
         sizes += [g] * c
     if not sizes:
         raise PlanError("--engines: no engines; give at least one, e.g. --engines 2x8")
-    layouts: dict[int, EngineLayout] = {}
-    for gpus in sizes:
-        if gpus not in layouts:
-            try:
-                layouts[gpus] = EngineLayout.from_args({"tp_size": gpus, **args})
-            except P2PWeightsError as e:
-                raise PlanError(f"--engine: {e}") from None
-    return [Engine(gpus=gpus, layout=layouts[gpus]) for gpus in sizes]
+    return sizes
 
 
 def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cost, links: Links,
@@ -184,6 +196,7 @@ def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cos
         "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype,
                   "quantization": shape.fp8.describe() if shape.fp8 is not None else None},
         "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "fsdp": t.fsdp, "pp_gathered": t.pp_gathered},
+        "engine_kind": getattr(args, "engine_kind", "sglang"),
         "engines": [{"engine": i, "gpus": e.gpus, "layout": layout_label(e.layout, shape)}
                     for i, e in enumerate(plan.engines)],
         "summary": {
