@@ -96,6 +96,7 @@ class EngineRank:
         # sglang's restore and post-processing at begin and end, skipped once proven no-ops here
         self.update_hooks = UpdateHooks([self.model] + ([self.draft.model] if self.draft is not None else []),
                                         self.device, name, self.rank, prove=setting("P2PW_RECEIVER_CONTROL") == "folded")
+        self.update_hooks.prove_at_start()  # now, before the rank reports ready: not in its first update (update_hooks.py)
         self.reference = ReferenceModel(self.config, self.engine, self.rank)
         self.loaded_weights = False   # a loader ran in this session (the broadcast path)
         self._broadcast = broadcast
@@ -132,7 +133,7 @@ class EngineRank:
         with self._lock:
             skipped = self.update_hooks.begin()
             self.loaded_weights = False
-        return {"rank": self.rank, "hooks": "skipped" if skipped else "ran"}
+        return {"rank": self.rank, "hooks": "skipped" if skipped else "ran", "traced": self.update_hooks.traced}
 
     def end(self) -> dict:
         """sglang's end_weight_update: post_load_weights (unless a loader ran, which did it) and
@@ -224,6 +225,7 @@ class EngineRank:
             receiver.receive(group, t)
             weights.append((name, t))
         with self._lock, sglang_env.activate(self.model):
+            self.update_hooks.loader_ran()  # before it runs: a failed load is no proof either
             self.model.load_weights(weights)
             if self.draft is not None:  # sglang: every selected runner loads what the target received
                 self.draft.load_weights(weights)

@@ -16,8 +16,17 @@ nothing, they read no weight and wrote none, so what they do cannot depend on th
 and since they left the modules as they found them, every later session starts from the same state
 and does the same thing: nothing. From then on they are skipped (``skipped`` in the rank's begin and
 end answers). One operation or one change refutes the proof for the rank process's life: the hooks
-then always run. A session in which one of sglang's loaders ran (the broadcast path) starts the
-proof over.
+then always run. One of sglang's loaders running (the broadcast path), in a session or not, starts
+the proof over: the next session proves again.
+
+The rank proves at its start (:meth:`UpdateHooks.prove_at_start`, before it reports ready), in an empty
+session of its own, so that its first update's begin and end cost what later ones do. That is the
+proof the first update's session would make: the module state it sees is the same (between the
+rank's start and its first begin nothing changes a module's attributes or a tensor other than a
+parameter: the verbs that could, sglang's loaders, start the proof over), and the only difference,
+the parameters' bytes, is what the proof leaves out (hooks proven to dispatch nothing cannot read
+them). Where the hooks do change things, the empty session is one any sender may open: restore, then
+post-processing of the weights the rank holds.
 
 On the CPU machine's and the H200's code paths the unquantized layouts prove out
 (``UnquantizedLinearMethod`` repacks only for AMX CPUs; docs/replica.md, "Post-processing and
@@ -73,6 +82,7 @@ class UpdateHooks:
         self.verdict = UNPROVEN if prove else CHANGES
         self.why = "" if prove else "not proven: always run"
         self._begun_no_op = False  # this session's begin ran traced and changed nothing
+        self.traced = 0  # traced runs of the hooks (begin or end): the proof's work, for the tests and the log
 
     # -- the session ---------------------------------------------------------------------------------
     def begin(self) -> bool:
@@ -102,8 +112,7 @@ class UpdateHooks:
                         post_load_weights(model)
                     DefaultModelLoader.postprocess_weights(model, torch.device(self.device))
         if loader_ran:  # a loader may have changed what the proof saw: run, and prove again from the next session
-            if self.verdict == NO_OP:
-                self.verdict, self.why = UNPROVEN, ""
+            self.loader_ran()
             self._begun_no_op = False
             post_process()
             return False
@@ -118,8 +127,21 @@ class UpdateHooks:
         self._begun_no_op = False
         return False
 
+    def prove_at_start(self) -> str:
+        """The proof in an empty session (begin, then end; no write, no loader) while unproven: at
+        the rank's start, so that no update pays for it. Answers the verdict."""
+        if self.verdict == UNPROVEN:
+            self.begin()
+            self.end(loader_ran=False)
+        return self.verdict
+
+    def loader_ran(self) -> None:
+        """One of sglang's loaders ran (in a session or not): what was proven may no longer hold."""
+        if self.verdict == NO_OP:
+            self.verdict, self.why = UNPROVEN, ""
+
     def state(self) -> dict:
-        return {"verdict": self.verdict, "why": self.why}
+        return {"verdict": self.verdict, "why": self.why, "traced": self.traced}
 
     # -- the proof -----------------------------------------------------------------------------------
     def _run(self, what: str, hooks: Callable[[], None]) -> bool:
@@ -127,6 +149,7 @@ class UpdateHooks:
         if self.verdict != UNPROVEN:
             hooks()
             return False
+        self.traced += 1
         before = self._state()
         recorder = _operation_recorder()
         with recorder:
