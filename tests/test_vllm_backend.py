@@ -21,7 +21,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 
@@ -41,7 +40,6 @@ from p2pweights.control import protocol as p  # noqa: E402
 from p2pweights.transport.publication import EnginePublication  # noqa: E402
 from replica_configs import write_config  # noqa: E402
 
-GATE = "p2pweights.vllm_backend.gate.SessionGate"
 STARTUP = 900.0  # seconds: three processes import vLLM (20-120 s each on the 2-core machine)
 
 SENDER = r'''
@@ -141,45 +139,16 @@ class Engine(types.SimpleNamespace):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    import uvicorn
+    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
 
-    from p2pweights.vllm_backend.standin_api import StandInEngineClient, api_app
-
-    cfg = write_config("qwen3", str(tmp_path_factory.mktemp("vllm_cfg")))
-    authkey = secrets.token_bytes(16)
-    worker = subprocess.Popen([sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", cfg,
-                               "--seed", "1", "--dist-port", str(free_port())],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    worker.stdin.write(authkey.hex() + "\n")
-    worker.stdin.flush()
-    server = client = None
+    root = tmp_path_factory.mktemp("vllm_cfg")
+    cfg = write_config("qwen3", str(root))
+    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-backend")
     try:
-        ready = read_json_line(worker, STARTUP)
-        client = StandInEngineClient(tuple(ready["address"]), authkey)
-        key = secrets.token_urlsafe(24)
-        app = api_app(["--middleware", GATE, "--api-key", key], client)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started
-        eng = Engine(url=f"http://127.0.0.1:{port}", key=key, client=client, cfg=cfg, app=app)
-        status, answer = eng.call("POST", "/init_weight_transfer_engine", {"init_info": {"transport": "mooncake"}})
-        assert status == 200, answer
-        yield eng
+        standin.wait_ready(STARTUP)  # the worker's memory registered over Mooncake (/init_weight_transfer_engine)
+        yield Engine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
     finally:
-        if server is not None:
-            server.should_exit = True
-        if client is not None:
-            client.close()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        standin.close()
 
 
 def send_checkpoint(engine: Engine, seed: int) -> dict:

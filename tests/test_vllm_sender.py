@@ -12,16 +12,13 @@ fixture sets them to the worker's own config (``cpu_worker.engine_config``)."""
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import GATE, STARTUP, Engine, free_port, read_json_line  # noqa: E402 (skips without vLLM)
+from test_vllm_backend import STARTUP, Engine, free_port, read_json_line  # noqa: E402 (skips without vLLM)
 
 SENDER = r'''
 import json, os, sys
@@ -111,48 +108,16 @@ CHANGED = [0.02, 1]            # version 1 of seed 3's changed family: about 2% 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    import uvicorn
+    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
 
-    from p2pweights.vllm_backend import cpu_worker
-    from p2pweights.vllm_backend.standin_api import StandInEngineClient, api_app
-
-    cfg = write_config("qwen3", str(tmp_path_factory.mktemp("vllm_sender_cfg")))
-    authkey = secrets.token_bytes(16)
-    worker = subprocess.Popen([sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", cfg,
-                               "--seed", "1", "--dist-port", str(free_port())],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    worker.stdin.write(authkey.hex() + "\n")
-    worker.stdin.flush()
-    server = client = None
+    root = tmp_path_factory.mktemp("vllm_sender_cfg")
+    cfg = write_config("qwen3", str(root))
+    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-sender")
     try:
-        vllm_config = cpu_worker.engine_config(cfg)  # the worker's config: what vLLM's API server holds
-        ready = read_json_line(worker, STARTUP)
-        client = StandInEngineClient(tuple(ready["address"]), authkey)
-        client.vllm_config = vllm_config
-        key = secrets.token_urlsafe(24)
-        app = api_app(["--middleware", GATE, "--api-key", key], client)
-        app.state.vllm_config = vllm_config
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        threading.Thread(target=server.run, daemon=True).start()
-        deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started
-        eng = Engine(url=f"http://127.0.0.1:{port}", key=key, client=client, cfg=cfg, app=app)
-        status, answer = eng.call("POST", "/init_weight_transfer_engine", {"init_info": {"transport": "mooncake"}})
-        assert status == 200, answer
-        yield eng
+        standin.wait_ready(STARTUP)  # vLLM's /server_info and /get_world_size answer from the worker's config
+        yield Engine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
     finally:
-        if server is not None:
-            server.should_exit = True
-        if client is not None:
-            client.close()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        standin.close()
 
 
 def references(engine: Engine, wanted: list) -> list[dict[str, str]]:

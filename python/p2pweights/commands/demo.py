@@ -13,16 +13,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b",
                    help="built-in shape (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3, deepseek-v3-fp8-tiny: FP8, "
                         "quantized on send) or a config dir; random weights, no download (default: %(default)s)")
-    p.add_argument("--engine-kind", choices=("receiver", "sglang"), default="receiver",
+    p.add_argument("--engine-kind", choices=("receiver", "sglang", "vllm"), default="receiver",
                    help="what the engines are: receiver (p2pweights' receiver processes, each rank a real sglang "
-                        "model class in host memory) or sglang (real sglang servers, python -m "
+                        "model class in host memory), sglang (real sglang servers, python -m "
                         "sglang.launch_server on the CPU with the p2pweights plugin, publishing over Mooncake TCP; "
                         "--engine tp=N only, transport mooncake, checked by sglang's own /weights_checker "
-                        "checksums) (default: %(default)s)")
+                        "checksums) or vllm (stand-in vLLM 0.33 engines: vLLM's CPU worker, routes and the p2pweights "
+                        "gate, docs/vllm.md; tp=1, transport mooncake, p2p only, checked by vLLM's /weight_checker "
+                        "checksums against a fresh vLLM load) (default: %(default)s)")
     p.add_argument("--engines", type=int, default=2, help="engines to start (default: %(default)s)")
-    p.add_argument("--engine", default="tp=2",
+    p.add_argument("--engine", default=None,
                    help="each engine's layout: tp=..,ep=..,dp_attention=..[,<sglang server arg>=<value>]; a key "
-                        "that does not decide a rank's bytes is refused (default: %(default)s)")
+                        "that does not decide a rank's bytes is refused (default: tp=2; tp=1 with --engine-kind vllm)")
     p.add_argument("--senders", type=int, default=2, help="sender processes, the trainer's data replicas (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="updates per mode (default: %(default)s)")
     p.add_argument("--changed-fraction", type=_fraction, default=None, metavar="F",
@@ -85,9 +87,18 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model)
     except UnknownModel as e:
         raise UnknownModel(f"--model: {e}") from None
-    sglang = args.engine_kind == "sglang"
+    sglang, vllm = args.engine_kind == "sglang", args.engine_kind == "vllm"
+    args.engine = args.engine or ("tp=1" if vllm else "tp=2")
     fp8 = quant_scheme(load_config(model)) is not None
-    if sglang:
+    if vllm:
+        from . import demo_vllm
+
+        if fp8:
+            raise UnsupportedLayout(f"--model {args.model}: --engine-kind vllm: {demo_vllm.WHY_NO_FP8}")
+        demo_vllm.require_vllm()
+        demo_vllm.engine_layout(args.engine)
+        transport, why = demo_vllm.pick_transport(args.transport or _default_transport())
+    elif sglang:
         from . import demo_sglang
 
         if fp8:
@@ -100,10 +111,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         EngineLayout.parse(args.engine, command="demo")
         transport, why = pick_transport(args.transport or _default_transport())
-    modes = [m for m in (args.modes or ("p2p" if fp8 else "p2p,broadcast")).split(",") if m]
+    modes = [m for m in (args.modes or ("p2p" if fp8 or vllm else "p2p,broadcast")).split(",") if m]
     unknown = set(modes) - {"p2p", "broadcast"}
     if unknown:
         raise SystemExit(f"--modes: unknown mode(s) {', '.join(sorted(unknown))}; use p2p and/or broadcast")
+    if vllm:
+        demo_vllm.refuse_modes(modes)  # vLLM's own broadcast baseline needs NCCL on GPUs
     if fp8 and "broadcast" in modes:
         raise SystemExit(f"--modes broadcast: {args.model} is FP8 block-quantized and the broadcast baseline's gloo "
                          f"group has no float8 type; use --modes p2p")
@@ -117,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     progress(f"p2pweights demo: model {args.model}, {args.engines} {args.engine_kind} engine(s) x {args.engine}, "
              f"{args.senders} sender(s), {args.steps} step(s){changed}, transport {transport}{why}, "
              f"modes {','.join(modes)}")
-    run_kind = demo_sglang.run_sglang_demo if sglang else run_demo
+    run_kind = demo_vllm.run_vllm_demo if vllm else demo_sglang.run_sglang_demo if sglang else run_demo
     results = run_kind(model, engines=args.engines, engine=args.engine, senders=args.senders, steps=args.steps,
                        transport=transport, modes=modes, check=not args.no_check, overrides=overrides,
                        progress=progress, verbose=args.verbose, verify=args.verify,

@@ -96,7 +96,6 @@ def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overr
 
         import torch.distributed as dist
 
-        from ..control import SglangEngine
         from ..models.checkpoint import random_checkpoint
         from ..sender.weight_sender import WeightSender
 
@@ -104,8 +103,8 @@ def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overr
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=count,
                                 timeout=datetime.timedelta(seconds=timeout))
         sender = WeightSender(model, group=dist.group.WORLD, **overrides)
-        _, (urls, names) = conn.recv()  # ("connect", (urls, names))
-        sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
+        _, engines = conn.recv()  # ("connect", [{"url", "name", "kind", "api_key"}, ...])
+        sender.connect([engine_client(**e) for e in engines])
         specs = _trainer_specs(sender)
         conn.send(("connected", None))
         while True:
@@ -130,6 +129,15 @@ def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overr
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def engine_client(url: str, name: str, kind: str = "sglang", api_key: str | None = None) -> Any:
+    """A sender's control-plane client of one engine: sglang's (receivers, sglang servers) or vLLM's."""
+    from ..control import SglangEngine, VllmEngine
+
+    if kind == "vllm":
+        return VllmEngine(url, name=name, api_key=api_key)
+    return SglangEngine(url, name=name, api_key=api_key)
 
 
 def _step_answer(update: Any) -> dict:
@@ -195,8 +203,13 @@ class SenderPool:
             self.conns.append(parent)
             self.procs.append(p)
 
-    def connect(self, urls: Sequence[str], names: Sequence[str], timeout: float = STEP_TIMEOUT) -> None:
-        self._tell("connect", (list(urls), list(names)))
+    def connect(self, urls: Sequence[str], names: Sequence[str], timeout: float = STEP_TIMEOUT,
+                kinds: Sequence[str] | None = None, api_keys: Sequence[str | None] | None = None) -> None:
+        """``kinds``/``api_keys``: per engine, its client (:func:`engine_client`; default sglang, no key)."""
+        kinds = kinds or ["sglang"] * len(urls)
+        api_keys = api_keys or [None] * len(urls)
+        self._tell("connect", [{"url": u, "name": n, "kind": k, "api_key": a}
+                               for u, n, k, a in zip(urls, names, kinds, api_keys)])
         self._expect("connected", timeout=timeout)
 
     def _where(self, i: int) -> str:
@@ -293,7 +306,10 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
     if pool is None:
         pool = SenderPool(model, senders, {"transport": transport, **overrides}, timeout=timeout)
     progress(f"p2p: {senders} sender process(es) ({transport}) in one gloo group build their replicas and connect")
-    pool.connect([e.url for e in engines], [e.name for e in engines])
+    # an engine object may name its client kind and key (the vLLM demo's engines do)
+    pool.connect([e.url for e in engines], [e.name for e in engines],
+                 kinds=[getattr(e, "client_kind", "sglang") for e in engines],
+                 api_keys=[getattr(e, "api_key", None) for e in engines])
     progress(f"p2p: senders connected in {time.perf_counter() - t0:.1f} s")
     results = []
     try:

@@ -1,0 +1,119 @@
+"""One stand-in vLLM 0.33 engine on this host, for the tests and ``p2pweights demo --engine-kind vllm``
+(docs/vllm.md, "How it was tested"): a worker process (``cpu_worker.py``: vLLM's ``CpuPlatform``,
+config, Qwen3 model classes, loaders and post-processing, the ``p2pweights`` backend made by vLLM's
+factory) behind vLLM's own RL and dev routers with ``--api-key`` and the gate from ``--middleware``
+(``standin_api.py``), served by uvicorn on 127.0.0.1 in this process; ``/init_weight_transfer_engine``
+registers the worker's memory over Mooncake. Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
+
+    engine = StandInVllmEngine(config_dir, log_path, "engine0")
+    try:
+        engine.wait_ready()       # engine.url, engine.api_key, engine.client, engine.app
+        ...
+    finally:
+        engine.close()
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ..errors import EngineError
+from . import cpu_worker
+from .standin_api import StandInEngineClient, api_app
+
+TRANSPORT = "mooncake"  # what the worker registers its memory with
+GATE = "p2pweights.vllm_backend.gate.SessionGate"
+START_TIMEOUT_S = 900.0  # each worker imports vLLM and builds its model: minutes on a loaded 2-core host
+INIT_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def json_line(proc: subprocess.Popen, timeout: float, what: str) -> Any:
+    """The next JSON line ``proc`` prints, read on a thread so a hung child fails within ``timeout``."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0]:
+        raise EngineError(f"{what} gave no answer within {timeout:.0f} s (exit {proc.poll()})")
+    return json.loads(box[0])
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(30)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait(10)
+
+
+class StandInVllmEngine:
+    """One stand-in vLLM engine (module docstring): ``url``, ``name``, ``api_key``; ``client_kind``
+    tells the demo's senders to drive it with a ``VllmEngine``."""
+
+    client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
+
+    def __init__(self, model_dir: str, log_path: str, name: str):
+        self.model_dir, self.name = model_dir, name
+        self.api_key = secrets.token_urlsafe(24)
+        self._authkey = secrets.token_bytes(16)
+        self._log = open(log_path, "ab")
+        self.url = ""
+        self.client = self.app = self._server = None
+        self._worker: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
+             "--dist-port", str(free_port())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            text=True)
+        self._worker.stdin.write(self._authkey.hex() + "\n")
+        self._worker.stdin.flush()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """The worker's model built; vLLM's routes served; the worker's memory registered (Mooncake)."""
+        import requests
+        import uvicorn
+
+        ready = json_line(self._worker, timeout, f"vLLM worker of {self.name}")
+        vllm_config = cpu_worker.engine_config(self.model_dir)  # what vLLM's API server holds
+        self.client = StandInEngineClient(tuple(ready["address"]), self._authkey)
+        self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
+        self.app = app = api_app(["--middleware", GATE, "--api-key", self.api_key], self.client)
+        app.state.vllm_config = vllm_config
+        port = free_port()
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                     lifespan="off"))
+        threading.Thread(target=self._server.run, name=f"p2pw-{self.name}-api", daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: vLLM's API app did not start serving on port {port}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+        # vLLM's init route, once (no verb of the session: a vLLM deployment runs it when it starts)
+        r = requests.post(self.url + "/init_weight_transfer_engine", json={"init_info": {"transport": TRANSPORT}},
+                          headers={"Authorization": f"Bearer {self.api_key}"}, timeout=INIT_TIMEOUT_S)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /init_weight_transfer_engine answered {r.status_code}: {r.text[:300]}")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self.client is not None:
+            self.client.close()  # the worker's loop ends with it
+        stop_process(self._worker)
+        self._worker = None
+        self._log.close()
