@@ -62,7 +62,8 @@ def test_every_p2pw_name_used_in_the_package_is_declared():
     for path in list(PKG.rglob("*.py")) + list((ROOT / "csrc").rglob("*.[ch]pp")):
         used |= set(re.findall(r"\bP2PW_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     used -= {"P2PW_VERSION", "P2PW_BUILD_BENCHMARKS", "P2PW_BUILD_PYTHON",  # CMake/compile-time, not settings
-             "P2PW_COPY_KERNEL", "P2PW_HAVE_COPY_KERNEL", "P2PW_HAVE_DELTA_KERNEL", "P2PW_NVCC"}
+             "P2PW_COPY_KERNEL", "P2PW_HAVE_COPY_KERNEL", "P2PW_HAVE_DELTA_KERNEL", "P2PW_HAVE_DELTA_APPLY_KERNEL",
+             "P2PW_NVCC"}
     assert used <= set(S.REGISTRY), f"undeclared: {sorted(used - set(S.REGISTRY))}"
 
 
