@@ -14,6 +14,9 @@ Sections (each isolated: a failure is recorded and the next one runs):
               tensors quantized on send, every step checked byte for byte
   profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
   update_profile  the update section with its last step under cProfile (top functions by own time)
+  detection   the change detection alone (one 256 MiB slot at 0/1/10/100% changed; kernels, torch)
+  delta_profile  a steady delta and a full update under torch.profiler, a delta under cProfile
+              (profile_gpu_delta.py)
   connect     benchmarks/profile_connect.py: each phase of a cold, warm, new-sender and disk-cache
               connect (Qwen3-4B TP2 VRAM receiver, NIXL, GPU slots), imports timed apart
 Prints one table per section and writes all rows as JSON.
@@ -30,6 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_gpu_delta  # noqa: E402  (beside this file)
+import profile_gpu_delta  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GiB = 1 << 30
@@ -369,6 +373,8 @@ SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "w
             "update_profile": lambda: section_update(profile=True),
             "update_fp8": section_update_fp8, "update_delta": lambda: bench_gpu_delta.section_update_delta(),
             "update_delta_fp8": lambda: bench_gpu_delta.section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
+            "delta_profile": lambda: profile_gpu_delta.section_delta_profile(),
+            "detection": lambda: bench_gpu_delta.detection_rows(),
             "tests": section_tests, "profile": section_profile, "connect": section_connect}
 
 
