@@ -16,7 +16,8 @@ parameter) against vLLM's checksums of a fresh CPU load of the step's HF tensors
 ``load_weights`` and post-processing, made in a reference process of this module (``python -m
 p2pweights.commands.demo_vllm CONFIG_DIR DIST_PORT``), as tests/test_vllm_sender.py does.
 
-Refused up front: tp other than 1 (the harness runs one worker per engine), FP8 models (not run
+Refused up front: tp other than 1 (the check's reference is a tp=1 load; the stand-in itself runs
+tp=2, tests/test_vllm_tp.py, but not through the demo), FP8 models (not run
 through the harness), ``--transport nixl`` (the harness's engines register over Mooncake only) and
 the broadcast mode: vLLM's own baseline (``/init_weight_transfer_engine`` with its NCCL backend, then
 ``update_weights`` broadcasts) needs NCCL on GPUs, which this host lacks.
@@ -38,8 +39,8 @@ from .demo_run import STEP_TIMEOUT, Checker, SenderPool, StepResult, _free_port,
 
 KIND = "vllm"
 HONOURED = frozenset({"tp_size"})
-WHY_TP1 = ("the demo's stand-in vLLM engines run one CPU worker each (vllm_backend/cpu_worker.py): tp=1 only; "
-           "engines of more ranks were not run")
+WHY_TP1 = ("the demo runs its stand-in vLLM engines at tp=1 only (its check compares with a tp=1 vLLM load); "
+           "engines of more ranks run in tests/test_vllm_tp.py, not through the demo")
 WHY_MOONCAKE = ("the demo's stand-in vLLM engines register their workers' memory over Mooncake only "
                 "(NIXL was not run through the harness)")
 WHY_NO_BROADCAST = ("vLLM's own broadcast baseline (its NCCL weight-transfer backend) needs NCCL on GPUs, which "

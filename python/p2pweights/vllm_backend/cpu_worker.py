@@ -1,20 +1,22 @@
 """A vLLM 0.33 worker on a host where vLLM's own worker cannot run (a CPU-only machine: the CUDA
 wheel has no CPU kernels, docs/vllm_feasibility_notes.md section 5), for tests: one process standing
-where vLLM's worker process would.
+where one of vLLM's worker processes would (an engine of tp ranks runs tp of them).
 
 What is vLLM's own here: the platform (``VLLM_TARGET_DEVICE=cpu``: ``CpuPlatform``), the config
-(``EngineArgs(..., weight_transfer_config={"backend": "p2pweights"}).create_engine_config()``), the
-distributed groups (one gloo rank), the model classes, their ``load_weights`` and post-processing,
-the backend made by ``WeightTransferEngineFactory.create_engine`` as ``gpu_worker.load_model``
-makes it, and the worker methods every RPC runs (``CPUWorker``'s ``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``, ``compute_weight_checksums``,
-``reset_weights``), called through vLLM's ``run_method`` as its executors call them. Not vLLM's: the
-worker object is made without ``Worker.__init__`` (``WorkerBase.__init__`` only: no device setup,
-KV cache or compile), its model runner is a holder of the model, and the RPCs arrive over a
+(``EngineArgs(..., tensor_parallel_size=tp, weight_transfer_config={"backend": "p2pweights"})``),
+the distributed groups (gloo, one rank per worker process), the model classes, their
+``load_weights`` (which shard for the worker's TP rank) and post-processing, the backend made by
+``WeightTransferEngineFactory.create_engine`` as ``gpu_worker.load_model`` makes it, and the worker
+methods every RPC runs (``CPUWorker``'s ``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``, ``compute_weight_checksums``, ``reset_weights``),
+called through vLLM's ``run_method`` as its executors call them. Not vLLM's: the worker object is
+made without ``Worker.__init__`` (``WorkerBase.__init__`` only: no device setup, KV cache or
+compile), its model runner is a holder of the model, and the RPCs arrive over a
 ``multiprocessing.connection`` (authkey) instead of vLLM's ZMQ engine-core channel.
 
-    python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P
-    # prints {"event": "ready", "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
+    python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R]
+    # prints {"event": "ready", "rank": R, "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
+    # the --tp workers of one engine share --dist-port (gloo's rendezvous) and start together
 """
 from __future__ import annotations
 
@@ -44,19 +46,38 @@ class ModelHolder:
         return None
 
 
-def engine_config(config_dir: str) -> Any:
-    """vLLM's config of one worker for ``config_dir`` with the ``p2pweights`` backend."""
+def engine_config(config_dir: str, tp: int = 1) -> Any:
+    """vLLM's config of one worker of a ``tp``-rank engine for ``config_dir`` with the ``p2pweights`` backend."""
     from vllm.engine.arg_utils import EngineArgs
 
     register()  # what the vllm.general_plugins entry point runs (an installed wheel's metadata may predate it)
-    return EngineArgs(model=config_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy",
-                      enforce_eager=True, max_model_len=256,
-                      weight_transfer_config={"backend": "p2pweights"}).create_engine_config()
+    config = EngineArgs(model=config_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy",
+                        enforce_eager=True, max_model_len=256, tensor_parallel_size=tp,
+                        weight_transfer_config={"backend": "p2pweights"}).create_engine_config()
+    without_absent_cpu_kernels()
+    return config
 
 
-def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *, post_process: bool = True) -> Any:
-    """vLLM's model class of ``config_dir`` on the CPU, loaded by its own ``load_weights`` from
-    p2pweights' random checkpoint ``seed`` (HF names), post-processed by vLLM (``post_process``)."""
+def without_absent_cpu_kernels() -> None:
+    """On a CPU with AMX tiles, vLLM's CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``, run by
+    post-processing) packs small BF16 weights for sgl-kernel through ``torch.ops._C``, which the CUDA
+    wheel installed here lacks (AttributeError at load). Where that op is absent, the dispatch is
+    made to take vLLM's path of a CPU without AMX (``check_cpu_sgl_kernel`` false: weights stay
+    where they were loaded). A real AMX CPU engine would repack and drop them, which the backend
+    refuses (``RankMemory.check_in_place``)."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
+
+
+def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *, post_process: bool = True,
+                rank: int = 0) -> Any:
+    """TP rank ``rank``'s part of vLLM's model class of ``config_dir`` on the CPU, loaded by its own
+    ``load_weights`` (which shards for the rank) from p2pweights' random checkpoint ``seed`` (HF
+    names), post-processed by vLLM (``post_process``). With tp > 1 (``vllm_config``) every rank's
+    process calls this with the same ``dist_port``: gloo's rendezvous waits for all of them."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -64,9 +85,10 @@ def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *,
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
-        initialize_model_parallel(tensor_model_parallel_size=1)
+        initialize_model_parallel(tensor_model_parallel_size=tp)
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vllm_config)
         model.load_weights(random_checkpoint(checkpoint_tensors(config_dir), seed))
@@ -75,16 +97,16 @@ def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *,
     return model
 
 
-def make_worker(vllm_config: Any, model: Any) -> Any:
-    """vLLM's ``CPUWorker`` holding ``model``, its backend made by vLLM's factory."""
+def make_worker(vllm_config: Any, model: Any, rank: int = 0) -> Any:
+    """vLLM's ``CPUWorker`` of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory."""
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.worker_base import WorkerBase
 
     worker = object.__new__(CPUWorker)
-    WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=0, rank=0,
-                        distributed_init_method="", is_driver_worker=True)
+    WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=rank, rank=rank,
+                        distributed_init_method="", is_driver_worker=rank == 0)
     worker.device = torch.device("cpu")
     worker.model_runner = ModelHolder(model)
     worker._weight_update_active, worker._weight_update_is_draft = False, False
@@ -93,7 +115,7 @@ def make_worker(vllm_config: Any, model: Any) -> Any:
     return worker
 
 
-def serve(worker: Any, vllm_config: Any, authkey: bytes, out: Any) -> None:
+def serve(worker: Any, vllm_config: Any, authkey: bytes, out: Any, rank: int = 0) -> None:
     """Run each RPC that arrives with vLLM's ``run_method`` on ``worker``, one at a time."""
     from multiprocessing.connection import Listener
 
@@ -101,7 +123,7 @@ def serve(worker: Any, vllm_config: Any, authkey: bytes, out: Any) -> None:
     from vllm.v1.serial_utils import run_method
 
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-        print(json.dumps({"event": "ready", "address": list(listener.address), "pid": os.getpid()}), file=out,
+        print(json.dumps({"event": "ready", "rank": rank, "address": list(listener.address), "pid": os.getpid()}), file=out,
               flush=True)
         while True:
             with listener.accept() as conn:
@@ -124,17 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dist-port", type=int, required=True)
+    ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size (its worker count)")
+    ap.add_argument("--rank", type=int, default=0, help="this worker's TP rank, 0 .. tp-1")
     args = ap.parse_args(argv)
+    if not 0 <= args.rank < args.tp:
+        ap.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
     out = os.fdopen(os.dup(1), "w")  # the ready line owns stdout; what vLLM prints goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    vllm_config = engine_config(args.model)
-    model = build_model(vllm_config, args.model, args.seed, args.dist_port)
-    worker = make_worker(vllm_config, model)
+    vllm_config = engine_config(args.model, args.tp)
+    model = build_model(vllm_config, args.model, args.seed, args.dist_port, rank=args.rank)
+    worker = make_worker(vllm_config, model, args.rank)
     try:
-        serve(worker, vllm_config, authkey, out)
+        serve(worker, vllm_config, authkey, out, args.rank)
     finally:
         worker.weight_transfer_engine.shutdown()
     return 0

@@ -6,8 +6,9 @@ from its command-line option) on a FastAPI app, with an engine client that stand
 packages this host lacks; neither touches the routes the gate covers.
 
 :class:`StandInEngineClient`: ``AsyncLLM``'s own weight-transfer methods (each is a
-``collective_rpc``), over a connection to a ``cpu_worker`` process instead of vLLM's engine core;
-pause, resume and the weight version are kept here, as the engine core's scheduler keeps them.
+``collective_rpc``), over one connection per ``cpu_worker`` process (one per TP rank) instead of
+vLLM's engine core; pause, resume and the weight version are kept here, as the engine core's
+scheduler keeps them.
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ def _async_llm_method(name: str) -> Any:
 
 
 class StandInEngineClient:
-    """The API server's engine client (module docstring); ``address``/``authkey``: a cpu_worker's."""
+    """The API server's engine client (module docstring); ``addresses``: the cpu_workers', in rank
+    order; ``authkey``: theirs."""
 
-    def __init__(self, address: tuple[str, int], authkey: bytes):
+    def __init__(self, addresses: list[tuple[str, int]], authkey: bytes):
         from multiprocessing.connection import Client
 
-        self._conn = Client(tuple(address), authkey=authkey)
-        self._lock = threading.Lock()
+        self._conns = [Client(tuple(address), authkey=authkey) for address in addresses]
+        self._locks = [threading.Lock() for _ in self._conns]  # one call in flight per worker
         self.paused = False
         self.weight_version = "default"
         self.calls: list[str] = []  # what reached the workers (the tests read it)
@@ -37,18 +39,23 @@ class StandInEngineClient:
                      "start_draft_weight_update", "update_weights", "finish_weight_update"):
             setattr(self, name, _async_llm_method(name).__get__(self))  # vLLM's own, over collective_rpc
 
-    def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        with self._lock:
-            self._conn.send((method, list(args), dict(kwargs)))
-            status, result = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"Call to collective_rpc method {method!r} failed: {result}")
-        return result
+    def _call(self, rank: int, method: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        with self._locks[rank]:
+            self._conns[rank].send((method, list(args), dict(kwargs)))
+            return self._conns[rank].recv()
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list[Any]:
+        """Every worker runs ``method`` at once (a rank's call may wait in a collective for the
+        others'); their results in rank order, as vLLM's ``collective_rpc`` answers. A worker's error
+        fails the call once every worker answered (none is left mid-call)."""
         self.calls.append(method if method != "weight_transfer_engine" else f"{method}:{args[0]}")
-        return [await asyncio.to_thread(self._call, method, args, kwargs or {})]  # one worker
+        answers = await asyncio.gather(*(asyncio.to_thread(self._call, rank, method, args, kwargs or {})
+                                         for rank in range(len(self._conns))))
+        failed = [f"rank {rank}: {result}" for rank, (status, result) in enumerate(answers) if status != "ok"]
+        if failed:
+            raise RuntimeError(f"Call to collective_rpc method {method!r} failed: {'; '.join(failed)}")
+        return [result for _, result in answers]
 
     async def compute_weight_checksums(self) -> list[dict[str, str]]:
         return await self.collective_rpc("compute_weight_checksums")
@@ -69,11 +76,12 @@ class StandInEngineClient:
         return self.weight_version
 
     def close(self) -> None:
-        try:
-            self._conn.send(("exit", [], {}))
-        except OSError:
-            pass
-        self._conn.close()
+        for conn in self._conns:
+            try:
+                conn.send(("exit", [], {}))
+            except OSError:
+                pass
+            conn.close()
 
 
 def api_app(argv: list[str], client: Any) -> Any:

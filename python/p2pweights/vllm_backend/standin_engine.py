@@ -1,11 +1,13 @@
 """One stand-in vLLM 0.33 engine on this host, for the tests and ``p2pweights demo --engine-kind vllm``
-(docs/vllm.md, "How it was tested"): a worker process (``cpu_worker.py``: vLLM's ``CpuPlatform``,
-config, Qwen3 model classes, loaders and post-processing, the ``p2pweights`` backend made by vLLM's
-factory) behind vLLM's own RL and dev routers with ``--api-key`` and the gate from ``--middleware``
-(``standin_api.py``), served by uvicorn on 127.0.0.1 in this process; ``/init_weight_transfer_engine``
-registers the worker's memory over Mooncake. Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
+(docs/vllm.md, "How it was tested"): ``tp`` worker processes (``cpu_worker.py``, one per TP rank,
+in one gloo group: vLLM's ``CpuPlatform``, config, Qwen3 model classes, loaders that shard for the
+rank, post-processing, the ``p2pweights`` backend made by vLLM's factory) behind vLLM's own RL and
+dev routers with ``--api-key`` and the gate from ``--middleware`` (``standin_api.py``, whose client
+fans every RPC out to all workers), served by uvicorn on 127.0.0.1 in this process;
+``/init_weight_transfer_engine`` registers every worker's memory over Mooncake (each rank its own
+publication). Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
 
-    engine = StandInVllmEngine(config_dir, log_path, "engine0")
+    engine = StandInVllmEngine(config_dir, log_path, "engine0", tp=2)
     try:
         engine.wait_ready()       # engine.url, engine.api_key, engine.client, engine.app
         ...
@@ -45,8 +47,14 @@ def json_line(proc: subprocess.Popen, timeout: float, what: str) -> Any:
     reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
-    if not box or not box[0]:
+    if not box:
         raise EngineError(f"{what} gave no answer within {timeout:.0f} s (exit {proc.poll()})")
+    if not box[0]:  # its stdout closed: it is exiting (its log says why)
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        raise EngineError(f"{what} closed its output before answering (exit {code}; its log says why)")
     return json.loads(box[0])
 
 
@@ -68,30 +76,43 @@ class StandInVllmEngine:
 
     client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
 
-    def __init__(self, model_dir: str, log_path: str, name: str):
-        self.model_dir, self.name = model_dir, name
+    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1):
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"stand-in vLLM engine {name}: tp must be an integer >= 1, got {tp!r}")
+        self.model_dir, self.name, self.tp = model_dir, name, tp
         self.api_key = secrets.token_urlsafe(24)
         self._authkey = secrets.token_bytes(16)
         self._log = open(log_path, "ab")
         self.url = ""
         self.client = self.app = self._server = None
-        self._worker: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
-             "--dist-port", str(free_port())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True)
-        self._worker.stdin.write(self._authkey.hex() + "\n")
-        self._worker.stdin.flush()
+        dist_port = free_port()  # the workers' gloo rendezvous: all tp of them join it
+        self._workers: list[subprocess.Popen] = []
+        for rank in range(tp):
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
+                 "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank)], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self._log, text=True)
+            self._workers.append(worker)
+            worker.stdin.write(self._authkey.hex() + "\n")
+            worker.stdin.flush()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """The worker's model built; vLLM's routes served; the worker's memory registered (Mooncake)."""
+        """Every worker's model built; vLLM's routes served; every worker's memory registered (Mooncake)."""
         import requests
         import uvicorn
 
-        ready = json_line(self._worker, timeout, f"vLLM worker of {self.name}")
-        vllm_config = cpu_worker.engine_config(self.model_dir)  # what vLLM's API server holds
-        self.client = StandInEngineClient(tuple(ready["address"]), self._authkey)
+        deadline = time.monotonic() + timeout
+        addresses = []
+        for rank, worker in enumerate(self._workers):  # built together: the later ones are ready about as soon
+            ready = json_line(worker, max(1.0, deadline - time.monotonic()), f"vLLM worker rank {rank} of {self.name}")
+            if ready.get("rank") != rank:
+                raise EngineError(f"{self.name}: worker rank {rank} says it is rank {ready.get('rank')}")
+            addresses.append(tuple(ready["address"]))
+        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp)  # what vLLM's API server holds
+        self.client = StandInEngineClient(addresses, self._authkey)
         self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
-        self.app = app = api_app(["--middleware", GATE, "--api-key", self.api_key], self.client)
+        self.app = app = api_app(["--middleware", GATE, f"--api-key={self.api_key}"],  # one token: a key may start with "-"
+                                       self.client)
         app.state.vllm_config = vllm_config
         port = free_port()
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -113,7 +134,8 @@ class StandInVllmEngine:
         if self._server is not None:
             self._server.should_exit = True
         if self.client is not None:
-            self.client.close()  # the worker's loop ends with it
-        stop_process(self._worker)
-        self._worker = None
+            self.client.close()  # the workers' loops end with it
+        for worker in self._workers:
+            stop_process(worker)
+        self._workers = []
         self._log.close()
