@@ -148,6 +148,38 @@ def test_one_flipped_byte_fails_the_update_naming_rank_and_parameter_and_the_eng
         sender.close()
 
 
+def test_a_verify_failure_after_an_update_that_wrote_nothing_never_resumes_the_engine(model, engine, monkeypatch):
+    # the same checkpoint again: every delta record is empty, no slot reaches the writer; the byte
+    # flipped behind the sender's back is caught by the digests, and the engine must stay paused
+    # (the session left open), not be rolled back into serving memory known to differ
+    specs = checkpoint_tensors(model)
+    target = "model.layers.0.mlp.down_proj.weight"
+    real_verify = update_module.verify_written
+
+    def corrupt_then_verify(*args, **kwargs):
+        _flip_one_byte(engine.url, 0, target)
+        return real_verify(*args, **kwargs)
+
+    sender = WeightSender(model, transport="mooncake", buffer_size=1 << 20)
+    client = SglangEngine(engine.url, name=engine.name)
+    try:
+        sender.connect([client])
+        _push(sender, "w1", 4, specs, verify=True)
+        monkeypatch.setattr(update_module, "verify_written", corrupt_then_verify)
+        with pytest.raises(UpdateFailed) as info:
+            _push(sender, "w2", 4, specs, verify=True)
+        assert info.value.parameter == target and "stay paused with their session open" in str(info.value)
+        assert client.weight_version() == "w1"
+        with pytest.raises(EngineError):  # the session is still open: nobody else may version it
+            client.update_weight_version("w2")
+        monkeypatch.setattr(update_module, "verify_written", real_verify)
+        _push(sender, "w3", 4, specs, verify=True)  # full again (the failed update dropped the base): healed
+        assert client.weight_version() == "w3"
+        assert check_weights_equal(engine.url, hf_seed=4)["success"]
+    finally:
+        sender.close()
+
+
 def test_without_verify_the_flipped_byte_goes_unnoticed(model, engine, monkeypatch):
     """What verify=True is for: the same corruption, unverified, is served as the new version."""
     from p2pweights.control import UpdateSession

@@ -328,8 +328,9 @@ class Update:
                     len(rep.engines), data_seconds)
         me = self._group.index
         differ = self._verify(rep)  # verify=True: before any engine is told to end (it stays paused)
+        # weights that differ count as written: memory known to differ is never resumed (rolled back)
         statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
-                                             written=self._written,
+                                             written=self._written or bool(differ),
                                              deltas=self._deltas.written() if self._deltas is not None else {}))
         failures = all_failures(statuses)
         if failures:
