@@ -52,15 +52,26 @@ def test_the_vllm_demo_updates_a_stand_in_engine_equal_to_a_fresh_vllm_load_then
     assert not second["delta_reason"], second
 
 
+def test_the_vllm_demo_updates_a_tp2_engine_rank_by_rank_equal_to_a_fresh_tp2_vllm_load(cfg, capsys):
+    rc = demo.run(_args("--model", cfg, "--engine", "tp=2", "--engines", "1", "--senders", "1", "--steps", "2",
+                        "--changed-fraction", "0.01", "--transport", "mooncake", "--json"))
+    out = capsys.readouterr()
+    steps = json.loads(out.out[out.out.index('{\n  "steps"'):])["steps"]
+    assert rc == 0, out.err[-3000:]
+    assert all(s["equal"] is True for s in steps), [s["detail"] for s in steps]
+    first, second = steps
+    assert first["bytes_written"] == first["bytes"] and 0 < second["bytes_written"] < second["bytes"] // 4, second
+
+
 def test_what_the_stand_in_vllm_engines_cannot_do_is_refused_before_anything_starts(cfg, monkeypatch):
     with pytest.raises(WrongTransport, match="Mooncake only"):
         demo.run(_args("--model", cfg, "--transport", "nixl"))
     with pytest.raises(UnsupportedLayout, match="NCCL on GPUs"):
         demo.run(_args("--model", cfg, "--modes", "p2p,broadcast", "--transport", "mooncake"))
-    with pytest.raises(UnsupportedLayout, match="tp=1 only"):
-        demo.run(_args("--model", cfg, "--engine", "tp=2", "--transport", "mooncake"))
-    with pytest.raises(UnsupportedLayout, match="tp=1 only"):
+    with pytest.raises(UnsupportedLayout, match="tensor parallelism only"):
         demo.run(_args("--model", cfg, "--engine", "tp=1,ep=2", "--transport", "mooncake"))
+    with pytest.raises(UnsupportedLayout, match="tensor parallelism only"):
+        demo.run(_args("--model", cfg, "--engine", "tp=2,dp=2", "--transport", "mooncake"))
     with pytest.raises(UnsupportedLayout, match="BF16 models only"):
         demo.run(_args("--model", "deepseek-v3-fp8-tiny", "--transport", "mooncake"))
     with pytest.raises(UnsupportedLayout, match="NCCL on GPUs"):  # the function refuses too, not only the command

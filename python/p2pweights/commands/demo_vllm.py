@@ -16,8 +16,9 @@ parameter) against vLLM's checksums of a fresh CPU load of the step's HF tensors
 ``load_weights`` and post-processing, made in a reference process of this module (``python -m
 p2pweights.commands.demo_vllm CONFIG_DIR DIST_PORT``), as tests/test_vllm_sender.py does.
 
-Refused up front: tp other than 1 (the check's reference is a tp=1 load; the stand-in itself runs
-tp=2, tests/test_vllm_tp.py, but not through the demo), FP8 models (not run
+An engine of ``--engine tp=N`` runs N worker processes (one per TP rank, one gloo group), and the
+check's reference loads at the same tp (N processes), keyed per TP rank as vLLM's checksums are.
+Refused up front: any layout key but tp (dp, ep and pp were not run), FP8 models (not run
 through the harness), ``--transport nixl`` (the harness's engines register over Mooncake only) and
 the broadcast mode: vLLM's own baseline (``/init_weight_transfer_engine`` with its NCCL backend, then
 ``update_weights`` broadcasts) needs NCCL on GPUs, which this host lacks.
@@ -39,8 +40,8 @@ from .demo_run import STEP_TIMEOUT, Checker, SenderPool, StepResult, _free_port,
 
 KIND = "vllm"
 HONOURED = frozenset({"tp_size"})
-WHY_TP1 = ("the demo runs its stand-in vLLM engines at tp=1 only (its check compares with a tp=1 vLLM load); "
-           "engines of more ranks run in tests/test_vllm_tp.py, not through the demo")
+WHY_TP_ONLY = ("the demo's stand-in vLLM engines take tensor parallelism only (one CPU worker process per TP rank); "
+               "dp, ep and pp were not run through them")
 WHY_MOONCAKE = ("the demo's stand-in vLLM engines register their workers' memory over Mooncake only "
                 "(NIXL was not run through the harness)")
 WHY_NO_BROADCAST = ("vLLM's own broadcast baseline (its NCCL weight-transfer backend) needs NCCL on GPUs, which "
@@ -60,12 +61,9 @@ def require_vllm() -> None:
 
 
 def engine_layout(spec: str) -> EngineLayout:
-    """``--engine`` for this kind: ``tp=1`` only, every other key refused (one line, exit 2)."""
-    layout = EngineLayout.from_args(parse_layout_spec(spec, command=f"demo --engine-kind {KIND}", honours=HONOURED,
-                                                      why=WHY_TP1))
-    if layout.tp_size != 1:
-        raise UnsupportedLayout(f"--engine tp={layout.tp_size}: {WHY_TP1}")
-    return layout
+    """``--engine`` for this kind: ``tp=N``, every other key refused (one line, exit 2)."""
+    return EngineLayout.from_args(parse_layout_spec(spec, command=f"demo --engine-kind {KIND}", honours=HONOURED,
+                                                    why=WHY_TP_ONLY))
 
 
 def pick_transport(name: str) -> tuple[str, str]:
@@ -96,39 +94,46 @@ def _vllm_environment() -> None:
 
 
 class References:
-    """vLLM's checksums of a fresh CPU load of a step's checkpoint, from one reference process (this
-    module's ``__main__``), which imports vLLM and builds the model while the engines start."""
+    """vLLM's checksums of a fresh CPU load of a step's checkpoint at ``tp`` ranks, from ``tp``
+    reference processes in their own gloo group (this module's ``__main__``), which import vLLM and
+    build the model while the engines start; keyed ``tp<rank>:<name>``."""
 
-    def __init__(self, model_dir: str, log_path: str):
+    def __init__(self, model_dir: str, log_path: str, tp: int = 1):
         self._log = open(log_path, "ab")
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", __name__, model_dir, str(_free_port())], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._log, text=True)
+        port = _free_port()
+        self.procs: list[subprocess.Popen] = [subprocess.Popen(
+            [sys.executable, "-m", __name__, model_dir, str(port), str(tp), str(rank)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log, text=True) for rank in range(tp)]
         self._cache: dict[str, dict[str, str]] = {}
 
     def of(self, seed: int, changed: tuple[float, int] | None) -> dict[str, str]:
         key = json.dumps([seed, list(changed) if changed else None])
         if key not in self._cache:
-            self.proc.stdin.write(key + "\n")
-            self.proc.stdin.flush()
-            self._cache[key] = json_line(self.proc, START_TIMEOUT_S, "the vLLM reference process")
+            for proc in self.procs:  # every rank loads at once: their loaders may meet in a collective
+                proc.stdin.write(key + "\n")
+                proc.stdin.flush()
+            merged: dict[str, str] = {}
+            for rank, proc in enumerate(self.procs):
+                merged.update(json_line(proc, START_TIMEOUT_S, f"the vLLM reference process of rank {rank}"))
+            self._cache[key] = merged
         return self._cache[key]
 
     def close(self) -> None:
-        stop_process(self.proc)
-        self.proc = None
+        for proc in self.procs:
+            stop_process(proc)
+        self.procs = []
         self._log.close()
 
 
 def engine_checksums(engine: StandInVllmEngine) -> dict[str, str]:
-    """vLLM's ``/weight_checker`` checksums of a tp=1 engine, by parameter name."""
+    """vLLM's ``/weight_checker`` checksums of an engine, keyed ``tp<rank>:<name>``."""
     from ..control import VllmEngine
 
     answer = VllmEngine(engine.url, api_key=engine.api_key, name=engine.name, timeout=STEP_TIMEOUT).weights_checker()
     sums = answer.get("checksums") if isinstance(answer, dict) else None
     if not isinstance(sums, dict):
         raise EngineError(f"{engine.name}: /weight_checker answered no checksums")
-    return {k.split(":", 4)[-1]: v for k, v in sums.items()}  # "dp0:pp0:pcp0:tp0:<name>"
+    return {k.split(":", 3)[-1]: v for k, v in sums.items()}  # "dp0:pp0:pcp0:tp0:<name>"
 
 
 def compare(held: Mapping[str, str], want: Mapping[str, str], name: str) -> tuple[bool, str]:
@@ -160,10 +165,10 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
                   transport: str = TRANSPORT, modes: Sequence[str] = ("p2p",), check: bool = True,
                   overrides: dict | None = None, progress: Callable[[str], None] = print, verbose: bool = False,
                   verify: str = "off", changed_fraction: float | None = None) -> list[StepResult]:
-    """The demo's P2P steps against ``engines`` stand-in vLLM engines (``engine``: ``tp=1``);
+    """The demo's P2P steps against ``engines`` stand-in vLLM engines (``engine``: ``tp=N``);
     refusals as the module docstring says, before anything starts."""
     require_vllm()
-    engine_layout(engine)
+    tp = engine_layout(engine).tp_size
     pick_transport(transport)
     refuse_modes(modes)
     _vllm_environment()
@@ -171,7 +176,7 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
     model_dir = _model_dir(model)
     log_dir = tempfile.mkdtemp(prefix="p2pw-demo-vllm-")
     t0 = time.perf_counter()
-    progress(f"starting {engines} stand-in vLLM engine(s) x tp=1 on the CPU (vLLM's CpuPlatform worker, vLLM's "
+    progress(f"starting {engines} stand-in vLLM engine(s) x tp={tp} on the CPU (vLLM's CpuPlatform worker, vLLM's "
              f"routes and the gate over uvicorn, weights registered over Mooncake TCP on 127.0.0.1; logs in "
              f"{log_dir}) ...")
     running: list[StandInVllmEngine] = []
@@ -180,12 +185,12 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
     results: list[StepResult] = []
     try:
         for i in range(engines):
-            running.append(StandInVllmEngine(model_dir, os.path.join(log_dir, f"engine{i}.log"), f"engine{i}"))
+            running.append(StandInVllmEngine(model_dir, os.path.join(log_dir, f"engine{i}.log"), f"engine{i}", tp=tp))
         if "p2p" in modes:  # the senders import vLLM and build their replicas while the engines start
             pool = SenderPool(model, senders, {"transport": TRANSPORT, **overrides},
                               None if verbose else log_dir, timeout=STEP_TIMEOUT)
         if check:  # and so does the reference process
-            references = References(model_dir, os.path.join(log_dir, "reference.log"))
+            references = References(model_dir, os.path.join(log_dir, "reference.log"), tp)
         for e in running:
             e.wait_ready()
         progress(f"engines up in {time.perf_counter() - t0:.1f} s: " + ", ".join(f"{e.name} {e.url}" for e in running))
@@ -205,9 +210,10 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
     return results
 
 
-def _reference_main(config_dir: str, dist_port: int) -> int:
+def _reference_main(config_dir: str, dist_port: int, tp: int = 1, rank: int = 0) -> int:
     """Per JSON line ``[seed, changed]`` on stdin: vLLM's checksums of a fresh CPU load of that
-    checkpoint (one model, loaded again by vLLM's own ``load_weights`` and post-processed), one line."""
+    checkpoint for TP rank ``rank`` of ``tp`` (one model, loaded again by vLLM's own ``load_weights``
+    and post-processed), one line, keyed ``tp<rank>:<name>``."""
     out = os.fdopen(os.dup(1), "w")  # the answers own stdout; what vLLM prints goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -220,17 +226,18 @@ def _reference_main(config_dir: str, dist_port: int) -> int:
     from ..models.checkpoint import checkpoint_tensors, random_checkpoint
     from ..vllm_backend import cpu_worker
 
-    vc = cpu_worker.engine_config(config_dir)
-    model = cpu_worker.build_model(vc, config_dir, 1, dist_port)
+    vc = cpu_worker.engine_config(config_dir, tp)
+    model = cpu_worker.build_model(vc, config_dir, 1, dist_port, rank=rank)
     specs = checkpoint_tensors(config_dir)
     for line in sys.stdin:
         seed, changed = json.loads(line)
         with set_current_vllm_config(vc):
             model.load_weights(random_checkpoint(specs, seed, changed=tuple(changed) if changed else None))
             process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
-        print(json.dumps(compute_tensor_digests(model)), file=out, flush=True)
+        print(json.dumps({f"tp{rank}:{n}": d for n, d in compute_tensor_digests(model).items()}), file=out,
+              flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_reference_main(sys.argv[1], int(sys.argv[2])))
+    sys.exit(_reference_main(sys.argv[1], *(int(a) for a in sys.argv[2:5])))
