@@ -8,8 +8,8 @@ from ..errors import UpdateFailed
 ON_FAILURE = (FailurePolicy.RESUME_IF_UNWRITTEN, FailurePolicy.LEAVE_PAUSED)
 UNTOUCHED = "nothing was written and the engines were not paused"
 ROLLED_BACK = "nothing was written: the engines ended the session without a version bump and generate again"
-LEFT_PAUSED = ("writes may have landed (or verify found weights that differ): the engines stay paused with their session open at their old version; "
-               "the next complete update heals them")
+LEFT_PAUSED = ("writes may have landed (or verify found weights that differ): the engines stay paused with their "
+               "session open at their old version; the next complete update heals them")
 KEPT_PAUSED = ("on_failure='leave_paused': the engines stay paused with their session open at their old version; "
                "the next complete update heals them")
 NOT_CONTROLLED = "this update does not control the engines (control=False): their coordinator decides"
