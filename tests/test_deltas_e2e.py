@@ -95,7 +95,12 @@ def test_delta_updates_equal_full_updates_byte_for_byte(tmp_path_factory, monkey
                 elif fraction == 1.0:  # most elements new: dense records are the parameters' usual writes
                     assert 0.5 * ra.bytes < ra.bytes_written <= 1.05 * ra.bytes
                 assert ra.bytes <= ra.base_bytes < 1.1 * ra.bytes  # one buffer per rank, parameters on 256 B
-            assert "deltas:" in str(ra)
+                # the sender's memory: its slots (a quarter more for the spare), the incomplete groups'
+                # peak (no more than the checkpoint pushed), and the bases
+                assert ra.slot_bytes == sa._buffers.total_bytes >= 2 * sa._buffers.slot_bytes
+                assert 0 < ra.staged_peak_bytes <= sum(int(t.numel()) * t.element_size() for _, t in items)
+                assert ra.to_dict()["memory_bytes"] == ra.slot_bytes + ra.staged_peak_bytes + ra.base_bytes
+            assert "deltas:" in str(ra) and "sender memory" in str(ra)
     finally:
         a.close()
         b.close()

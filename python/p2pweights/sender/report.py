@@ -89,6 +89,19 @@ class UpdateReport:
     bytes_written: int = 0
     base_bytes: int = 0
     changed_bytes: int = 0
+    # the sender's memory for updates (docs/sender.md, "Memory"): its transfer slots (spare bytes
+    # included; in ``slot_location``), the most one prepared engine rank's incomplete parameter groups
+    # held at once in this update (tensors pushed and waiting for the rest of their group, which the
+    # ranks share: the trainer's own unless made here, a DTensor's gather or a quantize on send), and
+    # ``base_bytes``
+    slot_bytes: int = 0
+    slot_location: str = ""
+    staged_peak_bytes: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Slots + the incomplete groups' peak + bases: what this sender held for the update."""
+        return self.slot_bytes + self.staged_peak_bytes + self.base_bytes
 
     @property
     def delta_reason(self) -> dict[str, str]:
@@ -107,6 +120,7 @@ class UpdateReport:
         d = asdict(self)
         d["gbps"] = self.gbps
         d["delta_reason"] = self.delta_reason
+        d["memory_bytes"] = self.memory_bytes
         return d
 
     @property
@@ -123,6 +137,10 @@ class UpdateReport:
                                                        f"other threads {self.cpu_seconds - self.caller_cpu_seconds:.3f} s)"
                                                        if self.caller_cpu_seconds is not None else ""),
         ]
+        lines.append(f"  sender memory {format_size(self.memory_bytes)}: slots {format_size(self.slot_bytes)}"
+                     + (f" ({self.slot_location})" if self.slot_location else "")
+                     + f", incomplete groups at most {format_size(self.staged_peak_bytes)}, bases "
+                     f"{format_size(self.base_bytes)}")
         if self.base_bytes or self.bytes_written != self.bytes:
             deltas = sum(e.delta for e in self.engines)
             lines.append(f"  deltas: {format_size(self.bytes_written)} written for {format_size(self.bytes)} "

@@ -72,6 +72,9 @@ class GroupStager:
         self._staged: dict[int, dict[str, Any]] = {}
         self._done: set[int] = set()
         self._pending: dict[int, int] = {}  # FP8 engines: see _complete
+        self._held: dict[int, int] = {}  # bytes of each incomplete group's staged tensors
+        self.held_bytes = 0  # of every incomplete group, now
+        self.peak_held_bytes = 0  # the most at once in this update (the report's sender memory)
 
     @property
     def staged_bytes(self) -> int:
@@ -112,9 +115,14 @@ class GroupStager:
         if self._scale_of:
             self._check_pair(name, tensor, staged)
         staged[name] = tensor
+        nbytes = int(tensor.numel()) * tensor.element_size()
+        self._held[g] = self._held.get(g, 0) + nbytes
+        self.held_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         if not self._complete(g, name, staged):
             return None
         del self._staged[g]
+        self.held_bytes -= self._held.pop(g)
         self._done.add(g)
         return g, staged
 

@@ -494,6 +494,6 @@ class Update:
     def _report(self, rep: WriteReport, seconds: float, data_seconds: float, senders: int) -> UpdateReport:
         return build_report(self.version, self._ranks, rep, self.times, seconds=seconds, data_seconds=data_seconds,
                             senders=senders, validate_seconds=self._validate_seconds,
-                            pause_seconds=self._pause_seconds, deltas=self._deltas,
+                            pause_seconds=self._pause_seconds, deltas=self._deltas, buffers=self._writer.buffers,
                             skipped=list(self._inputs.skipped) if self._inputs is not None else [],
                             verbs={n.strip("_"): s for n, s in self._verbs.items()})

@@ -10,9 +10,11 @@ from .writer import WriteReport
 
 def build_report(version: str, ranks: Sequence[Any], rep: WriteReport, times: UpdateTimes, *, seconds: float,
                  data_seconds: float, senders: int, validate_seconds: float, pause_seconds: float,
-                 skipped: list[str], verbs: dict[str, float], deltas: Any = None) -> UpdateReport:
+                 skipped: list[str], verbs: dict[str, float], deltas: Any = None,
+                 buffers: Any = None) -> UpdateReport:
     """``bytes``: what a full update writes (with ``deltas``: each target's parameters' bytes);
-    ``bytes_written``: what crossed the transport (the writer's bytes, delta records included)."""
+    ``bytes_written``: what crossed the transport (the writer's bytes, delta records included);
+    ``buffers``: the sender's transfer slots (the report's sender memory)."""
     by_id = {e.engine: e for e in rep.engines}
     reasons = deltas.reasons() if deltas is not None else {}
     engines = []
@@ -31,4 +33,7 @@ def build_report(version: str, ranks: Sequence[Any], rep: WriteReport, times: Up
                         verbs, times.replayed, times.loader_groups, times.recorded, plan_memory(replicas),
                         background_recorded(replicas), cpu_seconds=cpu, caller_cpu_seconds=caller_cpu,
                         bytes_written=rep.bytes, base_bytes=deltas.bases.nbytes if deltas is not None else 0,
-                        changed_bytes=deltas.changed if deltas is not None else 0)
+                        changed_bytes=deltas.changed if deltas is not None else 0,
+                        slot_bytes=int(buffers.total_bytes) if buffers is not None else 0,
+                        slot_location=str(buffers.location) if buffers is not None else "",
+                        staged_peak_bytes=max((p.stager.peak_held_bytes for p in ranks), default=0))
