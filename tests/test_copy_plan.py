@@ -543,31 +543,28 @@ def test_background_plans_are_checked_by_the_next_load_then_replayed_and_nothing
 
 
 def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_path):
-    """The recorder holds the replica's loaders lock mid-group; an update started then waits for
-    that group only, both finish, and the update's bytes are the loaders'."""
+    """The recorder holds the replica's loaders lock while its loaders run; an update started then
+    waits for that loader run only, both finish, and the update's bytes are the loaders'."""
     replica = _qwen3_replica(tmp_path)
     inside, release, recording = threading.Event(), threading.Event(), threading.Event()
     overlaps = []
-
-    def slow_record(rep, group, like, device=None):
-        recording.set()
-        inside.set()
-        release.wait(30)
-        try:
-            return record_group_plan(rep, group, like, device=device)
-        finally:
-            recording.clear()
-
     load_groups = replica.load_groups
 
     def watched(placed, tensors, slot):
         if threading.current_thread().name != "p2pw-plan-recorder":  # the update's loaders, not the recording's
             overlaps.append(recording.is_set())
-        return load_groups(placed, tensors, slot)
+            return load_groups(placed, tensors, slot)
+        recording.set()
+        inside.set()
+        release.wait(30)
+        try:
+            return load_groups(placed, tensors, slot)
+        finally:
+            recording.clear()
 
     replica.load_groups = watched
     try:
-        recorder = PlanRecorder([_Rank(replica)], "cpu", record=slow_record).start()
+        recorder = PlanRecorder([_Rank(replica)], "cpu").start()
         assert inside.wait(60)
         tensors = _inputs(replica, 4)
         got: dict = {}
@@ -575,7 +572,7 @@ def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_p
                                                                       replica, tensors)))
         update.start()
         update.join(0.5)
-        assert update.is_alive()  # waiting for the group being recorded
+        assert update.is_alive()  # waiting for the recorder's loader run
         release.set()
         update.join(60)
         assert not update.is_alive() and recorder.wait(120)
@@ -585,6 +582,60 @@ def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_p
         del replica.load_groups
     _assert_equal(got, _loader_bytes(replica, tensors), "update beside the recorder")
     assert recorder.recorded == len(replica.groups)
+
+
+def test_an_update_mid_group_finds_the_loaders_free_and_the_recorder_waiting(tmp_path):
+    """An update that begins while the recorder is inside a group (during the first of a two-pass
+    group's loader runs) neither waits for the rest of that group nor runs beside it: the recorder
+    holds the loaders lock only while its loaders run, runs none while the update is in flight, and
+    goes on after it; its plans are then checked and replayed, bytes exact. (A recorder that held
+    the lock for a whole group made a CPU sender's first update wait ~0.5 s at nice 19.)"""
+    cfg = write_config("qwen3", str(tmp_path), vocab_size=4096)  # the embedding's 262,144 ids: two passes
+    replica = ModelReplicas().get(cfg, EngineLayout.parse("tp=2"), 0)
+    plans, first, groups = plans_of(replica), replica.groups[0].index, len(replica.groups)
+    updating = threading.Event()
+    runs, during = [], []  # groups of the recorder's loader runs; those run while an update was in flight
+    load_groups = replica.load_groups
+
+    def watched(placed, tensors, slot):
+        if threading.current_thread().name != "p2pw-plan-recorder":
+            return load_groups(placed, tensors, slot)
+        runs.append(placed[0][0].index)
+        if updating.is_set():
+            during.append(placed[0][0].index)
+        try:
+            return load_groups(placed, tensors, slot)
+        finally:
+            if len(runs) == 1:
+                updating.set()  # the update begins while the recorder's first loader run is under way
+
+    replica.load_groups = watched
+    try:
+        recorder = PlanRecorder([_Rank(replica)], "cpu", busy=updating.is_set).start()
+        assert updating.wait(60)
+        tensors = _inputs(replica, 7)
+        got: dict = {}
+        update = threading.Thread(target=lambda: got.update(_produce(SlotProducer(UpdateTimes(), mode="background"),
+                                                                      replica, tensors)))
+        update.start()
+        update.join(60)
+        assert not update.is_alive()
+        _assert_equal(got, _loader_bytes(replica, tensors), "the update beside a waiting recorder")
+        assert not during, f"the recorder ran the loaders of groups {during} while an update was in flight"
+        assert not plans.loaders.locked() and recorder.recorded == 0 and not recorder.finished.is_set()
+        updating.clear()  # the update is done: the recorder goes on with its group
+        assert recorder.wait(120) and recorder.error is None
+    finally:
+        updating.clear()
+        del replica.load_groups
+    assert runs[:3] == [first, first, first + 1]  # the first group took two loader runs: paused between them
+    assert recorder.recorded == groups == len(plans.unverified)
+    times = UpdateTimes()
+    producer = SlotProducer(times, mode="background")
+    for seed in (8, 9):  # checked, then replayed
+        tensors = _inputs(replica, seed)
+        _assert_equal(_produce(producer, replica, tensors), _loader_bytes(replica, tensors), f"update {seed}")
+    assert (times.loader_groups, times.replayed) == (groups, groups)
 
 
 def test_stop_ends_the_recorder_between_groups(tmp_path):
@@ -629,9 +680,9 @@ def test_a_reconnect_does_not_wait_for_the_group_being_recorded(tmp_path):
     assert not recorder._thread.is_alive() and recorder.recorded <= 1
 
 
-def _forged_record(rep, group, like, device=None):
+def _forged_record(rep, group, like, **how):
     """A recorder gone wrong: in-bounds plans that read one element off (like _shift_a_source)."""
-    plan = record_group_plan(rep, group, like, device=device)
+    plan = record_group_plan(rep, group, like, **how)
     i = next(i for i, op in enumerate(plan.ops) if op[0] >= 0)
     inp, reg, d, src, n, ds, ss = plan.ops[i]
     ops = list(plan.ops)
@@ -639,7 +690,7 @@ def _forged_record(rep, group, like, device=None):
     return dataclasses.replace(plan, ops=ops, _program=None)  # a new plan: the recorded one is compiled
 
 
-def _failing_record(rep, group, like, device=None):
+def _failing_record(rep, group, like, **how):
     raise RuntimeError("recorder broke")
 
 

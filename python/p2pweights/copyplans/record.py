@@ -27,7 +27,8 @@ loader, and its group stays on the loader path.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..replica.groups import ParameterGroup, SlotRegion
 from .element_views import int_dtype as _int_dtype
@@ -46,6 +47,10 @@ _WIDTHS = (8, 4, 2, 1)
 
 
 # -- recording ------------------------------------------------------------------------------------
+def _nothing() -> None:
+    pass
+
+
 def _passes_needed(total_ids: int, itemsize: int) -> int:
     bits = max(total_ids.bit_length(), 1)
     return -(-bits // (8 * itemsize))
@@ -265,14 +270,25 @@ def _region_ops(region_index: int, ids_runs: tuple["np.ndarray", ...]) -> list[O
 
 
 def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapping[str, "torch.Tensor"],
-                      device: Any = None) -> GroupPlan:
+                      device: Any = None, loaders_lock: Any = None,
+                      between_steps: Callable[[], None] | None = None) -> GroupPlan:
     """Record the plan of ``group`` by running its loaders on id-encoded inputs shaped like ``like``.
 
     Runs on ``device`` (default: the first input's). Raises :class:`NotACopy` naming a parameter
     whose bytes are not a pure copy of input bytes.
+
+    ``loaders_lock`` (a context manager, the replica's ``ReplicaPlans.loaders``) is held around each
+    run of the loaders only: the encoding and decoding (most of a recording) touch nothing of the
+    replica, so an update waits for one loader run at most. A caller that holds the lock already
+    (the update path) passes none. ``between_steps`` is called before each step (a pass's encoding,
+    a loader run, a region chunk's decoding): the background recorder waits there while an update
+    is in flight, or raises to give the group up.
     """
     import numpy as np
     import torch
+
+    between = between_steps if between_steps is not None else _nothing
+    loaders = loaders_lock if loaders_lock is not None else contextlib.nullcontext()
 
     names = tuple(group.hf_names)
     device = device if device is not None else like[names[0]].device
@@ -289,10 +305,13 @@ def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapp
     passes_count = max(_passes_needed(total_ids, s) for s in itemsizes + region_sizes)
     passes = []
     for p in range(passes_count):
+        between()
         for i, n in enumerate(names):
             _encode(templates[n], starts[i], p, total_ids)
         scratch = torch.zeros(group.nbytes, dtype=torch.uint8, device=device)
-        replica.load_group(group, templates, scratch, 0)
+        between()
+        with loaders:
+            replica.load_group(group, templates, scratch, 0)
         passes.append(scratch)
     del templates
     starts_a, items_a = np.array(starts), np.array(itemsizes)
@@ -300,6 +319,7 @@ def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapp
     for index, (region, itemsize) in enumerate(zip(group.regions, region_sizes)):
         numel = region.nbytes // itemsize
         for start in range(0, numel, _CHUNK):
+            between()
             n = min(_CHUNK, numel - start)
             ids = _decode(passes, region, itemsize, start, n, total_ids)
             first, inp, src, lengths = _runs(ids, starts_a, items_a, itemsize, total_ids, region.param_name)

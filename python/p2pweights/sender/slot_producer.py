@@ -18,8 +18,8 @@ rebuilt replica has another key, so a changed layout drops them.
 thread after ``connect``, from the HF specs alone: its plans start unverified, like plans from disk,
 and a group without a plan yet only runs its loaders (nothing is recorded on the update path);
 ``off`` keeps every group on the loader path. The recorder and an update never run one replica's
-loaders at once (they re-point its parameters): :attr:`ReplicaPlans.loaders` is held per group by
-the recorder and per loader batch by the update. Replayed groups go to the sender's
+loaders at once (they re-point its parameters): :attr:`ReplicaPlans.loaders` is held per loader run
+by the recorder and per loader batch by the update. Replayed groups go to the sender's
 :class:`~p2pweights.copyplans.ReplayOrder` (one native call per slot; its fallbacks are its own).
 """
 from __future__ import annotations
