@@ -183,3 +183,63 @@ def test_verify_digests_what_the_deltas_made(cfg, monkeypatch):
             assert SglangEngine(engine.url).weight_version() == "2"
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def wider(tmp_path_factory):  # 33 MB over 2 MiB slots: ~17 slots an update
+    return write_config("qwen3", str(tmp_path_factory.mktemp("wider")), vocab_size=4096, hidden_size=512,
+                        intermediate_size=1536, head_dim=128, num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("records", ["runs", "index"])
+def test_a_fresh_checkpoint_stops_comparing_once_it_proves_dense_and_the_next_update_takes_deltas(
+        wider, monkeypatch, records):
+    cfg = wider
+    # every element new: once a rank's compared bytes mostly changed, the rest of its update is
+    # written in full without comparing (its bases still move on), and the next step goes as deltas
+    monkeypatch.setattr(delta_writes, "INDEX_RECORDS_ON_HOST", records == "index")
+    monkeypatch.setattr(delta_writes, "DENSE_AFTER", 1 << 12)
+    compared: list[int] = []
+    if records == "index":
+        real = delta_writes.index_records.count_changes
+
+        def counting(slot, base, params, unit, *a, **kw):
+            compared.append(sum(n for _, _, n in params))
+            return real(slot, base, params, unit, *a, **kw)
+
+        monkeypatch.setattr(delta_writes.index_records, "count_changes", counting)
+    else:
+        real_encode = delta_writes.UpdateDeltas._encode
+
+        def encoding(self, cur, base, unit, nbytes):
+            compared.append(nbytes)
+            return real_encode(self, cur, base, unit, nbytes)
+
+        monkeypatch.setattr(delta_writes.UpdateDeltas, "_encode", encoding)
+    a = start_engine(cfg, "tp=2", transport="mooncake", name="dense")
+    b = start_engine(cfg, "tp=2", transport="mooncake", name="dense-full")
+    try:
+        # small slots: a GPU slot's records are counted when it closes, so the decision takes the next slots
+        with WeightSender(cfg, transport="mooncake", buffer_size=1 << 20) as sa, \
+                WeightSender(cfg, transport="mooncake", buffer_size=1 << 20, delta="off") as sb:
+            sa.connect([a.url])
+            sb.connect([b.url])
+            first = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 21)]
+            _push(sa, "v1", first)
+            _push(sb, "v1", first)
+            compared.clear()
+            fresh = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(cfg), 22)]
+            ra = _push(sa, "v2", fresh)
+            _push(sb, "v2", fresh)
+            # written in full but for what was compared first and found equal (norms of ones)
+            assert ra.delta_reason == {} and 0.95 * ra.bytes < ra.bytes_written <= ra.bytes
+            assert 0 < sum(compared) < ra.bytes / 4, (sum(compared), ra.bytes, ra.slots)  # the rest was not compared
+            assert _checksums(a.url) == _checksums(b.url)
+            _change(fresh, 0.01, torch.Generator().manual_seed(5))
+            rc = _push(sa, "v3", fresh)
+            _push(sb, "v3", fresh)
+            assert rc.delta_reason == {} and 0 < rc.bytes_written < rc.bytes / 4, rc.bytes_written
+            assert _checksums(a.url) == _checksums(b.url)
+    finally:
+        a.close()
+        b.close()

@@ -35,70 +35,19 @@ from ..deltas import index_records, kernels
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import P2PWeightsError, raise_for_status
+from .delta_bases import DeltaBases
 from .fillers import HostSlotFiller
 from .group import SenderStatus, all_failures
 
 FIRST = "the first update after connect writes in full"
+#: a rank whose compared bytes changed in more than DENSE_SHARE of them, once DENSE_AFTER of its bytes
+#: were compared in an update, writes the rest of that update in full without comparing (a fresh
+#: checkpoint: its records would be dense anyway); its bases still move on, so the next update can
+#: take deltas. A third: where a BF16 index record stops beating the parameters' own bytes.
+DENSE_SHARE = 1 / 3
+DENSE_AFTER = 64 << 20
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
 INDEX_RECORDS_ON_HOST = False
-
-
-def spare_bytes(slot_bytes: int, bases: Any = True) -> int:
-    """Spare bytes per slot for its encoded records (a quarter of the slot, at least 1 MiB); none
-    for a sender that keeps no bases (``bases`` None: delta="off")."""
-    return max(1 << 20, int(slot_bytes) // 4) if bases is not None else 0
-
-
-class DeltaBases:
-    """The sender's bases (host copies of what it wrote) and the identities its engines committed."""
-
-    def __init__(self) -> None:
-        # (layout, rank, parameter) -> its base: a host array, or a view of the rank's GPU base
-        self.arrays: dict[tuple[str, int, str], Any] = {}
-        # GPU slots: (layout, rank) -> (one device tensor for the rank's parameters, parameter -> offset)
-        self.ranks: dict[tuple[str, int], tuple[Any, dict[str, int]]] = {}
-        self.identities: dict[str, dict] = {}  # engine name -> {"epoch", "token"} of its last commit by us
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t, _ in self.ranks.values())
-
-    def prepare(self, ranks: Sequence[Any], device: str, phases: Any) -> None:
-        """At connect: the bases of every rank whose targets publish a delta area, made and touched
-        now, so that the first update does not pay the first touch of fresh memory."""
-        for p in ranks:
-            if any(t.publication.delta_area for t in p.targets):
-                self.rank_base(p, device)
-        phases.lap("delta bases")
-
-    def rank_base(self, p: Any, device: Any) -> tuple[Any, dict[str, int]]:
-        """Rank ``p``'s base, one buffer for its parameters (each on a 256-byte boundary): a numpy
-        array for host slots (``device`` "cpu"), else a tensor on that torch device. Made on first
-        use; no parameter has a base until it is written once."""
-        host = isinstance(device, str) and device == "cpu"
-        got = self.ranks.get((p.layout_key, p.rank))
-        if got is None or isinstance(got[0], np.ndarray) != host or (not host and got[0].device != device):
-            offsets, total = {}, 0
-            for name, t in sorted(p.targets[0].publication.params.items()):
-                offsets[name] = total
-                total += -(-t.nbytes // 256) * 256
-            if host:
-                buffer = np.zeros(max(total, 1), dtype=np.uint8)
-                buffer[::4096] = 1  # every page touched now
-            else:
-                import torch
-
-                buffer = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
-            got = (buffer, offsets)
-            self.ranks[(p.layout_key, p.rank)] = got
-            for key in [k for k in self.arrays if k[:2] == (p.layout_key, p.rank)]:
-                del self.arrays[key]  # views of a base that is gone
-        return got
-
-    def clear(self) -> None:
-        self.arrays.clear()
-        self.ranks.clear()
-        self.identities.clear()
 
 
 class _Target:
@@ -148,7 +97,8 @@ class UpdateDeltas:
         self._spare_used = 0
         self._scratch = np.empty(0, dtype=np.uint8)
         # the open GPU slot's records, counted on the device, gathered at its close (slot_records)
-        self._counted: list[tuple[int, list, list, Any]] = []
+        self._counted: list[tuple[Any, int, list, list, Any]] = []
+        self._seen: dict[tuple[str, int], list[int]] = {}  # rank -> [bytes compared, bytes changed], this update
 
     # -- control ---------------------------------------------------------------------------------
     def claim(self, engines: Sequence[Any]) -> None:
@@ -321,12 +271,13 @@ class UpdateDeltas:
             base = self.bases.arrays[key] = buffer[offsets[param]:offsets[param] + nbytes]
             np.copyto(base, cur)
             return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
-        if not writes:
+        if not writes or self._dense(p):
             np.copyto(base, cur)
-            return rows
+            return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
         unit = targets[0].publication.params[param].element_size
         rec, n, mode, changed = self._encode(cur, base, unit if unit in (1, 2, 4, 8) else 1, nbytes)
         self.changed += changed
+        self._saw(p, nbytes, changed)
         if mode == "empty":
             return rows
         for x in writes:
@@ -364,13 +315,14 @@ class UpdateDeltas:
                 if not self.targets[t.name].delta]
         by_unit: dict[int, list] = {}
         copies = []  # bases moved on in full: one copy program for all of them
+        dense = self._dense(p)
         for param, o, n in entries:
             for t in p.targets:
                 self.full_bytes[t.name] += n
             key, at = (p.layout_key, p.rank, param), offsets.get(param)
             unit = p.targets[0].publication.params[param].element_size
             unit = unit if unit in index_records.UNITS and o % unit == 0 and n % unit == 0 else 1
-            if key not in self.bases.arrays or not deltas:  # no base yet (a full write now), or nobody takes deltas
+            if key not in self.bases.arrays or not deltas or dense:  # no base yet, nobody takes deltas, or dense
                 copies.append((o, at, n))
                 self.bases.arrays[key] = base[at:at + n]
                 rows += [_full_row(x.t, param, o, n) for x in deltas]
@@ -379,7 +331,7 @@ class UpdateDeltas:
         kernels.copy_spans(slot, base, copies)
         for unit, params in by_unit.items():  # counted now, gathered with the slot's other records
             counting = index_records.count_changes(slot, base, [(o, at, n) for _, o, n, at in params], unit)
-            self._counted.append((unit, params, deltas, counting))
+            self._counted.append((p, unit, params, deltas, counting))
         return rows
 
     def slot_records(self) -> list:
@@ -390,9 +342,9 @@ class UpdateDeltas:
         counted, self._counted = self._counted, []
         rows: list = []
         heads: list[tuple[int, bytes]] = []  # (spare offset, prefix + header + table) per delta target
-        for (unit, params, deltas, counting), total in zip(counted, index_records.read_counts(
+        for (p, unit, params, deltas, counting), total in zip(counted, index_records.read_counts(
                 [c for *_, c in counted])):
-            rows += self._index_record(unit, params, deltas, counting, total, heads)
+            rows += self._index_record(p, unit, params, deltas, counting, total, heads)
         if heads:  # one pinned buffer: a copy from pageable memory may wait for the stream
             host = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
             host = host.pin_memory() if self._spare_t.is_cuda else host
@@ -402,7 +354,7 @@ class UpdateDeltas:
                 at += len(head)
         return rows
 
-    def _index_record(self, unit: int, params: list, deltas: list, counting: Any, total: int,
+    def _index_record(self, p: Any, unit: int, params: list, deltas: list, counting: Any, total: int,
                       head_copies: list) -> list:
         full = sum(n for _, _, n, _ in params)
         heads = PREFIX.size + index_records.record_bytes(len(params), 0, unit)
@@ -417,6 +369,7 @@ class UpdateDeltas:
 
         found = index_records.gather_changes(counting, total, limit, into)
         self.changed += found.count * unit
+        self._saw(p, full, found.count * unit)
         if not found.count:
             return []
         if found.positions is None:
@@ -470,6 +423,16 @@ class UpdateDeltas:
             view[at:at + n] = self._scratch[:n]
         view[at + n:at + padded] = 0
         return at, n, mode, changed
+
+    def _saw(self, p: Any, compared: int, changed: int) -> None:
+        seen = self._seen.setdefault((p.layout_key, p.rank), [0, 0])
+        seen[0] += compared
+        seen[1] += changed
+
+    def _dense(self, p: Any) -> bool:
+        """Whether rank ``p`` writes the rest of this update in full (DENSE_SHARE)."""
+        seen = self._seen.get((p.layout_key, p.rank))
+        return seen is not None and seen[0] >= DENSE_AFTER and seen[1] > DENSE_SHARE * seen[0]
 
     def _spare_view(self) -> np.ndarray:
         assert self._spare_array is not None  # bind() came first

@@ -35,7 +35,8 @@ from ..settings import Settings, sender_signature, settings
 from ..transport.publication import EnginePublication, check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
-from .delta_writes import DeltaBases, UpdateDeltas, spare_bytes
+from .delta_bases import DeltaBases, spare_bytes
+from .delta_writes import UpdateDeltas
 from .early_slots import EarlySlots
 from .gpu_staging import GpuStaging
 from .group import SenderGroup
