@@ -97,6 +97,16 @@ def _flip_one_byte(url: str, rank: int, param: str) -> None:
         te.unregister_memory(buf.ctypes.data)
 
 
+def _flipping_before(verify, url: str, rank: int, param: str):
+    """``verify`` run after flipping a byte of ``param`` on ``rank``: after every write returned,
+    before the digests."""
+    def corrupt_then_verify(*args, **kwargs):
+        _flip_one_byte(url, rank, param)
+        return verify(*args, **kwargs)
+
+    return corrupt_then_verify
+
+
 def test_verify_passes_on_a_good_update(model, engine):
     specs = checkpoint_tensors(model)
     sender = WeightSender(model, transport="mooncake", buffer_size=1 << 20)
@@ -116,11 +126,7 @@ def test_one_flipped_byte_fails_the_update_naming_rank_and_parameter_and_the_eng
     specs = checkpoint_tensors(model)
     target = "model.layers.1.mlp.down_proj.weight"
     real_verify = update_module.verify_written
-
-    def corrupt_then_verify(*args, **kwargs):  # after every write returned, before the digests
-        _flip_one_byte(engine.url, 1, target)
-        return real_verify(*args, **kwargs)
-
+    corrupt_then_verify = _flipping_before(real_verify, engine.url, 1, target)
     sender = WeightSender(model, transport="mooncake", buffer_size=1 << 20)
     client = SglangEngine(engine.url, name=engine.name)
     try:
@@ -155,11 +161,7 @@ def test_a_verify_failure_after_an_update_that_wrote_nothing_never_resumes_the_e
     specs = checkpoint_tensors(model)
     target = "model.layers.0.mlp.down_proj.weight"
     real_verify = update_module.verify_written
-
-    def corrupt_then_verify(*args, **kwargs):
-        _flip_one_byte(engine.url, 0, target)
-        return real_verify(*args, **kwargs)
-
+    corrupt_then_verify = _flipping_before(real_verify, engine.url, 0, target)
     sender = WeightSender(model, transport="mooncake", buffer_size=1 << 20)
     client = SglangEngine(engine.url, name=engine.name)
     try:

@@ -15,22 +15,15 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
     change detection alone on one 256 MiB slot of BF16 (``index_records.find_changes``)."""
     import torch
 
-    from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
     from p2pweights.models.checkpoint import random_tensor, trainer_tensors
-    from p2pweights.receiver import check_weights_equal, start_engine
-    from p2pweights.sender import WeightSender
+    from p2pweights.receiver import check_weights_equal
 
     cfg = resolve_model(model)
     rows = []
-    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
-                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+    engine, sender = vram_engine_and_sender(cfg, spec)
     try:
         specs = trainer_tensors(cfg)
-        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
-        sender.connect([SglangEngine(engine.url, name="vram-engine")])
-        if getattr(sender, "recorder", None) is not None:
-            sender.recorder.wait()
         plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
         plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
         for label, version, delta in plan:
@@ -57,6 +50,27 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
     finally:
         engine.close()
     return rows + detection_rows() + engine_apply_rows()
+
+
+def vram_engine_and_sender(cfg: str, spec: str):
+    """A VRAM receiver of ``spec`` on cuda:0 over NIXL and a connected sender with GPU slots whose
+    background copy plans are recorded (a trainer trains between connect and its first update).
+    The caller closes both."""
+    from p2pweights.control import SglangEngine
+    from p2pweights.receiver import start_engine
+    from p2pweights.sender import WeightSender
+
+    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+    try:
+        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
+        sender.connect([SglangEngine(engine.url, name="vram-engine")])
+        if getattr(sender, "recorder", None) is not None:
+            sender.recorder.wait()
+    except BaseException:
+        engine.close()
+        raise
+    return engine, sender
 
 
 def detection_rows(slot: int = 256 << 20, runs: int = 10) -> list[dict]:

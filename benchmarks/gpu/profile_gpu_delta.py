@@ -32,24 +32,18 @@ def section_delta_profile(model: str = "qwen3-4b", spec: str = "tp=2", fraction:
 
     import torch
     from bench_gpu import top_functions
+    from bench_gpu_delta import vram_engine_and_sender
     from torch.profiler import ProfilerActivity, profile
 
-    from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
     from p2pweights.models.checkpoint import random_tensor, trainer_tensors
-    from p2pweights.receiver import check_weights_equal, start_engine
-    from p2pweights.sender import WeightSender
+    from p2pweights.receiver import check_weights_equal
 
     cfg = resolve_model(model)
     rows: list[dict] = []
-    engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
-                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+    engine, sender = vram_engine_and_sender(cfg, spec)
     try:
         specs = trainer_tensors(cfg)
-        sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
-        sender.connect([SglangEngine(engine.url, name="vram-engine")])
-        if getattr(sender, "recorder", None) is not None:
-            sender.recorder.wait()
         plan = [("v0", 0, "auto", None), ("v1", 1, "auto", None), ("v2 delta", 2, "auto", "torch"),
                 ("v2 again, delta=False", 2, False, "torch"), ("v3 delta", 3, "auto", "cprofile")]
         host = None
