@@ -542,6 +542,16 @@ def test_background_plans_are_checked_by_the_next_load_then_replayed_and_nothing
     assert times.replayed == groups
 
 
+def _start_update(replica, tensors) -> tuple[threading.Thread, dict]:
+    """An update's slot production (background copy plans) on a thread of its own, started; what it
+    produced lands in the dict."""
+    got: dict = {}
+    update = threading.Thread(target=lambda: got.update(_produce(SlotProducer(UpdateTimes(), mode="background"),
+                                                                  replica, tensors)))
+    update.start()
+    return update, got
+
+
 def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_path):
     """The recorder holds the replica's loaders lock while its loaders run; an update started then
     waits for that loader run only, both finish, and the update's bytes are the loaders'."""
@@ -567,10 +577,7 @@ def test_the_recorder_and_an_update_never_run_one_replicas_loaders_at_once(tmp_p
         recorder = PlanRecorder([_Rank(replica)], "cpu").start()
         assert inside.wait(60)
         tensors = _inputs(replica, 4)
-        got: dict = {}
-        update = threading.Thread(target=lambda: got.update(_produce(SlotProducer(UpdateTimes(), mode="background"),
-                                                                      replica, tensors)))
-        update.start()
+        update, got = _start_update(replica, tensors)
         update.join(0.5)
         assert update.is_alive()  # waiting for the recorder's loader run
         release.set()
@@ -614,10 +621,7 @@ def test_an_update_mid_group_finds_the_loaders_free_and_the_recorder_waiting(tmp
         recorder = PlanRecorder([_Rank(replica)], "cpu", busy=updating.is_set).start()
         assert updating.wait(60)
         tensors = _inputs(replica, 7)
-        got: dict = {}
-        update = threading.Thread(target=lambda: got.update(_produce(SlotProducer(UpdateTimes(), mode="background"),
-                                                                      replica, tensors)))
-        update.start()
+        update, got = _start_update(replica, tensors)
         update.join(60)
         assert not update.is_alive()
         _assert_equal(got, _loader_bytes(replica, tensors), "the update beside a waiting recorder")
