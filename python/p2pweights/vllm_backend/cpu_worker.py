@@ -14,7 +14,13 @@ made without ``Worker.__init__`` (``WorkerBase.__init__`` only: no device setup,
 compile), its model runner is a holder of the model, and the RPCs arrive over a
 ``multiprocessing.connection`` (authkey) instead of vLLM's ZMQ engine-core channel.
 
-    python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R]
+With ``--spec mtp`` the engine runs vLLM's MTP drafter too (``speculative_config={"method": "mtp"}``):
+built as vLLM's proposer builds it (``initialize_model`` with the draft's model config, its own
+``load_weights`` from the same checkpoint, post-processing), then given the target's embedding and LM
+head by the proposer's own ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``; the model runner
+answers ``get_draft_model`` with it, as vLLM's does.
+
+    python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R] [--spec mtp]
     # prints {"event": "ready", "rank": R, "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
     # the --tp workers of one engine share --dist-port (gloo's rendezvous) and start together
 """
@@ -33,27 +39,41 @@ from . import register
 class ModelHolder:
     """What the worker methods the backend's RPCs run ask of a model runner."""
 
-    def __init__(self, model: Any):
-        self.model = model
+    def __init__(self, model: Any, draft: Any = None):
+        self.model, self.draft = model, draft
 
     def get_model(self) -> Any:
         return self.model
 
-    def get_draft_model(self) -> None:
-        return None
+    def get_draft_model(self) -> Any:
+        return self.draft
 
     def reset_lora_state(self) -> None:
         return None
 
 
-def engine_config(config_dir: str, tp: int = 1) -> Any:
-    """vLLM's config of one worker of a ``tp``-rank engine for ``config_dir`` with the ``p2pweights`` backend."""
+SPECS = ("", "mtp")  # --spec: none, or vLLM's MTP drafter of the target's own checkpoint
+
+
+def engine_config(config_dir: str, tp: int = 1, spec: str = "") -> Any:
+    """vLLM's config of one worker of a ``tp``-rank engine for ``config_dir`` with the ``p2pweights``
+    backend (and vLLM's MTP drafter with ``spec="mtp"``)."""
+    import torch
     from vllm.engine.arg_utils import EngineArgs
 
+    if spec not in SPECS:
+        raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
     register()  # what the vllm.general_plugins entry point runs (an installed wheel's metadata may predate it)
+    extra: dict[str, Any] = {}
+    if spec:
+        extra["speculative_config"] = {"method": spec, "num_speculative_tokens": 1}
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        # MLA models: vLLM prefers its AMX MLA backend on an AMX CPU, whose post-processing packs
+        # W_UK / W_UV through that absent op; its reference CPU MLA backend keeps them as loaded
+        extra["attention_config"] = {"backend": "CPU_MLA"}
     config = EngineArgs(model=config_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy",
                         enforce_eager=True, max_model_len=256, tensor_parallel_size=tp,
-                        weight_transfer_config={"backend": "p2pweights"}).create_engine_config()
+                        weight_transfer_config={"backend": "p2pweights"}, **extra).create_engine_config()
     without_absent_cpu_kernels()
     return config
 
@@ -97,7 +117,33 @@ def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *,
     return model
 
 
-def make_worker(vllm_config: Any, model: Any, rank: int = 0) -> Any:
+def build_draft(vllm_config: Any, config_dir: str, seed: int, target: Any) -> Any:
+    """vLLM's drafter of this rank (``vllm_config.speculative_config``), as its proposer builds and loads
+    it (``llm_base_proposer.load_model``): the draft's model class from its model config, loaded by its
+    own ``load_weights`` from the same checkpoint, post-processed, then sharing the target's embedding
+    and LM head through the proposer's own methods. Call after :func:`build_model` (its groups)."""
+    import types
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    draft_config = vllm_config.speculative_config.draft_model_config
+    with set_current_vllm_config(vllm_config):
+        with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
+            draft = initialize_model(vllm_config=vllm_config, model_config=draft_config)
+        draft.load_weights(random_checkpoint(checkpoint_tensors(config_dir), seed))
+        process_weights_after_loading(draft, draft_config, torch.device("cpu"))
+        proposer = types.SimpleNamespace(model=draft, vllm_config=vllm_config,  # what the two methods read
+                                         use_local_argmax_reduction=False)
+        SpecDecodeBaseProposer._maybe_share_embeddings(proposer, target)
+        SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+    return draft
+
+
+def make_worker(vllm_config: Any, model: Any, rank: int = 0, draft: Any = None) -> Any:
     """vLLM's ``CPUWorker`` of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory."""
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -108,7 +154,7 @@ def make_worker(vllm_config: Any, model: Any, rank: int = 0) -> Any:
     WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=rank, rank=rank,
                         distributed_init_method="", is_driver_worker=rank == 0)
     worker.device = torch.device("cpu")
-    worker.model_runner = ModelHolder(model)
+    worker.model_runner = ModelHolder(model, draft)
     worker._weight_update_active, worker._weight_update_is_draft = False, False
     worker.weight_transfer_engine = WeightTransferEngineFactory.create_engine(  # as gpu_worker.load_model
         vllm_config.weight_transfer_config, vllm_config, worker.device, model)
@@ -148,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dist-port", type=int, required=True)
     ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size (its worker count)")
     ap.add_argument("--rank", type=int, default=0, help="this worker's TP rank, 0 .. tp-1")
+    ap.add_argument("--spec", default="", choices=SPECS, help="mtp: run vLLM's MTP drafter of the checkpoint too")
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         ap.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
@@ -156,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    vllm_config = engine_config(args.model, args.tp)
+    vllm_config = engine_config(args.model, args.tp, args.spec)
     model = build_model(vllm_config, args.model, args.seed, args.dist_port, rank=args.rank)
-    worker = make_worker(vllm_config, model, args.rank)
+    draft = build_draft(vllm_config, args.model, args.seed, model) if args.spec else None
+    worker = make_worker(vllm_config, model, args.rank, draft)
     try:
         serve(worker, vllm_config, authkey, out, args.rank)
     finally:

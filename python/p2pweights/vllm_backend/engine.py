@@ -15,6 +15,13 @@ what one vLLM worker does for one-sided updates. vLLM's worker creates it after 
 - ``finish_weight_update`` runs vLLM's post-processing (``process_weights_after_loading``, the
   model loader's) and refuses a layout whose post-processing moved a parameter off its published
   memory.
+- **A speculative draft** (vLLM's MTP drafter) is served with the target: vLLM hands the backend its
+  drafter through ``set_weight_update_target`` (the gate has every worker run vLLM's own
+  ``_set_draft_weight_update_target`` before the init: ``rank_calls.attach_drafts``); the init
+  registers the draft's own parameters next to the target's, published as ``draft.<name>``
+  (``rank_memory.ServedModels``), so one session writes both and one version labels both. Every
+  finish post-processes both, whichever model vLLM's session targeted (``/start_weight_update`` or
+  ``/start_draft_weight_update``: the writes go where the table says, not to vLLM's target).
 - :meth:`__call__` (``verb``, ``body``): the gate's channel into the worker, through vLLM's
   ``collective_rpc("weight_transfer_engine", args=(verb, body))`` (vLLM's ``run_method`` takes the
   worker's attribute by name and calls it): ``publication``, ``revoke`` (a takeover's new epoch),
@@ -39,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..control.weights_digest import ALGORITHM, parameter_digests
 from ..deltas.committed import DELTA_KEY
 from ..errors import InvalidRequest
-from .rank_memory import RankMemory
+from .rank_memory import RankMemory, ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +91,29 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
 
     init_info_cls = P2PWeightsInitInfo
     update_info_cls = P2PWeightsUpdateInfo
-    # the draft's own parameters are not registered or published yet: vLLM refuses a draft session
-    supports_draft_weight_update = False
+    # the drafter's parameters are registered and published with the target's (module docstring)
+    supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.memory: RankMemory | None = None
         self._init_info: P2PWeightsInitInfo | None = None
         self.rank = worker_rank(self.parallel_config)
+        self.served = ServedModels(model, self.model_config)
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """vLLM points the backend at its drafter (``_set_draft_weight_update_target``): remembered as
+        the draft this worker serves. Registered at the init; a drafter seen only after it is not."""
+        if model is not self._default_model and self.served.draft is None:
+            if self.memory is not None:
+                raise InvalidRequest(f"rank {self.rank} registered its weights without its draft model: call "
+                                     f"/shutdown_weight_transfer_engine, then /init_weight_transfer_engine again")
+            self.served = ServedModels(self._default_model, self._default_model_config, model, model_config)
+        super().set_weight_update_target(model, model_config)
 
     # ---- vLLM's verbs ---------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: P2PWeightsInitInfo) -> None:
+        self.reset_weight_update_target()  # the gate's attach_drafts left vLLM's target at the drafter
         if self.memory is not None:
             if init_info == self._init_info:
                 return  # the same registration again (a trainer that reconnects): nothing to do
@@ -102,12 +121,13 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
                                  f"/shutdown_weight_transfer_engine before registering otherwise")
         import vllm
 
-        self.memory = RankMemory(self.model, init_info.transport, self.rank, f"vllm pid {os.getpid()}",
+        self.memory = RankMemory(self.served, init_info.transport, self.rank, f"vllm pid {os.getpid()}",
                                  deltas=init_info.deltas, area=init_info.area_bytes,
                                  build={"vllm_version": str(vllm.__version__)})
         self._init_info = init_info
-        logger.info("p2pweights: rank %d registered %d bytes of weights in %d range(s) with %s (epoch %d)",
-                    self.rank, sum(n for _, n in self.memory.regions), len(self.memory.regions),
+        logger.info("p2pweights: rank %d registered %d bytes of weights%s in %d range(s) with %s (epoch %d)",
+                    self.rank, sum(n for _, n in self.memory.regions),
+                    " (target and draft)" if self.served.draft is not None else "", len(self.memory.regions),
                     self.memory.transport, self.memory.epoch)
 
     def start_weight_update(self) -> None:
@@ -126,10 +146,8 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
             torch.cuda.synchronize(self.device)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
         memory = self._registered()
-        process_weights_after_loading(self.model, self.model_config, self.device)
+        self.served.post_process(self.device)
         memory.check_in_place()
 
     def shutdown(self) -> None:
@@ -149,7 +167,7 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
         if verb == "digest":
             names = (body.get("names") or {}).get(str(self.rank), [])
             return {"rank": self.rank, "algorithm": ALGORITHM,
-                    "digests": parameter_digests(self.model, names, engine="vllm", rank=self.rank)}
+                    "digests": parameter_digests(self.served, names, engine="vllm", rank=self.rank)}
         raise InvalidRequest(f"unknown p2pweights verb {verb!r}")
 
     def _registered(self) -> RankMemory:

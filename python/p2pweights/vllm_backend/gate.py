@@ -55,13 +55,14 @@ WRITE = "update_weights_from_distributed"  # session_keeper's verb for a write i
 UPDATE_WEIGHTS = "/update_weights"
 PUBLICATION, DIGEST = routes.route("remote_instance_transfer_engine_info").path, routes.route("p2pw_weights_digest").path
 STATE = "/p2pw_weight_update"
+INIT = "/init_weight_transfer_engine"
 
 #: vLLM's routes (and ours) under the owner rules -> session_keeper's verb
 GATED: dict[str, str] = {
     "/pause": "pause_generation", "/resume": "continue_generation",
     "/start_weight_update": BEGIN, "/start_draft_weight_update": BEGIN, UPDATE_WEIGHTS: WRITE,
     "/finish_weight_update": END, routes.route("update_weight_version").path: "update_weight_version",
-    "/init_weight_transfer_engine": "init_weights_update_group",
+    INIT: "init_weights_update_group",
     "/shutdown_weight_transfer_engine": "destroy_weights_update_group",
     "/weight_checker": WRITE,   # only its "reset" action (it zeroes every weight); the others read
     "/collective_rpc": WRITE,   # any worker method: may write the weights
@@ -195,6 +196,8 @@ class SessionGate:
                 raw = asgi.encode(obj)
             elif path == UPDATE_WEIGHTS and _names_deltas(obj):
                 self._take_acceptance(path)
+            elif path == INIT:
+                await rank_calls.attach_drafts(client)  # the drafters register with the targets
             status, out_headers, body = await self._vllm_answer(scope, raw)
             if taking_over and not p.ok(status) and b"already active" in body:
                 # vLLM's session is still the lost owner's: the new owner continues it (not begun again)

@@ -24,6 +24,24 @@ async def call_ranks(client: Any, verb: str, body: dict | None = None) -> list[A
     return list(answers or [])
 
 
+async def attach_drafts(client: Any) -> bool:
+    """Before the workers register: every worker that runs a speculative drafter vLLM can update
+    (``supports_draft_weight_updates``: a drafter model and its config) hands it to its backend with
+    vLLM's own ``_set_draft_weight_update_target``, the step vLLM's ``/start_draft_weight_update``
+    takes, so the init registers the draft's parameters with the target's. True when they did. Workers
+    that disagree (some with a drafter, some without) are refused: one table per engine holds both roles."""
+    try:
+        drafting = list(await client.collective_rpc("supports_draft_weight_updates") or [])
+        if drafting and all(drafting):
+            await client.collective_rpc("_set_draft_weight_update_target")
+    except Exception as e:  # noqa: BLE001 - vLLM reports a worker's error as its own exception types
+        raise EngineError(f"the vLLM workers failed to hand p2pweights their draft models: {type(e).__name__}: {e}") from e
+    if any(drafting) and not all(drafting):
+        raise InvalidRequest(f"only some vLLM workers run a draft model ({drafting}); p2pweights registers every "
+                             f"rank's target and draft together")
+    return bool(drafting) and all(drafting)
+
+
 async def publications(client: Any) -> dict[int, dict]:
     """rank -> what that worker publishes now (workers not registered yet publish nothing)."""
     return {int(a["rank"]): a for a in await call_ranks(client, "publication") if isinstance(a, dict)}

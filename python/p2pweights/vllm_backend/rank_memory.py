@@ -1,4 +1,5 @@
-"""One vLLM worker's weight memory as p2pweights publishes it: the parameters where vLLM put them
+"""One vLLM worker's weight memory as p2pweights publishes it: the parameters of the models it serves
+(:class:`ServedModels`: the target and, with speculative decoding, the draft) where vLLM put them
 (never moved: CUDA graphs and kernels hold their addresses), registered with Mooncake or NIXL
 through the receiver's :class:`~p2pweights.transport.revocation.RevocableRegions` (one
 implementation: a takeover revokes them per epoch, as on a receiver), a delta area beside host-memory
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..deltas.area import DeltaArea, Manifest, area_bytes
 from ..errors import InvalidWrite, LayoutMismatch
@@ -28,7 +29,47 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def weights_device(model: "torch.nn.Module") -> str:
+#: prefix of the draft's parameter names in the table (vLLM's own spelling: gpu_worker ``_get_sleep_parameters``)
+DRAFT_PREFIX = "draft."
+
+
+class ServedModels:
+    """The models one worker serves, as one set of named parameters: the target's by name, then the
+    speculative draft's own as ``draft.<name>``. A draft parameter that IS a target parameter (vLLM's
+    MTP drafter takes the target's embedding and LM head, ``llm_base_proposer._maybe_share_*``) is the
+    target's only: published and written once."""
+
+    def __init__(self, target: "torch.nn.Module", target_config: Any, draft: "torch.nn.Module | None" = None,
+                 draft_config: Any = None):
+        self.target, self.target_config = target, target_config
+        self.draft, self.draft_config = draft, draft_config
+
+    def named_parameters(self) -> Iterator[tuple[str, "torch.nn.Parameter"]]:
+        target = list(self.target.named_parameters())
+        yield from target
+        if self.draft is not None:
+            shared = {id(p) for _, p in target}
+            yield from ((DRAFT_PREFIX + n, p) for n, p in self.draft.named_parameters() if id(p) not in shared)
+
+    def parameters(self) -> Iterator["torch.nn.Parameter"]:
+        return (p for _, p in self.named_parameters())
+
+    def post_process(self, device: Any) -> None:
+        """vLLM's ``process_weights_after_loading`` (the model loader's) for every model served, as a
+        load runs it: after one-sided writes, derived tensors (MLA's ``W_UV``) follow the new bytes."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        process_weights_after_loading(self.target, self.target_config, device)
+        if self.draft is not None:
+            process_weights_after_loading(self.draft, self.draft_config, device)
+            # copies vLLM derives from the target's LM head for the drafter (none unless
+            # draft_lm_head_quantization); vLLM itself refreshes them only after a draft session
+            from vllm.model_executor.layers.quantization.online.lm_head import refresh_quantized_lm_heads
+
+            refresh_quantized_lm_heads(self.draft)
+
+
+def weights_device(model: Any) -> str:
     """Where every parameter lives (``cpu`` or ``cuda:N``); LayoutMismatch when they are spread or on meta."""
     devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}"
                for p in model.parameters()}
@@ -51,7 +92,7 @@ class RankMemory:
     ``rank``; ``deltas``: open a delta area of ``area`` bytes (None: ``P2PW_DELTA_AREA``, else an
     eighth of the weights) beside host-memory weights (GPU weights take full writes)."""
 
-    def __init__(self, model: "torch.nn.Module", transport: str, rank: int, engine: str = "vllm", *,
+    def __init__(self, model: "ServedModels | torch.nn.Module", transport: str, rank: int, engine: str = "vllm", *,
                  deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None):
         self.model, self.rank, self.engine = model, int(rank), engine
         self.transport = resolve_transport(transport)[0]

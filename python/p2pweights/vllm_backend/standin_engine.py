@@ -1,7 +1,8 @@
 """One stand-in vLLM 0.33 engine on this host, for the tests and ``p2pweights demo --engine-kind vllm``
 (docs/vllm.md, "How it was tested"): ``tp`` worker processes (``cpu_worker.py``, one per TP rank,
-in one gloo group: vLLM's ``CpuPlatform``, config, Qwen3 model classes, loaders that shard for the
-rank, post-processing, the ``p2pweights`` backend made by vLLM's factory) behind vLLM's own RL and
+in one gloo group: vLLM's ``CpuPlatform``, config, model classes, loaders that shard for the
+rank, post-processing, the ``p2pweights`` backend made by vLLM's factory; with ``spec="mtp"``
+vLLM's MTP drafter too) behind vLLM's own RL and
 dev routers with ``--api-key`` and the gate from ``--middleware`` (``standin_api.py``, whose client
 fans every RPC out to all workers), served by uvicorn on 127.0.0.1 in this process;
 ``/init_weight_transfer_engine`` registers every worker's memory over Mooncake (each rank its own
@@ -76,10 +77,12 @@ class StandInVllmEngine:
 
     client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
 
-    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1):
+    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = ""):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"stand-in vLLM engine {name}: tp must be an integer >= 1, got {tp!r}")
-        self.model_dir, self.name, self.tp = model_dir, name, tp
+        if spec not in cpu_worker.SPECS:
+            raise ValueError(f"stand-in vLLM engine {name}: spec must be one of {cpu_worker.SPECS}, got {spec!r}")
+        self.model_dir, self.name, self.tp, self.spec = model_dir, name, tp, spec
         self.api_key = secrets.token_urlsafe(24)
         self._authkey = secrets.token_bytes(16)
         self._log = open(log_path, "ab")
@@ -90,7 +93,8 @@ class StandInVllmEngine:
         for rank in range(tp):
             worker = subprocess.Popen(
                 [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
-                 "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank)], stdin=subprocess.PIPE,
+                 "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank), "--spec", spec],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=self._log, text=True)
             self._workers.append(worker)
             worker.stdin.write(self._authkey.hex() + "\n")
@@ -108,7 +112,7 @@ class StandInVllmEngine:
             if ready.get("rank") != rank:
                 raise EngineError(f"{self.name}: worker rank {rank} says it is rank {ready.get('rank')}")
             addresses.append(tuple(ready["address"]))
-        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp)  # what vLLM's API server holds
+        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec)  # what vLLM's API server holds
         self.client = StandInEngineClient(addresses, self._authkey)
         self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
         self.app = app = api_app(["--middleware", GATE, f"--api-key={self.api_key}"],  # one token: a key may start with "-"
