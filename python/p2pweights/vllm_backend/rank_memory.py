@@ -69,6 +69,27 @@ class ServedModels:
             refresh_quantized_lm_heads(self.draft)
 
 
+def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
+    """``named`` less the parameters whose bytes lie inside another parameter's: vLLM's
+    post-processing registers some derived tensors as views of a loaded weight (MLA's ``W_UV`` and
+    ``W_UK_T`` are transposed slices of an unquantized ``kv_b_proj``). They follow every write into
+    that weight and are never written themselves; published, they would overlap it (which senders
+    refuse). A parameter that only partly overlaps another stays (the sender refuses that table)."""
+    items = list(named)
+    spans = [(n, p.untyped_storage().data_ptr(), int(p.data_ptr()), int(p.numel()) * p.element_size())
+             for n, p in items]
+    by_storage: dict[int, list[tuple[str, int, int]]] = {}
+    for name, storage, start, nbytes in spans:
+        by_storage.setdefault(storage, []).append((name, start, nbytes))
+    inside: set[str] = set()
+    for group in by_storage.values():
+        if len(group) < 2:
+            continue
+        name0, start0, nbytes0 = max(group, key=lambda g: g[2])  # the largest: the weight the others view
+        inside.update(n for n, a, b in group if n != name0 and start0 <= a and a + b <= start0 + nbytes0)
+    return [(n, p) for n, p in items if n not in inside]
+
+
 def weights_device(model: Any) -> str:
     """Where every parameter lives (``cpu`` or ``cuda:N``); LayoutMismatch when they are spread or on meta."""
     devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}"
@@ -97,7 +118,7 @@ class RankMemory:
         self.model, self.rank, self.engine = model, int(rank), engine
         self.transport = resolve_transport(transport)[0]
         self.device = weights_device(model)
-        self.table = params_table(model.named_parameters())
+        self.table = params_table(owned_parameters(model.named_parameters()))
         self.regions = merge_regions((ptr, numel * size) for ptr, numel, size in self.table.values())
         self.build = dict(build or {})
         self.area: DeltaArea | None = None
@@ -138,7 +159,7 @@ class RankMemory:
     def check_in_place(self) -> None:
         """Refuse (LayoutMismatch) when a parameter no longer lies where it was published: vLLM's
         post-processing replaced its storage, so one-sided writes would miss it."""
-        now = params_table(self.model.named_parameters())
+        now = params_table(owned_parameters(self.model.named_parameters()))
         moved = sorted(n for n, row in self.table.items() if now.get(n) != row)
         moved += sorted(n for n in now if n not in self.table)
         if moved:
