@@ -15,7 +15,9 @@ the target's only: not published twice, written once.
 groups are every role's groups (a group whose HF inputs some other role's group also reads is
 merged with it, so a tensor both roles load is loaded by both and written to both roles' memory),
 its ``param_specs`` are role-qualified, and :meth:`RankRoles.load_groups` runs each role's own
-loaders. An engine without a draft gets its target replica, unchanged.
+loaders. An engine without a draft gets its target replica, unchanged. :class:`RankRoles` is
+engine-neutral: a vLLM engine's MTP draft joins its target through :func:`join_roles`
+(:func:`.vllm_replica.vllm_rank_replica`).
 """
 from __future__ import annotations
 
@@ -191,9 +193,13 @@ def rank_replica(replicas: "ModelReplicas", config: Any, engine: EngineLayout, r
     roles = roles_of(config, engine)
     if roles == ("target",):
         return replicas.get(config, engine, rank, hf_specs=hf_specs)
-    members = {role: replicas.get(config, engine, rank, hf_specs=hf_specs, role=role) for role in roles}
-    # one joined object per set of role replicas (invariant 7): a reconnect reuses it, and what is
-    # kept per replica object (recorded copy plans, p2pweights.copyplans) with it
+    return join_roles({role: replicas.get(config, engine, rank, hf_specs=hf_specs, role=role) for role in roles})
+
+
+def join_roles(members: Mapping[str, "ModelReplica"]) -> RankRoles:
+    """The :class:`RankRoles` of these role replicas (any engine kind's; ``"target"`` among them),
+    one per set of replica objects (invariant 7): a reconnect reuses it, and what is kept per
+    replica object (recorded copy plans, p2pweights.copyplans) with it."""
     with _JOINED_LOCK:
         joined = _JOINED.get(members["target"])
         if joined is None or any(joined.roles.get(r) is not m for r, m in members.items()):

@@ -306,14 +306,31 @@ def activate(model: "torch.nn.Module") -> Iterator[Any]:
             vllm_config.parallel_config.data_parallel_rank = dp_rank
 
 
-def build_model(config: Any, layout: VllmLayout, rank: int, device: str = "meta") -> "torch.nn.Module":
+def role_model_config(vllm_config: Any, layout: VllmLayout, role: str = "target") -> Any:
+    """The ``ModelConfig`` vLLM builds a role's model from: the target's, or (``role="draft"``) the
+    speculative config's ``draft_model_config`` (for method mtp: the same checkpoint, architecture
+    ``DeepSeekMTPModel``), which the proposer hands ``get_model``."""
+    if role == "target":
+        return vllm_config.model_config
+    spec = vllm_config.speculative_config
+    if role != "draft" or spec is None or spec.draft_model_config is None:
+        raise UnsupportedLayout(f"vLLM engine {layout.describe()} has no {role!r} model; its roles are "
+                                f"{', '.join(layout.roles)}", parameter="spec")
+    return spec.draft_model_config
+
+
+def build_model(config: Any, layout: VllmLayout, rank: int, device: str = "meta", *,
+                role: str = "target") -> "torch.nn.Module":
     """vLLM's model of engine rank ``rank`` (= DP rank x tp + TP rank) of ``layout``, built by
-    vLLM's ``initialize_model`` under the Hopper stand-in. ``device="meta"`` allocates nothing."""
+    vLLM's ``initialize_model`` under the Hopper stand-in. ``device="meta"`` allocates nothing.
+    ``role="draft"``: the speculative draft as the proposer builds it (:mod:`.vllm_draft`), with
+    the target's VllmConfig (same TP/EP layout, same quantization) and the draft's ModelConfig."""
     import torch
 
     check_refusal(load_config(config), layout)
     vllm_config = engine_config(config, layout)
     layout.rank_of(rank)
+    model_config = role_model_config(vllm_config, layout, role)
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -325,13 +342,13 @@ def build_model(config: Any, layout: VllmLayout, rank: int, device: str = "meta"
         # attention layers register by name in the config: a second build would be a "Duplicate layer name"
         vllm_config.compilation_config.static_forward_context.clear()
         try:
-            with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
-                model = initialize_model(vllm_config=vllm_config)
+            with set_default_torch_dtype(model_config.dtype), torch.device(device):
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config)
         except UnsupportedLayout:
             raise
         except Exception as e:
-            raise UnsupportedLayout(f"vLLM cannot build engine layout {layout.describe()} rank {rank} here: "
-                                    f"{type(e).__name__}: {e}") from e
+            raise UnsupportedLayout(f"vLLM cannot build the {role} of engine layout {layout.describe()} rank {rank} "
+                                    f"here: {type(e).__name__}: {e}") from e
     for attr in (_CONFIG_ATTR, _LAYOUT_ATTR, _RANK_ATTR):
         setattr(model, attr, getattr(holder, attr))
     check_kernels(model)
@@ -363,10 +380,12 @@ def materialize(model: "torch.nn.Module", device: str = "cpu") -> "torch.nn.Modu
     return _materialize(model, device)
 
 
-def post_process(model: "torch.nn.Module", device: str = "cpu") -> None:
-    """vLLM's ``process_weights_after_loading`` for the rank, as its update's finish runs it."""
+def post_process(model: "torch.nn.Module", device: str = "cpu", role: str = "target") -> None:
+    """vLLM's ``process_weights_after_loading`` for the rank, as its update's finish runs it
+    (with the role's ModelConfig, as the loader that built the role passes it)."""
     import torch
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     with activate(model) as vllm_config:
-        process_weights_after_loading(model, vllm_config.model_config, torch.device(device))
+        model_config = role_model_config(vllm_config, getattr(model, _LAYOUT_ATTR), role)
+        process_weights_after_loading(model, model_config, torch.device(device))

@@ -5,6 +5,8 @@ A :class:`VllmLayout` keeps what decides which bytes a vLLM engine rank holds af
 facts about the engine's host that vLLM's kernel oracles read (``VLLM_USE_DEEP_GEMM``, and whether
 FlashInfer's kernels are installed: ``flashinfer-python`` is a dependency of vLLM's CUDA wheel).
 The engine is a Hopper (sm90) rank: the architecture the stand-in platform reproduces.
+``spec`` is the speculative method: "mtp" gives every rank a second role, the draft built from
+the checkpoint's own MTP layer (:mod:`.vllm_draft`); drafts from a separate checkpoint are refused.
 
 vLLM's ranks: engine rank = DP rank x TP + TP rank. Attention is TP-sharded inside each DP rank
 (a DP rank's attention bytes equal the other DP ranks'); with ``enable_expert_parallel`` the
@@ -34,7 +36,17 @@ _KEYS = {
     "enable_expert_parallel": "expert_parallel", "moe_backend": "moe_backend", "dtype": "dtype",
     "use_deep_gemm": "deep_gemm", "deep_gemm": "deep_gemm", "vllm_use_deep_gemm": "deep_gemm",
     "flashinfer": "flashinfer",
+    "spec": "spec", "speculative": "spec", "speculative_method": "spec",
 }
+
+#: speculative methods (vLLM's ``--speculative-config '{"method": ...}'``) and what the replica does
+#: with them: "mtp" is the target checkpoint's own MTP layer (a draft role, :mod:`.vllm_draft`);
+#: "ngram", "ngram_gpu" and "suffix" have no weights (no draft role); "deepseek_mtp" is vLLM's
+#: deprecated name of "mtp"; the others load a separate draft checkpoint
+_SPEC_METHODS = {"": "", "none": "", "ngram": "", "ngram_gpu": "", "suffix": "", "mtp": "mtp", "deepseek_mtp": "mtp"}
+_SEPARATE_DRAFTS = ("eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "dflash", "dspark")
+#: target architectures whose vLLM MTP draft the replica builds (from the same checkpoint)
+MTP_ARCHITECTURES = {"DeepseekV3ForCausalLM": "DeepSeekMTPModel"}
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -56,6 +68,7 @@ class VllmLayout:
     dtype: str = "auto"
     deep_gemm: bool = True  # VLLM_USE_DEEP_GEMM on the engine (vLLM's default 1; DeepGEMM ships in the wheel)
     flashinfer: bool = True  # FlashInfer kernels usable on the engine (vLLM's CUDA wheel depends on it)
+    spec: str = ""  # speculative method: "" (no draft) or "mtp" (the checkpoint's own MTP layer: a draft role)
 
     kind = "vllm"
 
@@ -63,13 +76,14 @@ class VllmLayout:
         for name in ("tp", "dp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise LayoutSpecError(f"{name}={getattr(self, name)!r} must be a whole number >= 1")
+        object.__setattr__(self, "spec", _spec_method(self.spec))
 
     @classmethod
     def parse(cls, spec: str, *, command: str = "check-layout") -> "VllmLayout":
         """From ``tp=2,dp=2,ep=4,moe_backend=triton,deep_gemm=0``. ``ep`` is vLLM's
         ``--enable-expert-parallel``: ``ep=tp*dp`` (or ``ep=true``) turns it on, ``ep=1`` leaves it off."""
-        why = ("a vLLM engine's layout is tp, dp, ep, moe_backend, dtype, deep_gemm (VLLM_USE_DEEP_GEMM) "
-               "and flashinfer (FlashInfer kernels installed on the engine)")
+        why = ("a vLLM engine's layout is tp, dp, ep, moe_backend, dtype, deep_gemm (VLLM_USE_DEEP_GEMM), "
+               "flashinfer (FlashInfer kernels installed on the engine) and spec (the speculative method)")
         given = parse_layout_spec(spec, command=f"{command} --engine-kind vllm", honours=_KEYS, why=why)
         values: dict[str, Any] = {}
         for name, value in given.items():
@@ -89,7 +103,7 @@ class VllmLayout:
         for name in ("deep_gemm", "flashinfer"):
             if name in values:
                 values[name] = _flag(name, values[name])
-        for name in ("moe_backend", "dtype"):
+        for name in ("moe_backend", "dtype", "spec"):
             if name in values:
                 values[name] = str(values[name]).lower().replace("-", "_")
         return cls(tp=tp, dp=dp, expert_parallel=expert_parallel, **values)
@@ -118,7 +132,7 @@ class VllmLayout:
         parts = [f"tp={self.tp}"] + ([f"dp={self.dp}"] if self.dp > 1 else []) + (
             [f"ep={self.ep}"] if self.expert_parallel else [])
         defaults = VllmLayout()
-        for name in ("moe_backend", "dtype", "deep_gemm", "flashinfer"):
+        for name in ("moe_backend", "dtype", "deep_gemm", "flashinfer", "spec"):
             if getattr(self, name) != getattr(defaults, name):
                 value = getattr(self, name)
                 parts.append(f"{name}={int(value) if isinstance(value, bool) else value}")
@@ -126,9 +140,17 @@ class VllmLayout:
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments of vLLM's ``EngineArgs`` for this layout."""
-        return {"tensor_parallel_size": self.tp, "data_parallel_size": self.dp,
-                "enable_expert_parallel": self.expert_parallel, "moe_backend": self.moe_backend,
-                "dtype": self.dtype}
+        args: dict[str, Any] = {"tensor_parallel_size": self.tp, "data_parallel_size": self.dp,
+                                "enable_expert_parallel": self.expert_parallel, "moe_backend": self.moe_backend,
+                                "dtype": self.dtype}
+        if self.spec:  # the draft's layout is the target's; one token is enough to build it
+            args["speculative_config"] = {"method": self.spec, "num_speculative_tokens": 1}
+        return args
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The models every rank holds: ("target",), or ("target", "draft") with an MTP draft."""
+        return ("target", "draft") if self.spec else ("target",)
 
     def rank_of(self, rank: int) -> tuple[int, int]:
         """(DP rank, TP rank) of engine rank ``rank``."""
@@ -156,6 +178,21 @@ _REPACKING_MOE_BACKENDS = {
 }
 
 
+def _spec_method(value: Any) -> str:
+    """The layout's ``spec`` from a method name: "" or "mtp"; LayoutSpecError for a draft the
+    trainer's checkpoint does not hold."""
+    method = "" if value in (None, False) else str(value).strip().lower()
+    if method in _SPEC_METHODS:
+        return _SPEC_METHODS[method]
+    if method in _SEPARATE_DRAFTS:
+        raise LayoutSpecError(
+            f"--engine spec={method}: a vLLM {method} draft is a separate draft checkpoint the trainer does not "
+            "produce, so no sender can keep it current; start the engine with --speculative-config "
+            "'{\"method\": \"mtp\"}' (the checkpoint's own MTP layer), method ngram, or none")
+    raise LayoutSpecError(f"--engine spec={method}: not a vLLM 0.33 speculative method the replica knows; "
+                          "write spec=mtp (the checkpoint's own MTP layer), spec=ngram or leave it out")
+
+
 def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
     """Why a Hopper vLLM 0.33 engine of ``layout`` serving ``config`` post-processes the loaded bytes
     into others (so one-sided writes of the loaders' bytes would be wrong, or undone), and what to
@@ -166,6 +203,9 @@ def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
     oracle/unquantized.py); the built replica's chosen kernels are checked against them
     (``vllm_env.check_kernels``).
     """
+    why = draft_refusal(config, layout)
+    if why:
+        return why
     qc = config.get("quantization_config") or {}
     fp8_block = str(qc.get("quant_method", "")).lower() == "fp8" and bool(qc.get("weight_block_size"))
     moe = any(k in config for k in ("num_experts", "n_routed_experts"))
@@ -183,6 +223,23 @@ def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
                 "(vLLM's oracle puts it first for EP), whose process_weights_after_loading swaps the w13 "
                 "halves and repacks the scales; start the engine with --moe-backend triton (and say "
                 "moe_backend=triton), or without FlashInfer (flashinfer=0)")
+    return None
+
+
+def draft_refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
+    """Why the replica cannot build the draft of ``layout`` for ``config``; None without a draft or
+    for an MTP draft it builds (DeepSeek-V3 with at least one MTP layer in the checkpoint)."""
+    if not layout.spec:
+        return None
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch not in MTP_ARCHITECTURES:
+        return (f"spec={layout.spec}: vLLM's MTP draft of {arch} is not built by the replica (it builds "
+                f"the MTP drafts of {', '.join(MTP_ARCHITECTURES)}); start the engine without "
+                "--speculative-config, or use method ngram (no draft weights)")
+    layers = int(config.get("num_nextn_predict_layers") or 0)
+    if layers < 1:
+        return (f"spec={layout.spec}: the {arch} checkpoint has no MTP layer (num_nextn_predict_layers="
+                f"{layers}), so vLLM has no draft to load from it; start the engine without --speculative-config")
     return None
 
 

@@ -13,17 +13,25 @@ only adds derived tensors (DeepSeek MLA's ``W_UV`` / ``W_UK_T`` from ``kv_b_proj
 never written: the engine's post-processing recomputes them when an update finishes.
 ``p2pweights check-layout --engine-kind vllm`` proves both against a real post-processed load
 (:mod:`.vllm_check`).
+
+An engine started with an MTP draft (``spec=mtp``) holds a second role per rank, ``"draft"``
+(:mod:`.vllm_draft`): ``get(..., role="draft")`` is its replica, without the parameters it shares
+with the target; :func:`vllm_rank_replica` joins the roles (:class:`~.roles.RankRoles`, draft
+names prefixed ``draft.``) into what a sender prepares.
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ..errors import UnsupportedLayout
 from ..models import resolve_model
 from ..models.checkpoint import TensorSpec, checkpoint_tensors
 from . import vllm_env
 from .model_replica import ModelReplica, ReplicaKey, config_hash
 from .probe import LoaderMapping, probe_loaders
+from .roles import RankRoles, join_roles
+from .vllm_draft import build_draft_model, build_role_model, share_with_target, without_shared
 from .vllm_layout import VllmLayout
 
 if TYPE_CHECKING:
@@ -51,7 +59,7 @@ class VllmModelReplica(ModelReplica):
     def model(self) -> "torch.nn.Module":
         with self._model_lock:
             if self._model is None:
-                self._model = vllm_env.build_model(self._config, self.engine, self.rank)
+                self._model = build_role_model(self._config, self.engine, self.rank, self.role)
             return self._model
 
 
@@ -68,20 +76,41 @@ class VllmReplicas:
         return len(self._replicas)
 
     def get(self, config: Any, engine: VllmLayout, rank: int,
-            hf_specs: Mapping[str, TensorSpec] | None = None) -> VllmModelReplica:
-        """The replica of engine rank ``rank`` (DP rank x tp + TP rank) of a vLLM engine (built once)."""
+            hf_specs: Mapping[str, TensorSpec] | None = None, role: str = "target") -> VllmModelReplica:
+        """The replica of engine rank ``rank`` (DP rank x tp + TP rank) of a vLLM engine (built once).
+        ``role="draft"``: its MTP draft (``engine.spec == "mtp"``), less the parameters that are
+        the target's (:func:`.vllm_draft.share_with_target`)."""
         if isinstance(config, str):
             config = resolve_model(config)
-        key = ReplicaKey(config_hash(config), engine, rank, "target")
+        if role not in engine.roles:
+            raise UnsupportedLayout(f"vLLM engine {engine.describe()} has no {role!r} model; its roles are "
+                                    f"{', '.join(engine.roles)}", parameter="spec")
+        key = ReplicaKey(config_hash(config), engine, rank, role)
         with self._lock:
             replica = self._replicas.get(key)
             if replica is None:
-                model = vllm_env.build_model(config, engine, rank)
-                mapping = probe_vllm_loaders(model, hf_specs if hf_specs is not None else checkpoint_tensors(config))
+                specs = hf_specs if hf_specs is not None else checkpoint_tensors(config)
+                if role == "target":
+                    model = vllm_env.build_model(config, engine, rank)
+                    mapping = probe_vllm_loaders(model, specs)
+                else:  # the draft's loaders need its own embedding and heads: probe, then share
+                    model = build_draft_model(config, engine, rank)
+                    mapping = without_shared(probe_vllm_loaders(model, specs), share_with_target(model))
                 replica = VllmModelReplica(config, engine, rank, mapping, model=model, key=key)
                 self._replicas[key] = replica
                 self.builds += 1
             return replica
+
+
+def vllm_rank_replica(replicas: VllmReplicas, config: Any, layout: VllmLayout, rank: int,
+                      hf_specs: Mapping[str, TensorSpec] | None = None) -> "VllmModelReplica | RankRoles":
+    """What a sender prepares for engine rank ``rank`` of a vLLM engine: the target replica alone,
+    or, for an engine with an MTP draft, both roles joined (:class:`~.roles.RankRoles`: the draft's
+    parameters named ``draft.<name>``, as vLLM's worker names them)."""
+    if layout.roles == ("target",):
+        return replicas.get(config, layout, rank, hf_specs=hf_specs)
+    return join_roles({role: replicas.get(config, layout, rank, hf_specs=hf_specs, role=role)
+                       for role in layout.roles})
 
 
 _DEFAULT: VllmReplicas | None = None

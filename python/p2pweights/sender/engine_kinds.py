@@ -2,24 +2,25 @@
 publications are checked against, and the replica of one of its ranks. sglang engines (and
 receivers) answer with sglang's layout, build check and replicas; vLLM engines
 (``control.vllm.VllmEngine``) with a :class:`~p2pweights.replica.vllm_layout.VllmLayout`, vLLM's
-version and refusals (:class:`VllmIdentity`) and :class:`~p2pweights.replica.vllm_replica.VllmReplicas`.
+version and refusals (:class:`VllmIdentity`) and :class:`~p2pweights.replica.vllm_replica.VllmReplicas`
+(an engine running vLLM's MTP drafter: target and draft joined, the draft's names ``draft.<name>``).
 
 A vLLM engine's layout is read from vLLM's ``/server_info?config_format=json`` (the parallel config,
-``kernel_config.moe_backend``, the dtype, ``VLLM_USE_DEEP_GEMM``) or given (``VllmEngine(layout=)``),
-and either way checked against the engine's ``/get_world_size``. Nothing here imports vLLM.
+``kernel_config.moe_backend``, the dtype, ``VLLM_USE_DEEP_GEMM``, ``speculative_config.method``) or
+given (``VllmEngine(layout=)``), and either way checked against the engine's ``/get_world_size``. Nothing here imports vLLM.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..errors import EngineError, EngineMismatch, LayoutMismatch
+from ..errors import EngineError, EngineMismatch, LayoutMismatch, LayoutSpecError, UnsupportedLayout
 from ..models.engine_layout import EngineLayout
 from ..replica import roles
 from ..replica.build_check import engine_identity
 from ..replica.vllm_env import vllm_version
 from ..replica.vllm_layout import VllmLayout, check_refusal
-from ..replica.vllm_replica import vllm_replicas
+from ..replica.vllm_replica import vllm_rank_replica, vllm_replicas
 
 _LAYOUT_HINT = "pass the engine's layout: VllmEngine(url, layout='tp=...,dp=...')"
 
@@ -41,7 +42,7 @@ def layout_and_identity(client: Any, info: Mapping[str, Any], config: Mapping[st
 def rank_replica_of(replicas: Any, model: Any, layout: Any, rank: int) -> Any:
     """The replica a sender prepares for engine rank ``rank`` of an engine of ``layout``."""
     if isinstance(layout, VllmLayout):
-        return vllm_replicas().get(model, layout, rank)
+        return vllm_rank_replica(vllm_replicas(), model, layout, rank)  # with an MTP draft: both roles joined
     return roles.rank_replica(replicas, model, layout, rank)  # looked up here: tests stand a target-only one in
 
 
@@ -74,11 +75,17 @@ def layout_of(server_info: Any, engine: str) -> VllmLayout:
     if par.get("pipeline_parallel_size") not in (None, 1):
         raise LayoutMismatch(f"engine {engine}: pipeline parallelism is not supported for vLLM engines", engine=engine)
     dtype = str(model.get("dtype") or "auto").replace("torch.", "")
+    spec = config.get("speculative_config") or {}
+    if not isinstance(spec, dict):
+        raise EngineError(f"engine {engine}: vLLM's /server_info is not vLLM's config", engine=engine)
     try:
         return VllmLayout(tp=int(par.get("tensor_parallel_size") or 1), dp=int(par.get("data_parallel_size") or 1),
                           expert_parallel=bool(par.get("enable_expert_parallel")),
                           moe_backend=str(kernel.get("moe_backend") or "auto").lower(), dtype=dtype,
-                          deep_gemm=str(env.get("VLLM_USE_DEEP_GEMM", "1")).lower() not in ("0", "false"))
+                          deep_gemm=str(env.get("VLLM_USE_DEEP_GEMM", "1")).lower() not in ("0", "false"),
+                          spec=str(spec.get("method") or ""))
+    except LayoutSpecError as e:  # vLLM's config, a layout the replica refuses (a separate draft checkpoint, ...)
+        raise UnsupportedLayout(f"engine {engine}: {e}", engine=engine) from None
     except (TypeError, ValueError) as e:  # an answer that is not vLLM's config
         raise EngineError(f"engine {engine}: vLLM's /server_info reports no usable layout ({e})", engine=engine,
                           hint=_LAYOUT_HINT) from None
