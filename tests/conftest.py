@@ -53,7 +53,8 @@ def require_sglang():
 # -- vLLM: installed apart (scripts/setup.sh, .vllm_site), on the path of its tests' own process only ---------
 VLLM_SITE = ROOT / ".vllm_site"
 VLLM_TESTS = ("test_vllm_replica.py", "test_vllm_backend.py", "test_vllm_sender.py", "test_vllm_tp.py",
-              "test_demo_vllm.py", "test_vllm_draft_replica.py", "test_vllm_draft.py")
+              "test_demo_vllm.py", "test_vllm_draft_replica.py", "test_vllm_draft.py",
+              "test_vllm_dp.py")
 
 
 def _vllm_importable() -> bool:

@@ -36,8 +36,9 @@ def cfg(tmp_path_factory):
     return write_config("qwen3", str(tmp_path_factory.mktemp("demo_vllm_cfg")))
 
 
-def test_the_vllm_demo_updates_a_stand_in_engine_equal_to_a_fresh_vllm_load_then_sends_deltas(cfg, capsys):
-    rc = demo.run(_args("--model", cfg, "--engines", "1", "--senders", "2", "--steps", "2",
+def test_the_vllm_demo_updates_a_dp2_stand_in_engine_equal_to_a_fresh_vllm_load_then_sends_deltas(cfg, capsys):
+    # dp=2: two DP ranks of tp=1 (dense: each an independent engine in vLLM), each checked against the load
+    rc = demo.run(_args("--model", cfg, "--engine", "dp=2", "--engines", "1", "--senders", "2", "--steps", "2",
                         "--changed-fraction", "0.01", "--transport", "mooncake", "--json"))
     out = capsys.readouterr()
     # the document the demo prints (a vLLM imported earlier in this pytest process may log to stdout)
@@ -68,10 +69,10 @@ def test_what_the_stand_in_vllm_engines_cannot_do_is_refused_before_anything_sta
         demo.run(_args("--model", cfg, "--transport", "nixl"))
     with pytest.raises(UnsupportedLayout, match="NCCL on GPUs"):
         demo.run(_args("--model", cfg, "--modes", "p2p,broadcast", "--transport", "mooncake"))
-    with pytest.raises(UnsupportedLayout, match="tensor parallelism only"):
+    with pytest.raises(UnsupportedLayout, match="tensor and data parallelism only"):
         demo.run(_args("--model", cfg, "--engine", "tp=1,ep=2", "--transport", "mooncake"))
-    with pytest.raises(UnsupportedLayout, match="tensor parallelism only"):
-        demo.run(_args("--model", cfg, "--engine", "tp=2,dp=2", "--transport", "mooncake"))
+    with pytest.raises(UnsupportedLayout, match="tensor and data parallelism only"):
+        demo.run(_args("--model", cfg, "--engine", "tp=2,pp=2", "--transport", "mooncake"))
     with pytest.raises(UnsupportedLayout, match="BF16 models only"):
         demo.run(_args("--model", "deepseek-v3-fp8-tiny", "--transport", "mooncake"))
     with pytest.raises(UnsupportedLayout, match="NCCL on GPUs"):  # the function refuses too, not only the command

@@ -194,7 +194,7 @@ def test_a_sender_updates_a_vllm_engine_verifies_it_and_sends_deltas_after(engin
 
 def test_a_vllm_engine_without_the_key_or_with_a_wrong_layout_is_refused_before_any_replica(engine):
     from p2pweights.control import VllmEngine
-    from p2pweights.errors import EngineError, EngineMismatch, LayoutMismatch, Unauthorized
+    from p2pweights.errors import EngineError, EngineMismatch, LayoutMismatch, Unauthorized, UnsupportedLayout
     from p2pweights.sender.engine_kinds import layout_and_identity, layout_of, vllm_layout
 
     with pytest.raises(Unauthorized):
@@ -209,6 +209,14 @@ def test_a_vllm_engine_without_the_key_or_with_a_wrong_layout_is_refused_before_
     with pytest.raises(EngineMismatch, match="vLLM 0.0.1"):
         layout_and_identity(right, {**info, "vllm_version": "0.0.1"}, {})
     for forged in ({"vllm_config": {"parallel_config": {"tensor_parallel_size": "two"}}}, {"vllm_config": []},
-                   {"vllm_config": {"parallel_config": {}, "model_config": "x"}}):
+                   {"vllm_config": {"parallel_config": {}, "model_config": "x"}},
+                   {"vllm_config": {"parallel_config": {}, "speculative_config": "mtp"}}):
         with pytest.raises(EngineError):
             layout_of(forged, right.name)
+    # a draft from a separate checkpoint (EAGLE) is one no trainer's sender keeps current: refused, named
+    server = info["vllm_server_info"]
+    eagle = {**server, "vllm_config": {**server["vllm_config"], "speculative_config": {"method": "eagle"}}}
+    with pytest.raises(UnsupportedLayout, match="eagle"):
+        layout_of(eagle, right.name)
+    mtp = {**server, "vllm_config": {**server["vllm_config"], "speculative_config": {"method": "mtp"}}}
+    assert layout_of(mtp, right.name).describe() == "vllm:tp=1,dtype=bfloat16,spec=mtp"

@@ -18,7 +18,9 @@ p2pweights.commands.demo_vllm CONFIG_DIR DIST_PORT``), as tests/test_vllm_sender
 
 An engine of ``--engine tp=N`` runs N worker processes (one per TP rank, one gloo group), and the
 check's reference loads at the same tp (N processes), keyed per TP rank as vLLM's checksums are.
-Refused up front: any layout key but tp (dp, ep and pp were not run), FP8 models (not run
+``dp=M`` runs M such groups, each an independent engine as vLLM runs a dense model's DP ranks; each
+DP rank's checksums must equal the tp reference. Refused up front: any layout key but tp and dp
+(ep and pp were not run), FP8 models (not run
 through the harness), ``--transport nixl`` (the harness's engines register over Mooncake only) and
 the broadcast mode: vLLM's own baseline (``/init_weight_transfer_engine`` with its NCCL backend, then
 ``update_weights`` broadcasts) needs NCCL on GPUs, which this host lacks.
@@ -34,14 +36,15 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from ..errors import EngineError, UnsupportedLayout, WrongTransport
-from ..models.engine_layout import EngineLayout, parse_layout_spec
+from ..models.engine_layout import parse_layout_spec
+from ..replica.vllm_layout import VllmLayout
 from ..vllm_backend.standin_engine import START_TIMEOUT_S, TRANSPORT, StandInVllmEngine, json_line, stop_process
 from .demo_run import STEP_TIMEOUT, Checker, SenderPool, StepResult, _free_port, run_p2p
 
 KIND = "vllm"
-HONOURED = frozenset({"tp_size"})
-WHY_TP_ONLY = ("the demo's stand-in vLLM engines take tensor parallelism only (one CPU worker process per TP rank); "
-               "dp, ep and pp were not run through them")
+HONOURED = frozenset({"tp_size", "attn_dp_size"})  # tp and dp, as parse_layout_spec names them
+WHY_TP_ONLY = ("the demo's stand-in vLLM engines take tensor and data parallelism only (one CPU worker process "
+               "per rank; dense DP ranks as vLLM runs them); ep and pp were not run through them")
 WHY_MOONCAKE = ("the demo's stand-in vLLM engines register their workers' memory over Mooncake only "
                 "(NIXL was not run through the harness)")
 WHY_NO_BROADCAST = ("vLLM's own broadcast baseline (its NCCL weight-transfer backend) needs NCCL on GPUs, which "
@@ -60,10 +63,10 @@ def require_vllm() -> None:
         raise UnsupportedLayout(f"--engine-kind {KIND}: vLLM is not importable in this Python; {INSTALL}")
 
 
-def engine_layout(spec: str) -> EngineLayout:
-    """``--engine`` for this kind: ``tp=N``, every other key refused (one line, exit 2)."""
-    return EngineLayout.from_args(parse_layout_spec(spec, command=f"demo --engine-kind {KIND}", honours=HONOURED,
-                                                    why=WHY_TP_ONLY))
+def engine_layout(spec: str) -> VllmLayout:
+    """``--engine`` for this kind: ``tp=N,dp=M``, every other key refused (one line, exit 2)."""
+    given = parse_layout_spec(spec, command=f"demo --engine-kind {KIND}", honours=HONOURED, why=WHY_TP_ONLY)
+    return VllmLayout(tp=int(given.get("tp_size", 1)), dp=int(given.get("attn_dp_size", 1)))
 
 
 def pick_transport(name: str) -> tuple[str, str]:
@@ -126,14 +129,18 @@ class References:
 
 
 def engine_checksums(engine: StandInVllmEngine) -> dict[str, str]:
-    """vLLM's ``/weight_checker`` checksums of an engine, keyed ``tp<rank>:<name>``."""
+    """vLLM's ``/weight_checker`` checksums of an engine, keyed ``dp<i>:tp<rank>:<name>``."""
     from ..control import VllmEngine
 
     answer = VllmEngine(engine.url, api_key=engine.api_key, name=engine.name, timeout=STEP_TIMEOUT).weights_checker()
     sums = answer.get("checksums") if isinstance(answer, dict) else None
     if not isinstance(sums, dict):
         raise EngineError(f"{engine.name}: /weight_checker answered no checksums")
-    return {k.split(":", 3)[-1]: v for k, v in sums.items()}  # "dp0:pp0:pcp0:tp0:<name>"
+    out = {}
+    for key, digest in sums.items():  # vLLM's "dp0:pp0:pcp0:tp0:<name>"
+        dp, _, _, rest = key.split(":", 3)
+        out[f"{dp}:{rest}"] = digest
+    return out
 
 
 def compare(held: Mapping[str, str], want: Mapping[str, str], name: str) -> tuple[bool, str]:
@@ -146,10 +153,11 @@ def compare(held: Mapping[str, str], want: Mapping[str, str], name: str) -> tupl
 
 
 def checksum_checker(references: References, engines: Sequence[StandInVllmEngine],
-                     progress: Callable[[str], None], verbose: bool = False) -> Checker:
+                     progress: Callable[[str], None], verbose: bool = False, dp: int = 1) -> Checker:
     def check(seed: int, changed: tuple[float, int] | None) -> tuple[bool, str]:
         t0 = time.perf_counter()
-        want = references.of(seed, changed)
+        # every DP rank of a dense model holds what the tp reference loads
+        want = {f"dp{i}:{key}": d for key, d in references.of(seed, changed).items() for i in range(dp)}
         t1 = time.perf_counter()
         results = [compare(engine_checksums(e), want, e.name) for e in engines]
         if verbose:
@@ -165,10 +173,11 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
                   transport: str = TRANSPORT, modes: Sequence[str] = ("p2p",), check: bool = True,
                   overrides: dict | None = None, progress: Callable[[str], None] = print, verbose: bool = False,
                   verify: str = "off", changed_fraction: float | None = None) -> list[StepResult]:
-    """The demo's P2P steps against ``engines`` stand-in vLLM engines (``engine``: ``tp=N``);
+    """The demo's P2P steps against ``engines`` stand-in vLLM engines (``engine``: ``tp=N,dp=M``);
     refusals as the module docstring says, before anything starts."""
     require_vllm()
-    tp = engine_layout(engine).tp_size
+    layout = engine_layout(engine)
+    tp, dp = layout.tp, layout.dp
     pick_transport(transport)
     refuse_modes(modes)
     _vllm_environment()
@@ -176,7 +185,7 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
     model_dir = _model_dir(model)
     log_dir = tempfile.mkdtemp(prefix="p2pw-demo-vllm-")
     t0 = time.perf_counter()
-    progress(f"starting {engines} stand-in vLLM engine(s) x tp={tp} on the CPU (vLLM's CpuPlatform worker, vLLM's "
+    progress(f"starting {engines} stand-in vLLM engine(s) x tp={tp} x dp={dp} on the CPU (vLLM's CpuPlatform worker, vLLM's "
              f"routes and the gate over uvicorn, weights registered over Mooncake TCP on 127.0.0.1; logs in "
              f"{log_dir}) ...")
     running: list[StandInVllmEngine] = []
@@ -185,7 +194,8 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
     results: list[StepResult] = []
     try:
         for i in range(engines):
-            running.append(StandInVllmEngine(model_dir, os.path.join(log_dir, f"engine{i}.log"), f"engine{i}", tp=tp))
+            running.append(StandInVllmEngine(model_dir, os.path.join(log_dir, f"engine{i}.log"), f"engine{i}", tp=tp,
+                                             dp=dp))
         if "p2p" in modes:  # the senders import vLLM and build their replicas while the engines start
             pool = SenderPool(model, senders, {"transport": TRANSPORT, **overrides},
                               None if verbose else log_dir, timeout=STEP_TIMEOUT)
@@ -194,7 +204,7 @@ def run_vllm_demo(model: str, *, engines: int = 1, engine: str = "tp=1", senders
         for e in running:
             e.wait_ready()
         progress(f"engines up in {time.perf_counter() - t0:.1f} s: " + ", ".join(f"{e.name} {e.url}" for e in running))
-        checker = checksum_checker(references, running, progress, verbose) if references is not None else None
+        checker = checksum_checker(references, running, progress, verbose, dp) if references is not None else None
         if "p2p" in modes:
             started, pool = pool, None  # run_p2p closes it
             results += run_p2p(model, running, senders=senders, steps=steps, transport=TRANSPORT, check=check,

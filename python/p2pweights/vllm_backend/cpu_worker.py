@@ -21,6 +21,7 @@ head by the proposer's own ``_maybe_share_embeddings`` / ``_maybe_share_lm_head`
 answers ``get_draft_model`` with it, as vLLM's does.
 
     python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R] [--spec mtp]
+        [--dp 2 --dp-rank D]   # a dense model's DP rank D: an independent engine of its own (its own --dist-port)
     # prints {"event": "ready", "rank": R, "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
     # the --tp workers of one engine share --dist-port (gloo's rendezvous) and start together
 """
@@ -55,9 +56,13 @@ class ModelHolder:
 SPECS = ("", "mtp")  # --spec: none, or vLLM's MTP drafter of the target's own checkpoint
 
 
-def engine_config(config_dir: str, tp: int = 1, spec: str = "") -> Any:
-    """vLLM's config of one worker of a ``tp``-rank engine for ``config_dir`` with the ``p2pweights``
-    backend (and vLLM's MTP drafter with ``spec="mtp"``)."""
+def engine_config(config_dir: str, tp: int = 1, spec: str = "", dp: int = 1, dp_rank: int | None = None) -> Any:
+    """vLLM's config of a ``dp`` x ``tp``-rank engine for ``config_dir`` with the ``p2pweights``
+    backend (and vLLM's MTP drafter with ``spec="mtp"``): the API server's (``dp_rank`` None), or
+    that of a worker of DP rank ``dp_rank``. vLLM runs the DP ranks of a dense model as independent
+    engines (``EngineCoreProc``: ``reconfigure_for_independent_dp_rank``, keeping
+    ``data_parallel_index``), and so does this; an MoE model's DP ranks share their groups in vLLM,
+    which the stand-in does not run."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
 
@@ -72,8 +77,16 @@ def engine_config(config_dir: str, tp: int = 1, spec: str = "") -> Any:
         # W_UK / W_UV through that absent op; its reference CPU MLA backend keeps them as loaded
         extra["attention_config"] = {"backend": "CPU_MLA"}
     config = EngineArgs(model=config_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy",
-                        enforce_eager=True, max_model_len=256, tensor_parallel_size=tp,
+                        enforce_eager=True, max_model_len=256, tensor_parallel_size=tp, data_parallel_size=dp,
                         weight_transfer_config={"backend": "p2pweights"}, **extra).create_engine_config()
+    if dp > 1 and config.model_config.is_moe:
+        raise ValueError("the stand-in vLLM engine runs data parallelism for dense models only (an MoE model's DP "
+                         "ranks share process groups in vLLM: DPEngineCoreProc)")
+    if dp_rank is not None:  # a worker: its DP rank is an independent engine, as vLLM's EngineCoreProc makes it
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"DP rank {dp_rank} is not a rank of dp={dp}")
+        config.parallel_config.data_parallel_index = dp_rank
+        config.parallel_config.reconfigure_for_independent_dp_rank()
     without_absent_cpu_kernels()
     return config
 
@@ -195,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size (its worker count)")
     ap.add_argument("--rank", type=int, default=0, help="this worker's TP rank, 0 .. tp-1")
     ap.add_argument("--spec", default="", choices=SPECS, help="mtp: run vLLM's MTP drafter of the checkpoint too")
+    ap.add_argument("--dp", type=int, default=1, help="the engine's data-parallel size (dense models)")
+    ap.add_argument("--dp-rank", type=int, default=0, help="this worker's DP rank, 0 .. dp-1")
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         ap.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    vllm_config = engine_config(args.model, args.tp, args.spec)
+    vllm_config = engine_config(args.model, args.tp, args.spec, args.dp, args.dp_rank)
     model = build_model(vllm_config, args.model, args.seed, args.dist_port, rank=args.rank)
     draft = build_draft(vllm_config, args.model, args.seed, model) if args.spec else None
     worker = make_worker(vllm_config, model, args.rank, draft)

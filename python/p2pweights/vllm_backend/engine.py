@@ -179,9 +179,11 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
 
 def worker_rank(parallel_config: Any) -> int:
     """This worker's rank as vLLM indexes ``update_weights`` lists: ``data_parallel_index *
-    world_size + rank`` (rank in the worker group)."""
+    world_size + rank``, ``rank`` its rank among its own DP rank's workers. An MoE engine's DP ranks
+    share one world group (its rank there counts the DP ranks before it: taken modulo the DP rank's
+    size); a dense engine's DP ranks are independent engines, each its own world."""
     from vllm.distributed import parallel_state
 
-    world = parallel_state._WORLD
-    rank = int(world.rank_in_group) if world is not None else 0
-    return int(getattr(parallel_config, "data_parallel_index", 0) or 0) * int(parallel_config.world_size) + rank
+    world, size = parallel_state._WORLD, int(parallel_config.world_size)
+    rank = int(world.rank_in_group) % size if world is not None else 0
+    return int(getattr(parallel_config, "data_parallel_index", 0) or 0) * size + rank

@@ -1,12 +1,13 @@
 """One stand-in vLLM 0.33 engine on this host, for the tests and ``p2pweights demo --engine-kind vllm``
-(docs/vllm.md, "How it was tested"): ``tp`` worker processes (``cpu_worker.py``, one per TP rank,
-in one gloo group: vLLM's ``CpuPlatform``, config, model classes, loaders that shard for the
-rank, post-processing, the ``p2pweights`` backend made by vLLM's factory; with ``spec="mtp"``
-vLLM's MTP drafter too) behind vLLM's own RL and
-dev routers with ``--api-key`` and the gate from ``--middleware`` (``standin_api.py``, whose client
-fans every RPC out to all workers), served by uvicorn on 127.0.0.1 in this process;
-``/init_weight_transfer_engine`` registers every worker's memory over Mooncake (each rank its own
-publication). Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
+(docs/vllm.md, "How it was tested"): ``dp`` x ``tp`` worker processes (``cpu_worker.py``: vLLM's
+``CpuPlatform``, config, model classes, loaders that shard for the rank, post-processing, the
+``p2pweights`` backend made by vLLM's factory; with ``spec="mtp"`` vLLM's MTP drafter too), each DP
+rank's ``tp`` workers in one gloo group (a dense model's DP ranks are independent engines in vLLM),
+behind vLLM's own RL and dev routers with ``--api-key`` and the gate from ``--middleware``
+(``standin_api.py``, whose client fans every RPC out to all workers, answering in vLLM's rank
+order), served by uvicorn on 127.0.0.1 in this process; ``/init_weight_transfer_engine`` registers
+every worker's memory over Mooncake (each rank its own publication). Runs where vLLM imports
+(``.vllm_site``, docs/vllm.md).
 
     engine = StandInVllmEngine(config_dir, log_path, "engine0", tp=2)
     try:
@@ -77,28 +78,30 @@ class StandInVllmEngine:
 
     client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
 
-    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = ""):
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"stand-in vLLM engine {name}: tp must be an integer >= 1, got {tp!r}")
+    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = "", dp: int = 1):
+        for what, n in (("tp", tp), ("dp", dp)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"stand-in vLLM engine {name}: {what} must be an integer >= 1, got {n!r}")
         if spec not in cpu_worker.SPECS:
             raise ValueError(f"stand-in vLLM engine {name}: spec must be one of {cpu_worker.SPECS}, got {spec!r}")
-        self.model_dir, self.name, self.tp, self.spec = model_dir, name, tp, spec
+        self.model_dir, self.name, self.tp, self.spec, self.dp = model_dir, name, tp, spec, dp
         self.api_key = secrets.token_urlsafe(24)
         self._authkey = secrets.token_bytes(16)
         self._log = open(log_path, "ab")
         self.url = ""
         self.client = self.app = self._server = None
-        dist_port = free_port()  # the workers' gloo rendezvous: all tp of them join it
         self._workers: list[subprocess.Popen] = []
-        for rank in range(tp):
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
-                 "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank), "--spec", spec],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=self._log, text=True)
-            self._workers.append(worker)
-            worker.stdin.write(self._authkey.hex() + "\n")
-            worker.stdin.flush()
+        for dp_rank in range(dp):  # in vLLM's rank order: DP rank x tp + TP rank
+            dist_port = free_port()  # a DP rank's gloo rendezvous: its tp workers join it (dense DP ranks are apart)
+            for rank in range(tp):
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
+                     "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank), "--spec", spec,
+                     "--dp", str(dp), "--dp-rank", str(dp_rank)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+                self._workers.append(worker)
+                worker.stdin.write(self._authkey.hex() + "\n")
+                worker.stdin.flush()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Every worker's model built; vLLM's routes served; every worker's memory registered (Mooncake)."""
@@ -109,10 +112,10 @@ class StandInVllmEngine:
         addresses = []
         for rank, worker in enumerate(self._workers):  # built together: the later ones are ready about as soon
             ready = json_line(worker, max(1.0, deadline - time.monotonic()), f"vLLM worker rank {rank} of {self.name}")
-            if ready.get("rank") != rank:
-                raise EngineError(f"{self.name}: worker rank {rank} says it is rank {ready.get('rank')}")
+            if ready.get("rank") != rank % self.tp:
+                raise EngineError(f"{self.name}: worker rank {rank} says it is TP rank {ready.get('rank')}")
             addresses.append(tuple(ready["address"]))
-        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec)  # what vLLM's API server holds
+        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec, self.dp)  # vLLM's API server's
         self.client = StandInEngineClient(addresses, self._authkey)
         self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
         self.app = app = api_app(["--middleware", GATE, f"--api-key={self.api_key}"],  # one token: a key may start with "-"
