@@ -176,15 +176,15 @@ def _session_request(self, method, url, params=None, data=None, headers=None, co
 
 
 def test_only_the_ranks_registration_put_carries_the_area(monkeypatch):
-    from p2pweights.sglang_plugin import rank_deltas
+    from p2pweights.sglang_plugin import bootstrap_requests, rank_deltas
 
     put = rank_deltas.REGISTER_PATH
-    assert rank_deltas.around_session_request(_session_request, None, "PUT", f"http://h{put}", json={"a": 1}) == {"a": 1}
+    assert bootstrap_requests.around_session_request(_session_request, None, "PUT", f"http://h{put}", json={"a": 1}) == {"a": 1}
     token = rank_deltas._PUBLISHING.set([4096, 8192])
     try:
-        assert rank_deltas.around_session_request(_session_request, None, method="PUT", url=f"http://h{put}",
+        assert bootstrap_requests.around_session_request(_session_request, None, method="PUT", url=f"http://h{put}",
                                                   json={"a": 1}) == {"a": 1, "delta_area": [4096, 8192]}
-        assert rank_deltas.around_session_request(_session_request, None, "GET", "http://h/other", json={"a": 1}) == {
+        assert bootstrap_requests.around_session_request(_session_request, None, "GET", "http://h/other", json={"a": 1}) == {
             "a": 1}
     finally:
         rank_deltas._PUBLISHING.reset(token)

@@ -236,15 +236,15 @@ def _session_request(self, method, url, params=None, data=None, headers=None, co
 
 
 def test_only_the_ranks_registration_put_carries_its_epoch():
-    from p2pweights.sglang_plugin import rank_deltas, rank_epochs
+    from p2pweights.sglang_plugin import bootstrap_requests, rank_deltas, rank_epochs
 
     put = f"http://h{rank_deltas.REGISTER_PATH}"
-    assert rank_epochs.around_session_request(_session_request, None, "PUT", put, json={"a": 1}) == {"a": 1}
+    assert bootstrap_requests.around_session_request(_session_request, None, "PUT", put, json={"a": 1}) == {"a": 1}
     token = rank_epochs._PUBLISHING.set(3)
     try:
-        assert rank_epochs.around_session_request(_session_request, None, "PUT", put, json={"a": 1}) == {"a": 1,
+        assert bootstrap_requests.around_session_request(_session_request, None, "PUT", put, json={"a": 1}) == {"a": 1,
                                                                                                          "epoch": 3}
-        assert rank_epochs.around_session_request(_session_request, None, "GET", "http://h/x", json={"a": 1}) == {
+        assert bootstrap_requests.around_session_request(_session_request, None, "GET", "http://h/x", json={"a": 1}) == {
             "a": 1}
     finally:
         rank_epochs._PUBLISHING.reset(token)

@@ -29,7 +29,7 @@ from p2pweights.control import protocol as p  # noqa: E402
 from p2pweights.control.sglang import SglangEngine  # noqa: E402
 from p2pweights.errors import EngineMismatch, EngineUnreachable, Unauthorized  # noqa: E402
 from p2pweights.replica.build_check import PLUGIN_ARCH, engine_identity, replica_environment  # noqa: E402
-from p2pweights.sglang_plugin import bootstrap_key, gpu_arch, server_info, version_guard  # noqa: E402
+from p2pweights.sglang_plugin import bootstrap_key, bootstrap_requests, gpu_arch, server_info, version_guard  # noqa: E402
 
 KEY = "k-" + "0123456789abcdef"
 FP8 = {**_COMMON, **CONFIGS["deepseek_v3"],
@@ -171,7 +171,7 @@ def hooked(monkeypatch):
     _wrapped(monkeypatch, server_class, "__init__", bootstrap_key.around_server_init, HookType.AROUND)
     _wrapped(monkeypatch, bootstrap_module, "fastapi_telemetry_disabled_kwargs", bootstrap_key.after_app_kwargs,
              HookType.AFTER)
-    _wrapped(monkeypatch, requests.sessions.Session, "request", bootstrap_key.around_session_request, HookType.AROUND)
+    _wrapped(monkeypatch, requests.sessions.Session, "request", bootstrap_requests.around_session_request, HookType.AROUND)
     rank_registration = transporter.RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap
     servers = []
 

@@ -23,8 +23,9 @@ header, and both are scoped by a hook on sglang's side:
   the scheduler processes, on any node): an AROUND hook;
 - the HTTP server's proxy ``/remote_instance_transfer_engine_info`` (the GET, in the launcher): a
   middleware on sglang's app, inside sglang's key check, so only calls sglang admitted reach it.
-Within those scopes, and only for the bootstrap routes' paths, an AROUND hook on ``requests``'
-``Session.request`` adds ``Authorization: Bearer <key>``. Nowhere else does it change a request.
+Within those scopes, and only for the bootstrap routes' paths, the plugin's one AROUND hook on
+``requests``' ``Session.request`` (``bootstrap_requests.py``) adds ``Authorization: Bearer <key>``.
+Nowhere else does it change a request.
 
 Not covered: with several HTTP workers (``--tokenizer-worker-num > 1``) the proxy runs in worker
 processes that load no plugin. There the GET stays open, so that the proxy keeps working, and the
@@ -33,15 +34,14 @@ log warns.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 from ..control import routes
 from ..control.protocol import PLUGIN_BOOTSTRAP_KEY as OFFER
 from ..receiver import asgi_steps as asgi
+from . import bootstrap_requests
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ APP_KWARGS_TARGET = f"{_BOOTSTRAP_MODULE}.fastapi_telemetry_disabled_kwargs"
 RANK_TARGET = ("sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter."
                "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap")
 HTTP_SERVER_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
-REQUESTS_TARGET = "requests.sessions.Session.request"
+REQUESTS_TARGET = bootstrap_requests.TARGET
 
 #: the HTTP server's routes that proxy a GET to the bootstrap server
 PROXY_PATHS = frozenset(r.path for r in routes.ROUTES if r.verb == "remote_instance_transfer_engine_info")
@@ -227,22 +227,13 @@ class ProxyCarriesKey:
             _CARRY.reset(token)
 
 
-_REQUEST_SIGNATURES: dict[Any, inspect.Signature] = {}
-
-
-def around_session_request(original: Callable[..., Any], session: Any, *args: Any, **kwargs: Any) -> Any:
-    """The AROUND hook on ``requests.Session.request``: inside a :class:`_Carry` scope, a request to a
-    bootstrap route's path gets ``Authorization: Bearer <key>``; every other request is untouched."""
-    carry = _CARRY.get()
-    if carry is None:
-        return original(session, *args, **kwargs)
-    signature = _REQUEST_SIGNATURES.get(original) or _REQUEST_SIGNATURES.setdefault(original, inspect.signature(original))
-    bound = signature.bind(session, *args, **kwargs)
-    if urlsplit(str(bound.arguments.get("url", ""))).path not in routes.BOOTSTRAP_PATHS:
-        return original(session, *args, **kwargs)
-    bound.arguments["headers"] = {**dict(bound.arguments.get("headers") or {}), "Authorization": f"Bearer {carry.key}"}
+def _key_header(carry: _Carry) -> dict[str, str]:
+    """What a request to a bootstrap route's path gets inside ``carry``'s scope (``bootstrap_requests``)."""
     carry.used = True
-    return original(*bound.args, **bound.kwargs)
+    return {"Authorization": f"Bearer {carry.key}"}
+
+
+bootstrap_requests.add_headers(_CARRY, _key_header)
 
 
 def live() -> dict[str, Any]:
@@ -263,4 +254,4 @@ def register(kind: str) -> None:
     elif kind == "scheduler":
         HookRegistry.register(RANK_TARGET, around_rank_registration, HookType.AROUND)
     if kind in ("main", "scheduler"):
-        HookRegistry.register(REQUESTS_TARGET, around_session_request, HookType.AROUND)
+        bootstrap_requests.register()

@@ -9,9 +9,10 @@ engine-info bootstrap server, and applied in the rank's scheduler when the launc
   whose weights are on a GPU keeps no area (full writes).
 - **The publication.** sglang's PUT of the rank's weights table carries only ``tp_rank`` and
   ``transfer_engine_info``: while ``_register_to_engine_info_bootstrap`` runs (an AROUND hook),
-  an AROUND hook on ``requests.Session.request`` adds ``delta_area: [addr, nbytes]`` to that PUT's
-  JSON. The bootstrap server's handler ignores it; the launcher's middleware there keeps it and
-  adds it to the GET's answer (``delta_updates.AreaBook``), the key a receiver's rank publishes it under.
+  the plugin's one AROUND hook on ``requests.Session.request`` (``bootstrap_requests.py``) adds
+  ``delta_area: [addr, nbytes]`` to that PUT's JSON. The bootstrap server's handler ignores it; the
+  launcher's middleware there keeps it and adds it to the GET's answer (``delta_updates.AreaBook``),
+  the key a receiver's rank publishes it under.
 - **The apply.** The launcher sends sglang's ``CheckWeightsReqInput`` with the action
   :data:`ACTION` (the manifests, as JSON, in ``skip_tensor_list``) through the weight checker's
   communicator, as ``digest.py`` does; an AROUND hook on ``check_weights`` answers it: each TP rank
@@ -22,17 +23,15 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
-import inspect
 import json
 import logging
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
-from ..control import routes
 from ..control.error_answers import error_payload
 from ..deltas.area import DeltaArea, Manifest, area_bytes
 from ..settings import value as setting
 from ..transport.publication import merge_regions
+from . import bootstrap_requests
 from .rank_gather import every_tp_rank, output_of
 
 logger = logging.getLogger(__name__)
@@ -41,8 +40,7 @@ RANK_TARGET = ("sglang.srt.model_executor.model_runner_components.remote_instanc
                "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap")
 CHECK_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater."
                 "SchedulerWeightUpdaterManager.check_weights")
-REQUESTS_TARGET = "requests.sessions.Session.request"
-REGISTER_PATH = routes.route("register_transfer_engine_info").path
+REGISTER_PATH = bootstrap_requests.REGISTER_PATH
 ACTION = "p2pw_apply_deltas"  # the weight checker's action that applies the session's deltas
 AREA_KEY = "delta_area"       # the publication's key (transport/publication.py)
 EPOCH_KEY = "epoch"           # the publication's key of the rank's registration epoch (rank_epochs.py)
@@ -122,18 +120,7 @@ def around_rank_registration(original: Callable[..., Any], *args: Any, **kwargs:
         _PUBLISHING.reset(token)
 
 
-def around_session_request(original: Callable[..., Any], session: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``requests.Session.request``: inside :func:`around_rank_registration`, the PUT to the
-    registration path gets ``delta_area`` in its JSON; every other request is untouched."""
-    area = _PUBLISHING.get()
-    if area is None:
-        return original(session, *args, **kwargs)
-    bound = inspect.signature(original).bind(session, *args, **kwargs)  # json may come positional
-    body = bound.arguments.get("json")
-    if urlsplit(str(bound.arguments.get("url", ""))).path != REGISTER_PATH or not isinstance(body, dict):
-        return original(session, *args, **kwargs)
-    bound.arguments["json"] = {**body, AREA_KEY: list(area)}
-    return original(*bound.args, **bound.kwargs)
+bootstrap_requests.add_registration_fields(_PUBLISHING, lambda area: {AREA_KEY: list(area)})
 
 
 # -- the apply, in each rank's scheduler --------------------------------------------------------
@@ -176,5 +163,5 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(RANK_TARGET, around_rank_registration, HookType.AROUND)
-    HookRegistry.register(REQUESTS_TARGET, around_session_request, HookType.AROUND)
+    bootstrap_requests.register()
     HookRegistry.register(CHECK_TARGET, around_check_weights, HookType.AROUND)

@@ -10,9 +10,9 @@ next epoch.
   records every region it registers; once the rank published (an AROUND hook on
   ``_register_to_engine_info_bootstrap``, the delta area open by then), :class:`SglangEndpoint`
   wraps sglang's engine with those regions and the area, and ``RevocableRegions`` adopts it as
-  epoch 1. The rank's PUT carries ``epoch`` (an AROUND hook on ``requests.Session.request``, only
-  inside that registration, only for that path), which the bootstrap server's book keeps
-  (``delta_updates.AreaBook``).
+  epoch 1. The rank's PUT carries ``epoch`` (the plugin's one AROUND hook on
+  ``requests.Session.request``, ``bootstrap_requests.py``: only inside that registration, only for
+  that path), which the bootstrap server's book keeps (``delta_updates.AreaBook``).
 - **The revocation** (:data:`ACTION`, sglang's ``CheckWeightsReqInput`` through the weight checker's
   communicator, as ``digest.py``'s action; an AROUND hook on ``check_weights``): every TP rank opens a
   new ``MooncakeReceiver`` with sglang's own settings (its host, ``MOONCAKE_PROTOCOL``,
@@ -26,18 +26,16 @@ next epoch.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import json
 import logging
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 from ..control.error_answers import error_payload
 from ..transport.mooncake import NAME as MOONCAKE
 from ..transport.mooncake import MooncakeReceiver
 from ..transport.publication import EnginePublication, ParamTarget
 from ..transport.revocation import RevocableRegions
-from . import rank_deltas
+from . import bootstrap_requests, rank_deltas
 from .rank_gather import every_tp_rank, output_of
 
 logger = logging.getLogger(__name__)
@@ -148,18 +146,7 @@ def around_rank_registration(original: Callable[..., Any], *args: Any, **kwargs:
         _PUBLISHING.reset(token)
 
 
-def around_session_request(original: Callable[..., Any], session: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``requests.Session.request``: inside :func:`around_rank_registration`, the PUT to the
-    registration path gets ``epoch`` in its JSON; every other request is untouched."""
-    epoch = _PUBLISHING.get()
-    if epoch is None:
-        return original(session, *args, **kwargs)
-    bound = inspect.signature(original).bind(session, *args, **kwargs)
-    body = bound.arguments.get("json")
-    if urlsplit(str(bound.arguments.get("url", ""))).path != rank_deltas.REGISTER_PATH or not isinstance(body, dict):
-        return original(session, *args, **kwargs)
-    bound.arguments["json"] = {**body, EPOCH_KEY: int(epoch)}
-    return original(*bound.args, **bound.kwargs)
+bootstrap_requests.add_registration_fields(_PUBLISHING, lambda epoch: {EPOCH_KEY: int(epoch)})
 
 
 # -- the revocation, in each rank's scheduler ---------------------------------------------------
@@ -208,7 +195,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(rank_deltas.RANK_TARGET, around_rank_registration, HookType.AROUND)
-    HookRegistry.register(rank_deltas.REQUESTS_TARGET, around_session_request, HookType.AROUND)
+    bootstrap_requests.register()
     HookRegistry.register(rank_deltas.CHECK_TARGET, around_check_weights, HookType.AROUND)
 
 
