@@ -9,15 +9,11 @@ the sender writes each DP rank its own copy. vLLM's ``/weight_checker`` keys eac
 whole model)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import STARTUP, Engine, read_json_line  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, FLIPPED, SENDER, references  # noqa: E402
+from test_vllm_backend import STARTUP, Engine  # noqa: E402 (skips without vLLM)
+from test_vllm_sender import CHANGED, FLIPPED, SenderProcess, references  # noqa: E402
 from test_vllm_tp import flip_one_byte_on_rank  # noqa: E402
 
 DP = 2
@@ -57,33 +53,22 @@ def engine(tmp_path_factory):
 
 def test_a_sender_updates_each_dp_rank_of_a_vllm_engine_verifies_each_and_sends_deltas_after(engine):
     wanted = [[2, None], [3, None], [3, CHANGED]]
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, engine.cfg, engine.url, engine.key],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sender = SenderProcess(engine)
     try:
         refs = [per_dp_rank(r) for r in references(engine, wanted)]
-        connected = read_json_line(sender, STARTUP)
+        connected = sender.connected()
         assert connected == {"event": "connected", "layout": "vllm:tp=1,dp=2,dtype=bfloat16", "kind": "vllm"}, connected
         pubs = [engine.call("GET", "/remote_instance_transfer_engine_info", params={"rank": r})[1] for r in range(DP)]
         assert [p["rank"] for p in pubs] == [0, 1], pubs
         assert pubs[0]["remote_instance_transfer_engine_info"][0] != pubs[1]["remote_instance_transfer_engine_info"][0]
-
-        def update(version: str, seed: int, changed=None, flip_rank: int | None = None) -> dict:
-            flip = flip_rank is not None
-            sender.stdin.write(json.dumps({"version": version, "seed": seed, "changed": changed, "flip": flip}) + "\n")
-            sender.stdin.flush()
-            if flip:
-                assert read_json_line(sender, 600) == {"event": "written"}
-                flip_one_byte_on_rank(engine, flip_rank, seed)
-                sender.stdin.write("go\n")
-                sender.stdin.flush()
-            return read_json_line(sender, 600)
+        update = sender.update
 
         # 1. a full update writes both DP ranks
         done = update("1", 2)
         assert done["ok"] and len(done["ranks"]) == DP and not any(r["delta"] for r in done["ranks"]), done
         assert engine.checksums() == refs[0]
         # 2. one byte flipped on DP rank 1 only: verify names rank 1, the engine stays paused at version 1
-        failed = update("2", 3, flip_rank=1)
+        failed = update("2", 3, flip=lambda: flip_one_byte_on_rank(engine, 1, 3))
         assert not failed["ok"] and failed["error"] == "UpdateFailed" and FLIPPED in failed["message"], failed
         assert "rank 1" in failed["message"] and "rank 0" not in failed["message"], failed
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "1"
@@ -97,13 +82,7 @@ def test_a_sender_updates_each_dp_rank_of_a_vllm_engine_verifies_each_and_sends_
         assert engine.checksums() == refs[2] != refs[1]
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is False
     finally:
-        if sender.poll() is None:
-            sender.stdin.close()
-            try:
-                sender.wait(60)
-            except subprocess.TimeoutExpired:
-                sender.kill()
-                sender.wait(10)
+        sender.close()
 
 
 def test_a_workers_rank_counts_its_dp_rank_once_whether_dp_ranks_share_a_world_or_not(monkeypatch):

@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
-from test_vllm_backend import STARTUP, Engine, read_json_line  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, CORRUPT, SENDER  # noqa: E402
+from test_vllm_backend import STARTUP, Engine  # noqa: E402 (skips without vLLM)
+from test_vllm_sender import CHANGED, CORRUPT, SenderProcess  # noqa: E402
 
 FLIPPED_HF = "model.layers.2.enorm.weight"  # the MTP layer's norm: its bytes as they are, in the draft
 FLIPPED = "draft." + FLIPPED_HF
@@ -128,10 +128,9 @@ def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after
     wanted = [[2, None], [3, None], [3, CHANGED]]
     ref = subprocess.Popen([sys.executable, "-c", REFERENCE, engine.cfg, str(_free_port()), json.dumps(wanted)],
                            stdout=subprocess.PIPE, text=True)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, engine.cfg, engine.url, engine.key],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sender = SenderProcess(engine)
     try:
-        connected = read_json_line(sender, STARTUP)
+        connected = sender.connected()
         assert connected == {"event": "connected", "layout": "vllm:tp=1,dtype=bfloat16,spec=mtp", "kind": "vllm"}, \
             connected
         out, _ = ref.communicate(timeout=STARTUP)
@@ -139,16 +138,7 @@ def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after
         refs = json.loads(out.strip().splitlines()[-1])
         names = published_names(engine)
         assert set(refs[0]) == set(names), set(refs[0]) ^ set(names)
-
-        def update(version: str, seed: int, changed=None, flip: bool = False) -> dict:
-            sender.stdin.write(json.dumps({"version": version, "seed": seed, "changed": changed, "flip": flip}) + "\n")
-            sender.stdin.flush()
-            if flip:
-                assert read_json_line(sender, 600) == {"event": "written"}
-                flip_one_draft_byte(engine, seed)
-                sender.stdin.write("go\n")
-                sender.stdin.flush()
-            return read_json_line(sender, 600)
+        update = sender.update
 
         before = engine.digests(names)
         # 1. one full update writes both roles
@@ -160,7 +150,7 @@ def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after
             FLIPPED, "draft.model.layers.2.mtp_block.self_attn.kv_b_proj.weight"}
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "1"
         # 2. a draft byte flipped after the writes: verify names the draft's parameter, the engine stays paused
-        failed = update("2", 3, flip=True)
+        failed = update("2", 3, flip=lambda: flip_one_draft_byte(engine, 3))
         assert not failed["ok"] and failed["error"] == "UpdateFailed" and FLIPPED in failed["message"], failed
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is True
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "1"
@@ -175,15 +165,10 @@ def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after
         assert now == refs[2] != refs[1], sorted(n for n in names if now[n] != refs[2][n])[:6]
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is False
     finally:
-        if sender.poll() is None:
-            sender.stdin.close()
-        for proc in (sender, ref):
-            if proc.poll() is None:
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+        sender.close()
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait(10)
 
 
 def _free_port() -> int:

@@ -106,6 +106,39 @@ FLIPPED = "model.norm.weight"  # vLLM's RMSNorm holds the HF tensor's bytes as t
 CHANGED = [0.02, 1]            # version 1 of seed 3's changed family: about 2% of the bytes differ
 
 
+class SenderProcess:
+    """:data:`SENDER` in a process of its own, driven one update at a time (the vLLM sender tests')."""
+
+    def __init__(self, engine: Engine):
+        self.proc = subprocess.Popen([sys.executable, "-c", SENDER, engine.cfg, engine.url, engine.key],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def connected(self) -> dict:
+        return read_json_line(self.proc, STARTUP)
+
+    def update(self, version: str, seed: int, changed=None, flip=None) -> dict:
+        """One ``update(verify=True)`` of checkpoint ``seed``; ``flip``: called once the writes returned,
+        before verify (the test changes an engine byte there)."""
+        cmd = {"version": version, "seed": seed, "changed": changed, "flip": flip is not None}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        if flip is not None:
+            assert read_json_line(self.proc, 600) == {"event": "written"}
+            flip()
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        return read_json_line(self.proc, 600)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
@@ -141,22 +174,12 @@ def flip_one_byte(engine: Engine, seed: int) -> None:
 
 def test_a_sender_updates_a_vllm_engine_verifies_it_and_sends_deltas_after(engine):
     wanted = [[2, None], [3, None], [3, CHANGED]]
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, engine.cfg, engine.url, engine.key],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sender = SenderProcess(engine)
     try:
         refs = references(engine, wanted)  # beside the sender's imports and replica build
-        connected = read_json_line(sender, STARTUP)
+        connected = sender.connected()
         assert connected == {"event": "connected", "layout": "vllm:tp=1,dtype=bfloat16", "kind": "vllm"}, connected
-
-        def update(version: str, seed: int, changed=None, flip: bool = False) -> dict:
-            sender.stdin.write(json.dumps({"version": version, "seed": seed, "changed": changed, "flip": flip}) + "\n")
-            sender.stdin.flush()
-            if flip:
-                assert read_json_line(sender, 600) == {"event": "written"}
-                flip_one_byte(engine, seed)
-                sender.stdin.write("go\n")
-                sender.stdin.flush()
-            return read_json_line(sender, 600)
+        update = sender.update
 
         before = engine.checksums()
         # 1. a full update (the sender's first: no base), verify=True's digests agree
@@ -166,7 +189,7 @@ def test_a_sender_updates_a_vllm_engine_verifies_it_and_sends_deltas_after(engin
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "1"
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is False
         # 2. one byte flipped in the engine after the writes: verify names it, the engine stays paused
-        failed = update("2", 3, flip=True)
+        failed = update("2", 3, flip=lambda: flip_one_byte(engine, 3))
         assert not failed["ok"] and failed["error"] == "UpdateFailed" and FLIPPED in failed["message"], failed
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is True
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "1"
@@ -183,13 +206,7 @@ def test_a_sender_updates_a_vllm_engine_verifies_it_and_sends_deltas_after(engin
         assert engine.checksums() == refs[2] != refs[1]
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "4"
     finally:
-        if sender.poll() is None:
-            sender.stdin.close()
-            try:
-                sender.wait(60)
-            except subprocess.TimeoutExpired:
-                sender.kill()
-                sender.wait(10)
+        sender.close()
 
 
 def test_a_vllm_engine_without_the_key_or_with_a_wrong_layout_is_refused_before_any_replica(engine):

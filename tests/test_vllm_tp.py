@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import STARTUP, Engine, free_port, read_json_line  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, CORRUPT, FLIPPED, SENDER  # noqa: E402
+from test_vllm_backend import STARTUP, Engine, free_port  # noqa: E402 (skips without vLLM)
+from test_vllm_sender import CHANGED, CORRUPT, FLIPPED, SenderProcess  # noqa: E402
 
 TP = 2
 
@@ -105,10 +105,9 @@ def flip_one_byte_on_rank(engine: TpEngine, rank: int, seed: int) -> None:
 def test_a_sender_updates_a_tp2_vllm_engine_rank_by_rank_verifies_both_and_sends_deltas_after(engine):
     wanted = [[1, None], [2, None], [3, None], [3, CHANGED]]  # seed 1: what the workers loaded at start
     ref_procs = start_references(engine.cfg, wanted)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, engine.cfg, engine.url, engine.key],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sender = SenderProcess(engine)
     try:
-        connected = read_json_line(sender, STARTUP)
+        connected = sender.connected()
         assert connected == {"event": "connected", "layout": "vllm:tp=2,dtype=bfloat16", "kind": "vllm"}, connected
         refs = read_references(ref_procs)
         # each rank publishes its own memory; the workers hold shards, not copies of one model
@@ -119,24 +118,14 @@ def test_a_sender_updates_a_tp2_vllm_engine_rank_by_rank_verifies_both_and_sends
         assert before == refs[0], "the engine's own tp=2 load differs from the references' (seed 1)"
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert before[f"tp0:{qkv}"] != before[f"tp1:{qkv}"] and before[f"tp0:{FLIPPED}"] == before[f"tp1:{FLIPPED}"]
-
-        def update(version: str, seed: int, changed=None, flip_rank: int | None = None) -> dict:
-            flip = flip_rank is not None
-            sender.stdin.write(json.dumps({"version": version, "seed": seed, "changed": changed, "flip": flip}) + "\n")
-            sender.stdin.flush()
-            if flip:
-                assert read_json_line(sender, 600) == {"event": "written"}
-                flip_one_byte_on_rank(engine, flip_rank, seed)
-                sender.stdin.write("go\n")
-                sender.stdin.flush()
-            return read_json_line(sender, 600)
+        update = sender.update
 
         # 1. a full update of both ranks; verify=True's digests agree on both
         done = update("1", 2)
         assert done["ok"] and len(done["ranks"]) == TP and not any(r["delta"] for r in done["ranks"]), done
         assert engine.checksums() == refs[1] != refs[0]
         # 2. one byte flipped on rank 1 only after the writes: verify names rank 1, the engine stays paused
-        failed = update("2", 3, flip_rank=1)
+        failed = update("2", 3, flip=lambda: flip_one_byte_on_rank(engine, 1, 3))
         assert not failed["ok"] and failed["error"] == "UpdateFailed" and FLIPPED in failed["message"], failed
         assert "rank 1" in failed["message"] and "rank 0" not in failed["message"], failed
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is True
@@ -156,9 +145,8 @@ def test_a_sender_updates_a_tp2_vllm_engine_rank_by_rank_verifies_both_and_sends
         assert engine.call("GET", "/weight_info")[1]["weight_version"] == "4"
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is False
     finally:
-        if sender.poll() is None:
-            sender.stdin.close()
-        for proc in [sender, *ref_procs]:
+        sender.close()
+        for proc in ref_procs:
             if proc.poll() is None:
                 try:
                     proc.wait(60)
