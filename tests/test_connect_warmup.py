@@ -102,3 +102,24 @@ def test_a_connect_from_the_disk_cache_does_not_wait_for_the_warm_up_it_does_not
     assert r["errors"] == [None] and r["counts"]["replica disk hits"] == 2 and r["counts"]["replicas built"] == 0
     # the import is not needed to connect from the cache: the connect neither waited nor ended it
     assert "waiting for warm-up" not in r["phases"] and r["warmup_running_after_connect"] is True
+
+
+def test_a_connect_to_vllm_engines_only_neither_waits_for_nor_consumes_sglangs_warm_up():
+    """The warm-up imports sglang; vLLM replicas need none of it (a vLLM-only trainer may have no sglang
+    at all): such a connect leaves the warm-up, and its failure, to a later connect to sglang engines."""
+    from types import SimpleNamespace
+
+    from p2pweights.replica.vllm_layout import VllmLayout
+    from p2pweights.sender import WeightSender
+
+    class FailedWarmup:
+        def done(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise ModuleNotFoundError("No module named 'sglang'")
+
+    sender = object.__new__(WeightSender)  # only what _wait_for_warmup reads
+    sender._warmup = warmup = FailedWarmup()
+    sender._wait_for_warmup([VllmLayout(tp=2)], [SimpleNamespace(engines=[0], engine_rank=1)])
+    assert sender._warmup is warmup

@@ -50,6 +50,13 @@ DENSE_AFTER = 64 << 20
 INDEX_RECORDS_ON_HOST = False
 
 
+def _gpu_areas(p: Any) -> bool:
+    """Whether some engine rank of ``p`` keeps its delta area on a GPU: an area lies beside its rank's
+    weights (deltas/area.py), and a rank publishes where those are (``device_arch``: "cpu" for host
+    memory; none from a host that publishes no build, whose areas are in host memory)."""
+    return any(t.publication.delta_area and t.publication.device_arch not in ("", "cpu") for t in p.targets)
+
+
 class _Target:
     """One target engine rank's delta state in one update."""
 
@@ -238,7 +245,8 @@ class UpdateDeltas:
         rows: list = []
         # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
         kept = self.keep and isinstance(filler, HostSlotFiller) and any(self.targets[t.name].area for t in p.targets)
-        host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST
+        # a host slot writes codec records, which only a host area takes; to a GPU area, index records
+        host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p)
         if kept and not host:  # a GPU slot: index records, built on its device
             return self._index_rows(p, entries, filler.slot)
         if not host:

@@ -286,8 +286,8 @@ class WeightSender:
         and raises its failure; one whose replicas are all cached (process or disk) needs no sglang
         and waits only for a warm-up already done (its failure raised), else leaves it running."""
         warmup = self._warmup
-        if warmup is None:
-            return
+        if warmup is None or all(getattr(layouts[e.engines[0]], "kind", "") == "vllm" for e in mine):
+            return  # none, or vLLM replicas only: they need none of sglang's imports (a later connect may)
         from ..replica.roles import roles_of
 
         cached = getattr(self.replicas, "cached", None)

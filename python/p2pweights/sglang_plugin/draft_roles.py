@@ -126,18 +126,23 @@ def around_rank_registration(original: Callable[..., Any], *args: Any, **kwargs:
         logger.error("p2pweights sglang plugin: a second draft runner on this rank is not published "
                      "(one draft role per rank)")
         return None
-    merge(target, transporter.weight_info or {})
+    merge(target, transporter.weight_info or {}, getattr(transporter, "model", None))
     MERGED.add(id(transporter))
     return target._register_to_engine_info_bootstrap()
 
 
-def merge(target: Any, draft_table: dict) -> None:
+def merge(target: Any, draft_table: dict, draft_model: Any = None) -> None:
     """The target transporter's table gains the draft's as ``draft.<name>``; the rank's delta area and
-    epoch 1's registrations cover the draft's regions from now on."""
+    epoch 1's registrations cover the draft's regions from now on (``draft_model``: the draft's
+    parameters, which a GPU area's records are applied through)."""
     table = {n: v for n, v in target.weight_info.items() if not n.startswith(DRAFT_PREFIX)}
     table.update({DRAFT_PREFIX + n: v for n, v in draft_table.items()})
     target.weight_info = table
-    rank_deltas.cover(table)
+    named = None
+    if draft_model is not None and getattr(target, "model", None) is not None:
+        both = [*target.model.named_parameters(), *((DRAFT_PREFIX + n, q) for n, q in draft_model.named_parameters())]
+        named = [(n, q) for n, q in both if n in table]
+    rank_deltas.cover(table, named)
     if rank_epochs.REGIONS is not None and rank_epochs.REGIONS.epoch == 1 and rank_epochs.TRANSPORTER is target:
         rank_epochs.REGIONS = None  # adopted again, over both roles' regions, at the PUT that follows
     elif rank_epochs.REGIONS is not None:

@@ -5,8 +5,10 @@ engine-info bootstrap server, and applied in the rank's scheduler when the launc
 
 - **The area.** :func:`open_area` runs when the rank publishes its weights (the AROUND hook on
   ``_register_to_engine_info_bootstrap``, right after ``weight_registration.py`` registered them):
-  ``area_bytes`` of them (``P2PW_DELTA_AREA``), registered with the same Mooncake engine. A rank
-  whose weights are on a GPU keeps no area (full writes).
+  ``area_bytes`` of them (``P2PW_DELTA_AREA``), registered with the same Mooncake engine, on the
+  weights' device: a rank whose weights are on a GPU keeps its area there when ``P2PW_DELTA_AREA``
+  sizes it (it takes memory sglang would give its KV cache), index records only, applied through
+  each parameter's own storage (``deltas/weight_views.py``).
 - **The publication.** sglang's PUT of the rank's weights table carries only ``tp_rank`` and
   ``transfer_engine_info``: while ``_register_to_engine_info_bootstrap`` runs (an AROUND hook),
   the plugin's one AROUND hook on ``requests.Session.request`` (``bootstrap_requests.py``) adds
@@ -22,13 +24,13 @@ engine-info bootstrap server, and applied in the rank's scheduler when the launc
 from __future__ import annotations
 
 import contextvars
-import ctypes
 import json
 import logging
 from typing import Any, Callable
 
 from ..control.error_answers import error_payload
 from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..deltas.weight_views import device_views, host_views
 from ..settings import value as setting
 from ..transport.publication import merge_regions
 from . import bootstrap_requests
@@ -56,26 +58,31 @@ BEFORE_APPLY: Callable[[DeltaArea], None] | None = None
 _PUBLISHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_delta_area", default=None)
 
 
-def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 0) -> DeltaArea | None:
-    """Allocate and register this rank's area beside its host-memory weight ``regions``. A refused
-    registration leaves the rank without one (full writes), loudly."""
+def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 0, *, device: str = "cpu",
+              named: list | None = None) -> DeltaArea | None:
+    """Allocate and register this rank's area beside its weight ``regions``, on their ``device`` (a
+    GPU area takes index records; ``named``: the parameters of those regions, which a GPU area's
+    records are applied through). A refused registration leaves the rank without one (full writes),
+    loudly."""
     global AREA, REGIONS, TENSORS
-    area = DeltaArea(area_bytes(sum(n for _, n in regions), setting("P2PW_DELTA_AREA")), rank, "sglang")
+    area = DeltaArea(area_bytes(sum(n for _, n in regions), setting("P2PW_DELTA_AREA")), rank, "sglang", device=device)
     ret = transfer_engine.register_memory(area.address, area.nbytes)
     if ret != 0:
         logger.error("p2pweights sglang plugin: Mooncake refused the delta area (error %s): full writes only", ret)
         area.close()
         return None
-    AREA, REGIONS, TENSORS = area, list(regions), [_bytes_at(a, n) for a, n in regions]
+    AREA = area
+    REGIONS, TENSORS = _views(regions, named)
     return area
 
 
-def _bytes_at(address: int, nbytes: int) -> Any:
-    """A uint8 tensor over ``nbytes`` of host memory at ``address`` (a weight region, for index records)."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
+def _views(regions: list[tuple[int, int]], named: list | None) -> tuple[list, list]:
+    """Where the area's records may write, and the tensors they are applied through (weight_views)."""
+    if AREA is None or AREA.device == "cpu":
+        return host_views(regions)
+    if named is None:
+        raise ValueError("a GPU delta area needs the parameters its records are applied through")
+    return device_views(named)
 
 
 def merged_regions(table: dict) -> list[tuple[int, int]]:
@@ -83,21 +90,30 @@ def merged_regions(table: dict) -> list[tuple[int, int]]:
     return list(merge_regions((ptr, numel * size) for ptr, numel, size in table.values()))
 
 
-def cover(table: dict) -> None:
+def cover(table: dict, named: list | None = None) -> None:
     """The area's records may write every region of ``table`` from now on (a drafting rank's table
-    gained the draft's parameters: ``draft_roles.py``); nothing where the rank keeps no area."""
+    gained the draft's parameters: ``draft_roles.py``; ``named``: those parameters, for a GPU area);
+    nothing where the rank keeps no area."""
     global REGIONS, TENSORS
     if AREA is not None:
-        REGIONS = merged_regions(table)
-        TENSORS = [_bytes_at(a, n) for a, n in REGIONS]
+        REGIONS, TENSORS = _views(merged_regions(table), named)
 
 
 def _open_beside(transporter: Any) -> None:
     params = list(transporter.model.named_parameters())
     table = transporter.weight_info
-    if not params or any(q.device.type != "cpu" for _, q in params) or not isinstance(table, dict):
-        return  # weights on a GPU: full writes (the plugin opens no GPU area yet)
-    open_area(merged_regions(table), transporter.engine, int(getattr(transporter, "tp_rank", 0) or 0))
+    devices = {str(q.device) if q.device.type != "cuda" else f"cuda:{q.device.index or 0}" for _, q in params}
+    if not params or len(devices) != 1 or "meta" in devices or not isinstance(table, dict):
+        return  # no weights, or spread over devices: full writes
+    device = devices.pop()
+    if device != "cpu" and not setting("P2PW_DELTA_AREA"):
+        # a GPU area takes memory sglang would give its KV cache: only where the operator sized it
+        logger.info("p2pweights sglang plugin: weights on %s: no delta area unless P2PW_DELTA_AREA sizes one "
+                    "(full writes)", device)
+        return
+    named = [(n, q) for n, q in params if n in table]  # what sglang registered and published
+    open_area(merged_regions(table), transporter.engine, int(getattr(transporter, "tp_rank", 0) or 0),
+              device=device, named=named)
 
 
 # -- the publication ----------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 (:class:`ServedModels`: the target and, with speculative decoding, the draft) where vLLM put them
 (never moved: CUDA graphs and kernels hold their addresses), registered with Mooncake or NIXL
 through the receiver's :class:`~p2pweights.transport.revocation.RevocableRegions` (one
-implementation: a takeover revokes them per epoch, as on a receiver), a delta area beside host-memory
-weights (``deltas.area.DeltaArea``), and the publication a sender reads.
+implementation: a takeover revokes them per epoch, as on a receiver), a delta area beside the
+weights, in host memory or on their GPU (``deltas.area.DeltaArea``; a GPU area takes index records),
+and the publication a sender reads.
 
 The regions registered are the parameters' byte ranges merged where they touch
 (``transport.publication.merge_regions``): the ranges a sender checks its writes against. vLLM
@@ -11,11 +12,11 @@ allocates each parameter on its own, so a rank registers several ranges, each ho
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..deltas.weight_views import device_views, host_views
 from ..errors import InvalidWrite, LayoutMismatch
 from ..receiver.build_report import device_arch
 from ..settings import value as setting
@@ -90,6 +91,28 @@ def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
     return [(n, p) for n, p in items if n not in inside]
 
 
+def open_area(weight_bytes: int, nbytes: int | None, rank: int, engine: str, device: str) -> DeltaArea | None:
+    """The rank's delta area of ``nbytes`` (None: ``P2PW_DELTA_AREA``, else an eighth of the weights)
+    on ``device``. On a GPU only when sized (``nbytes`` or ``P2PW_DELTA_AREA``): the area takes memory
+    vLLM would give its KV cache, and an allocation vLLM's has no room for fails (then no area: full
+    writes, said with the setting that sizes it)."""
+    given = nbytes or setting("P2PW_DELTA_AREA")
+    if device != "cpu" and not given:
+        logger.info("p2pweights: engine %s rank %d keeps its weights on %s: no delta area unless "
+                    "init_info.area_bytes or P2PW_DELTA_AREA sizes one (full writes)", engine, rank, device)
+        return None
+    size = area_bytes(weight_bytes, given)
+    try:
+        return DeltaArea(size, rank, engine, device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if device == "cpu":
+            raise
+        logger.warning("p2pweights: engine %s rank %d has no room for a %d-byte delta area on %s (%s): full "
+                       "writes only; size it with init_info.area_bytes or P2PW_DELTA_AREA, or lower vLLM's "
+                       "--gpu-memory-utilization", engine, rank, size, device, e)
+        return None
+
+
 def weights_device(model: Any) -> str:
     """Where every parameter lives (``cpu`` or ``cuda:N``); LayoutMismatch when they are spread or on meta."""
     devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}"
@@ -100,32 +123,28 @@ def weights_device(model: Any) -> str:
     return devices.pop()
 
 
-def _bytes_at(address: int, nbytes: int) -> Any:
-    """A uint8 tensor over ``nbytes`` of host memory at ``address`` (a weight range, for index records)."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)))
-
-
 class RankMemory:
     """The worker's registrations (``transport``: mooncake, nixl or auto) and publication for
     ``rank``; ``deltas``: open a delta area of ``area`` bytes (None: ``P2PW_DELTA_AREA``, else an
-    eighth of the weights) beside host-memory weights (GPU weights take full writes)."""
+    eighth of the weights) beside the weights, on their device."""
 
     def __init__(self, model: "ServedModels | torch.nn.Module", transport: str, rank: int, engine: str = "vllm", *,
                  deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None):
         self.model, self.rank, self.engine = model, int(rank), engine
         self.transport = resolve_transport(transport)[0]
         self.device = weights_device(model)
-        self.table = params_table(owned_parameters(model.named_parameters()))
+        owned = owned_parameters(model.named_parameters())
+        self.table = params_table(owned)
         self.regions = merge_regions((ptr, numel * size) for ptr, numel, size in self.table.values())
         self.build = dict(build or {})
         self.area: DeltaArea | None = None
-        if deltas and self.device == "cpu":
-            weight_bytes = sum(n for _, n in self.regions)
-            self.area = DeltaArea(area_bytes(weight_bytes, area or setting("P2PW_DELTA_AREA")), self.rank, engine)
-        self._tensors = [_bytes_at(a, n) for a, n in self.regions] if self.area is not None else []
+        # where the area's records may write and the tensors index records go through (deltas/weight_views.py)
+        self._writable: list[tuple[int, int]] = []
+        self._tensors: list[Any] = []
+        if deltas:
+            self.area = open_area(sum(n for _, n in self.regions), area, self.rank, engine, self.device)
+        if self.area is not None:
+            self._writable, self._tensors = host_views(self.regions) if self.device == "cpu" else device_views(owned)
         arch = device_arch(self.device)
         published_area = self.area.published() if self.area is not None else None
 
@@ -178,7 +197,7 @@ class RankMemory:
             raise InvalidWrite(f"engine {self.engine} rank {self.rank} has no delta area (weights on {self.device})",
                                rank=self.rank)
         parsed = Manifest.parse(manifest, f"engine {self.engine} rank {self.rank}")
-        return {"rank": self.rank, **self.area.apply(parsed, self.regions, self._tensors)}
+        return {"rank": self.rank, **self.area.apply(parsed, self._writable, self._tensors)}
 
     def close(self) -> None:
         try:
