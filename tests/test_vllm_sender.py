@@ -237,3 +237,8 @@ def test_a_vllm_engine_without_the_key_or_with_a_wrong_layout_is_refused_before_
         layout_of(eagle, right.name)
     mtp = {**server, "vllm_config": {**server["vllm_config"], "speculative_config": {"method": "mtp"}}}
     assert layout_of(mtp, right.name).describe() == "vllm:tp=1,dtype=bfloat16,spec=mtp"
+    # a draft laid out otherwise than its target: refused, naming the setting
+    for own in ({"draft_tensor_parallel_size": 2}, {"quantization": "fp8"}, {"moe_backend": "cutlass"}):
+        forged = {**server, "vllm_config": {**server["vllm_config"], "speculative_config": {"method": "mtp", **own}}}
+        with pytest.raises(UnsupportedLayout, match=next(iter(own))):
+            layout_of(forged, right.name)

@@ -78,6 +78,7 @@ def layout_of(server_info: Any, engine: str) -> VllmLayout:
     spec = config.get("speculative_config") or {}
     if not isinstance(spec, dict):
         raise EngineError(f"engine {engine}: vLLM's /server_info is not vLLM's config", engine=engine)
+    _check_draft_settings(spec, par, engine)
     try:
         return VllmLayout(tp=int(par.get("tensor_parallel_size") or 1), dp=int(par.get("data_parallel_size") or 1),
                           expert_parallel=bool(par.get("enable_expert_parallel")),
@@ -89,6 +90,29 @@ def layout_of(server_info: Any, engine: str) -> VllmLayout:
     except (TypeError, ValueError) as e:  # an answer that is not vLLM's config
         raise EngineError(f"engine {engine}: vLLM's /server_info reports no usable layout ({e})", engine=engine,
                           hint=_LAYOUT_HINT) from None
+
+
+#: speculative_config keys that would build the draft otherwise than the target (the replica's draft
+#: role shares the target's layout, quantization and kernels: replica/vllm_draft.py)
+_DRAFT_OWN_SETTINGS = ("quantization", "moe_backend", "attention_backend", "draft_lm_head_quantization")
+
+
+def _check_draft_settings(spec: Mapping[str, Any], par: Mapping[str, Any], engine: str) -> None:
+    """UnsupportedLayout where the engine's draft is laid out otherwise than its target."""
+    if not spec.get("method"):
+        return
+    draft_tp, tp = spec.get("draft_tensor_parallel_size"), par.get("tensor_parallel_size") or 1
+    if draft_tp not in (None, tp):
+        raise UnsupportedLayout(f"engine {engine}: its draft runs at tensor parallel size {draft_tp}, its target at "
+                                f"{tp}; the replica's draft role shares the target's layout", engine=engine,
+                                parameter="speculative_config.draft_tensor_parallel_size",
+                                hint="start the engine without draft_tensor_parallel_size")
+    own = [k for k in _DRAFT_OWN_SETTINGS if spec.get(k) not in (None, "", "auto")]
+    if own:
+        raise UnsupportedLayout(f"engine {engine}: its draft sets {own[0]}={spec[own[0]]!r} of its own; the replica's "
+                                f"draft role shares the target's", engine=engine,
+                                parameter=f"speculative_config.{own[0]}",
+                                hint=f"start the engine without speculative_config.{own[0]}")
 
 
 @dataclass(frozen=True)
