@@ -7,6 +7,7 @@ signature and returns what would be sent. The real servers: test_sglang_plugin_i
 test_sglang_plugin_deltas.py (the area), test_sglang_plugin_fencing.py (the epoch)."""
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -141,10 +142,14 @@ def test_the_scopes_are_the_ranks_registration_and_end_with_it(monkeypatch, capl
 def test_the_hook_is_registered_once_however_many_modules_ask(monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    calls = []
-    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, hook, hook_type, **kw: calls.append(
-        (target, hook, hook_type))))
-    monkeypatch.setattr(bootstrap_requests, "_REGISTERED", False)
+    calls, held = [], collections.defaultdict(list)  # held: sglang's registry, as its register keeps it
+
+    def register(cls, target, hook, hook_type, **kw):
+        calls.append((target, hook, hook_type))
+        held[target].append((hook_type, hook, None))
+
+    monkeypatch.setattr(HookRegistry, "register", classmethod(register))
+    monkeypatch.setattr(HookRegistry, "_hooks", held)
     bootstrap_key.register("scheduler")
     rank_epochs.register()
     rank_deltas.register()

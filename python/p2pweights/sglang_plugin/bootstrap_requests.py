@@ -72,11 +72,15 @@ def around_session_request(original: Callable[..., Any], session: Any, *args: An
 
 
 def register() -> None:
-    """Install the hook, once in this process however many modules ask for it."""
+    """Install the hook, once in this process however many modules ask for it: sglang's registry is
+    asked whether it holds it already (its ``_hooks``), else this module remembers."""
     global _REGISTERED
-    if _REGISTERED:
-        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    hooks = getattr(HookRegistry, "_hooks", None)
+    held = ([h for _, h, *_ in hooks.get(TARGET, ())] if isinstance(hooks, dict) else
+            [around_session_request] if _REGISTERED else [])
+    if around_session_request in held:
+        return
     HookRegistry.register(TARGET, around_session_request, HookType.AROUND)
     _REGISTERED = True
