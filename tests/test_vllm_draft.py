@@ -42,9 +42,9 @@ from p2pweights.control.weights_digest import parameter_digests
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.vllm_backend import cpu_worker
 from p2pweights.vllm_backend.rank_memory import ServedModels, owned_parameters
-cfg, dist_port, wanted = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-vc = cpu_worker.engine_config(cfg, 1, "mtp")
-target = cpu_worker.build_model(vc, cfg, wanted[0][0], dist_port)
+cfg, dist_port, wanted, tp, rank = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+vc = cpu_worker.engine_config(cfg, tp, "mtp")
+target = cpu_worker.build_model(vc, cfg, wanted[0][0], dist_port, rank=rank)
 draft = cpu_worker.build_draft(vc, cfg, wanted[0][0], target)
 served = ServedModels(target, vc.model_config, draft, vc.speculative_config.draft_model_config)
 names = [n for n, _ in owned_parameters(served.named_parameters())]  # what the engine publishes
@@ -63,6 +63,23 @@ print(json.dumps(out_digests), file=out, flush=True)
 '''
 
 
+def start_references(cfg: str, wanted: list, tp: int = 1) -> list[subprocess.Popen]:
+    """Fresh loads of target and draft per checkpoint, one process per TP rank in their own gloo group."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-c", REFERENCE, cfg, str(port), json.dumps(wanted), str(tp), str(rank)],
+                             stdout=subprocess.PIPE, text=True) for rank in range(tp)]
+
+
+def read_references(procs: list[subprocess.Popen]) -> list[list[dict[str, str]]]:
+    """Per TP rank, per wanted checkpoint: name -> digest."""
+    out = []
+    for proc in procs:
+        text, _ = proc.communicate(timeout=STARTUP)
+        assert proc.returncode == 0, proc.returncode
+        out.append(json.loads(text.strip().splitlines()[-1]))
+    return out
+
+
 def write_dense_dsv3(root: str) -> str:
     """DeepSeek-V3 tiny (MLA, one MTP layer) with dense MLPs everywhere (module docstring)."""
     from p2pweights.models import load_config
@@ -77,10 +94,10 @@ def write_dense_dsv3(root: str) -> str:
 
 
 class DraftEngine(Engine):
-    def digests(self, names: list[str]) -> dict[str, str]:
-        status, answer = self.call("POST", "/p2pw_weights_digest", {"names": {"0": names}})
+    def digests(self, names: list[str], rank: int = 0) -> dict[str, str]:
+        status, answer = self.call("POST", "/p2pw_weights_digest", {"names": {str(rank): names}})
         assert status == 200, answer
-        return answer["ranks"]["0"]
+        return answer["ranks"][str(rank)]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +114,8 @@ def engine(tmp_path_factory):
         standin.close()
 
 
-def published_names(engine: DraftEngine) -> list[str]:
-    status, pub = engine.call("GET", "/remote_instance_transfer_engine_info", params={"rank": 0})
+def published_names(engine: DraftEngine, rank: int = 0) -> list[str]:
+    status, pub = engine.call("GET", "/remote_instance_transfer_engine_info", params={"rank": rank})
     assert status == 200, pub
     return list(pub["remote_instance_transfer_engine_info"][1])
 
@@ -126,16 +143,13 @@ def test_the_engine_publishes_its_drafts_own_parameters_beside_the_targets(engin
 
 def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after(engine):
     wanted = [[2, None], [3, None], [3, CHANGED]]
-    ref = subprocess.Popen([sys.executable, "-c", REFERENCE, engine.cfg, str(_free_port()), json.dumps(wanted)],
-                           stdout=subprocess.PIPE, text=True)
+    ref_procs = start_references(engine.cfg, wanted)
     sender = SenderProcess(engine)
     try:
         connected = sender.connected()
         assert connected == {"event": "connected", "layout": "vllm:tp=1,dtype=bfloat16,spec=mtp", "kind": "vllm"}, \
             connected
-        out, _ = ref.communicate(timeout=STARTUP)
-        assert ref.returncode == 0, ref.returncode
-        refs = json.loads(out.strip().splitlines()[-1])
+        (refs,) = read_references(ref_procs)
         names = published_names(engine)
         assert set(refs[0]) == set(names), set(refs[0]) ^ set(names)
         update = sender.update
@@ -166,9 +180,10 @@ def test_one_update_writes_target_and_draft_verifies_both_and_sends_deltas_after
         assert engine.call("GET", "/is_paused")[1]["is_paused"] is False
     finally:
         sender.close()
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(10)
+        for proc in ref_procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def _free_port() -> int:
@@ -191,3 +206,39 @@ def flip_one_draft_byte(engine: DraftEngine, seed: int) -> None:
     proc = subprocess.run([sys.executable, "-c", CORRUPT, FLIPPED, str(value)], text=True, timeout=300,
                           input=json.dumps(pub) + "\n", stdout=subprocess.PIPE)
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["status"] == 0, proc.stdout
+
+
+def test_a_tp2_drafting_engine_publishes_and_takes_each_ranks_draft_shards(tmp_path):
+    """tp=2: both workers hand their drafter over at the init (the gate's attach_drafts, all or none);
+    each rank publishes its own draft shards; a full and then a delta update equal fresh tp=2 loads."""
+    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
+
+    cfg = write_dense_dsv3(str(tmp_path))
+    wanted = [[2, None], [2, CHANGED]]
+    ref_procs = start_references(cfg, wanted, tp=2)
+    standin = StandInVllmEngine(cfg, str(tmp_path / "engine.log"), "vllm-mtp-tp2", tp=2, spec="mtp")
+    sender = None
+    try:
+        standin.wait_ready(STARTUP)
+        engine = DraftEngine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
+        names = [published_names(engine, r) for r in range(2)]
+        assert all(FLIPPED in n and not set(SHARED) & set(n) for n in names), names
+        sender = SenderProcess(engine)
+        assert sender.connected()["layout"] == "vllm:tp=2,dtype=bfloat16,spec=mtp"
+        refs = read_references(ref_procs)
+        kv_b = "draft.model.layers.2.mtp_block.self_attn.kv_b_proj.weight"  # split over the TP ranks
+        assert refs[0][0][kv_b] != refs[1][0][kv_b]
+        for step, (version, seed, changed) in enumerate((("1", 2, None), ("2", 2, CHANGED))):
+            done = sender.update(version, seed, changed)
+            assert done["ok"] and [r["delta"] for r in done["ranks"]] == [bool(changed)] * 2, done
+            for r in range(2):
+                now = engine.digests(names[r], r)
+                assert now == refs[r][step], (r, sorted(n for n in now if now[n] != refs[r][step][n])[:6])
+    finally:
+        if sender is not None:
+            sender.close()
+        standin.close()
+        for proc in ref_procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
