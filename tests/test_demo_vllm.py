@@ -31,6 +31,15 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--engine-kind", "vllm", *argv])
 
 
+def _demo_steps(capsys, *argv: str) -> list[dict]:
+    """The demo's rows of a 2-step run with 1% changed over Mooncake (``--json``); it must exit 0."""
+    rc = demo.run(_args(*argv, "--steps", "2", "--changed-fraction", "0.01", "--transport", "mooncake", "--json"))
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    # the document the demo prints (a vLLM imported earlier in this pytest process may log to stdout)
+    return json.loads(out.out[out.out.index('{\n  "steps"'):])["steps"]
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     return write_config("qwen3", str(tmp_path_factory.mktemp("demo_vllm_cfg")))
@@ -38,12 +47,7 @@ def cfg(tmp_path_factory):
 
 def test_the_vllm_demo_updates_a_dp2_stand_in_engine_equal_to_a_fresh_vllm_load_then_sends_deltas(cfg, capsys):
     # dp=2: two DP ranks of tp=1 (dense: each an independent engine in vLLM), each checked against the load
-    rc = demo.run(_args("--model", cfg, "--engine", "dp=2", "--engines", "1", "--senders", "2", "--steps", "2",
-                        "--changed-fraction", "0.01", "--transport", "mooncake", "--json"))
-    out = capsys.readouterr()
-    # the document the demo prints (a vLLM imported earlier in this pytest process may log to stdout)
-    steps = json.loads(out.out[out.out.index('{\n  "steps"'):])["steps"]
-    assert rc == 0, out.err[-3000:]
+    steps = _demo_steps(capsys, "--model", cfg, "--engine", "dp=2", "--engines", "1", "--senders", "2")
     assert [(s["mode"], s["transport"], s["step"]) for s in steps] == [("p2p", "mooncake", 1), ("p2p", "mooncake", 2)]
     assert all(s["equal"] is True for s in steps), [s["detail"] for s in steps]
     first, second = steps
@@ -54,11 +58,7 @@ def test_the_vllm_demo_updates_a_dp2_stand_in_engine_equal_to_a_fresh_vllm_load_
 
 
 def test_the_vllm_demo_updates_a_tp2_engine_rank_by_rank_equal_to_a_fresh_tp2_vllm_load(cfg, capsys):
-    rc = demo.run(_args("--model", cfg, "--engine", "tp=2", "--engines", "1", "--senders", "1", "--steps", "2",
-                        "--changed-fraction", "0.01", "--transport", "mooncake", "--json"))
-    out = capsys.readouterr()
-    steps = json.loads(out.out[out.out.index('{\n  "steps"'):])["steps"]
-    assert rc == 0, out.err[-3000:]
+    steps = _demo_steps(capsys, "--model", cfg, "--engine", "tp=2", "--engines", "1", "--senders", "1")
     assert all(s["equal"] is True for s in steps), [s["detail"] for s in steps]
     first, second = steps
     assert first["bytes_written"] == first["bytes"] and 0 < second["bytes_written"] < second["bytes"] // 4, second

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import STARTUP, Engine  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, FLIPPED, SenderProcess, references  # noqa: E402
+from test_vllm_backend import Engine  # noqa: E402 (skips without vLLM)
+from test_vllm_sender import CHANGED, FLIPPED, SenderProcess, references, standin  # noqa: E402
 from test_vllm_tp import flip_one_byte_on_rank  # noqa: E402
 
 DP = 2
@@ -39,16 +39,9 @@ def per_dp_rank(digests: dict[str, str]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
-
     root = tmp_path_factory.mktemp("vllm_dp_cfg")
-    cfg = write_config("qwen3", str(root))
-    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-dp2", dp=DP)
-    try:
-        standin.wait_ready(STARTUP)
-        yield DpEngine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
-    finally:
-        standin.close()
+    with standin(write_config("qwen3", str(root)), root, "vllm-dp2", DpEngine, dp=DP) as running:
+        yield running
 
 
 def test_a_sender_updates_each_dp_rank_of_a_vllm_engine_verifies_each_and_sends_deltas_after(engine):

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from test_vllm_backend import STARTUP, Engine  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, CORRUPT, SenderProcess  # noqa: E402
+from test_vllm_sender import CHANGED, CORRUPT, SenderProcess, standin  # noqa: E402
 
 FLIPPED_HF = "model.layers.2.enorm.weight"  # the MTP layer's norm: its bytes as they are, in the draft
 FLIPPED = "draft." + FLIPPED_HF
@@ -102,16 +102,9 @@ class DraftEngine(Engine):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
-
     root = tmp_path_factory.mktemp("vllm_draft_cfg")
-    cfg = write_dense_dsv3(str(root))
-    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-mtp", spec="mtp")
-    try:
-        standin.wait_ready(STARTUP)
-        yield DraftEngine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
-    finally:
-        standin.close()
+    with standin(write_dense_dsv3(str(root)), root, "vllm-mtp", DraftEngine, spec="mtp") as running:
+        yield running
 
 
 def published_names(engine: DraftEngine, rank: int = 0) -> list[str]:
@@ -211,33 +204,28 @@ def flip_one_draft_byte(engine: DraftEngine, seed: int) -> None:
 def test_a_tp2_drafting_engine_publishes_and_takes_each_ranks_draft_shards(tmp_path):
     """tp=2: both workers hand their drafter over at the init (the gate's attach_drafts, all or none);
     each rank publishes its own draft shards; a full and then a delta update equal fresh tp=2 loads."""
-    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
-
     cfg = write_dense_dsv3(str(tmp_path))
     wanted = [[2, None], [2, CHANGED]]
     ref_procs = start_references(cfg, wanted, tp=2)
-    standin = StandInVllmEngine(cfg, str(tmp_path / "engine.log"), "vllm-mtp-tp2", tp=2, spec="mtp")
-    sender = None
     try:
-        standin.wait_ready(STARTUP)
-        engine = DraftEngine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
-        names = [published_names(engine, r) for r in range(2)]
-        assert all(FLIPPED in n and not set(SHARED) & set(n) for n in names), names
-        sender = SenderProcess(engine)
-        assert sender.connected()["layout"] == "vllm:tp=2,dtype=bfloat16,spec=mtp"
-        refs = read_references(ref_procs)
-        kv_b = "draft.model.layers.2.mtp_block.self_attn.kv_b_proj.weight"  # split over the TP ranks
-        assert refs[0][0][kv_b] != refs[1][0][kv_b]
-        for step, (version, seed, changed) in enumerate((("1", 2, None), ("2", 2, CHANGED))):
-            done = sender.update(version, seed, changed)
-            assert done["ok"] and [r["delta"] for r in done["ranks"]] == [bool(changed)] * 2, done
-            for r in range(2):
-                now = engine.digests(names[r], r)
-                assert now == refs[r][step], (r, sorted(n for n in now if now[n] != refs[r][step][n])[:6])
+        with standin(cfg, tmp_path, "vllm-mtp-tp2", DraftEngine, tp=2, spec="mtp") as engine:
+            names = [published_names(engine, r) for r in range(2)]
+            assert all(FLIPPED in n and not set(SHARED) & set(n) for n in names), names
+            sender = SenderProcess(engine)
+            try:
+                assert sender.connected()["layout"] == "vllm:tp=2,dtype=bfloat16,spec=mtp"
+                refs = read_references(ref_procs)
+                kv_b = "draft.model.layers.2.mtp_block.self_attn.kv_b_proj.weight"  # split over the TP ranks
+                assert refs[0][0][kv_b] != refs[1][0][kv_b]
+                for step, (version, seed, changed) in enumerate((("1", 2, None), ("2", 2, CHANGED))):
+                    done = sender.update(version, seed, changed)
+                    assert done["ok"] and [r["delta"] for r in done["ranks"]] == [bool(changed)] * 2, done
+                    for r in range(2):
+                        now = engine.digests(names[r], r)
+                        assert now == refs[r][step], (r, sorted(n for n in now if now[n] != refs[r][step][n])[:6])
+            finally:
+                sender.close()
     finally:
-        if sender is not None:
-            sender.close()
-        standin.close()
         for proc in ref_procs:
             if proc.poll() is None:
                 proc.kill()

@@ -11,9 +11,11 @@ The stand-in API server has no ``AsyncLLM``: vLLM's ``/server_info`` and ``/get_
 fixture sets them to the worker's own config (``cpu_worker.engine_config``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
@@ -139,18 +141,25 @@ class SenderProcess:
                 self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@contextlib.contextmanager
+def standin(cfg: str, root, name: str, engine_cls: type = Engine, **layout) -> Iterator[Engine]:
+    """A stand-in vLLM engine of ``cfg`` (``layout``: ``tp``, ``dp``, ``spec``), ready and registered,
+    as the tests' ``engine_cls``; its log in ``root``; closed on exit."""
     from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
 
-    root = tmp_path_factory.mktemp("vllm_sender_cfg")
-    cfg = write_config("qwen3", str(root))
-    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-sender")
+    running = StandInVllmEngine(cfg, str(root / "engine.log"), name, **layout)
     try:
-        standin.wait_ready(STARTUP)  # vLLM's /server_info and /get_world_size answer from the worker's config
-        yield Engine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
+        running.wait_ready(STARTUP)  # vLLM's /server_info and /get_world_size answer from the worker's config
+        yield engine_cls(url=running.url, key=running.api_key, client=running.client, cfg=cfg, app=running.app)
     finally:
-        standin.close()
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_sender_cfg")
+    with standin(write_config("qwen3", str(root)), root, "vllm-sender") as running:
+        yield running
 
 
 def references(engine: Engine, wanted: list) -> list[dict[str, str]]:

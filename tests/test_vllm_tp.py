@@ -17,7 +17,7 @@ import pytest
 
 from replica_configs import write_config  # noqa: E402
 from test_vllm_backend import STARTUP, Engine, free_port  # noqa: E402 (skips without vLLM)
-from test_vllm_sender import CHANGED, CORRUPT, FLIPPED, SenderProcess  # noqa: E402
+from test_vllm_sender import CHANGED, CORRUPT, FLIPPED, SenderProcess, standin  # noqa: E402
 
 TP = 2
 
@@ -56,16 +56,9 @@ class TpEngine(Engine):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from p2pweights.vllm_backend.standin_engine import StandInVllmEngine
-
     root = tmp_path_factory.mktemp("vllm_tp_cfg")
-    cfg = write_config("qwen3", str(root))
-    standin = StandInVllmEngine(cfg, str(root / "engine.log"), "vllm-tp2", tp=TP)
-    try:
-        standin.wait_ready(STARTUP)
-        yield TpEngine(url=standin.url, key=standin.api_key, client=standin.client, cfg=cfg, app=standin.app)
-    finally:
-        standin.close()
+    with standin(write_config("qwen3", str(root)), root, "vllm-tp2", TpEngine, tp=TP) as running:
+        yield running
 
 
 def start_references(cfg: str, wanted: list) -> list[subprocess.Popen]:

@@ -18,6 +18,16 @@ from ..errors import LayoutMismatch
 from ..transport.publication import merge_regions
 
 
+def weights_device(params: Iterable[Any]) -> str:
+    """Where every one of ``params`` lives (``cpu`` or ``cuda:N``): the device of a rank's delta area.
+    LayoutMismatch when they are spread over devices, on meta, or none."""
+    devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}" for p in params}
+    if len(devices) != 1 or "meta" in devices:
+        raise LayoutMismatch(f"the model's parameters are on {sorted(devices) or 'no device'}: p2pweights registers "
+                             f"one rank's parameters on one device")
+    return devices.pop()
+
+
 def host_bytes(address: int, nbytes: int) -> Any:
     """A uint8 tensor over ``nbytes`` of host memory at ``address``."""
     import numpy as np

@@ -23,7 +23,7 @@ from ..models.quant import quant_scheme
 from . import vllm_env
 from .check import LayoutCheck, RankCheck, compare_with_reference, merged_dtypes
 from .role_check import role_mismatches, roles_json
-from .vllm_draft import build_draft_model, share_with_target
+from .vllm_draft import share_with_target
 from .vllm_layout import VllmLayout, check_refusal
 from .vllm_replica import VllmReplicas
 
@@ -37,17 +37,14 @@ def reference_model(config: Any, layout: VllmLayout, rank: int, *, seed: int = 0
     ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))`` and (by default)
     post-processed as the engine's update finish does. ``role="draft"``: the MTP draft, which then
     holds the target's embedding and LM head in place of its own, as the proposer leaves it."""
-    if role == "target":
-        meta = vllm_env.build_model(config, layout, rank, device="meta")
-    else:
-        meta = build_draft_model(config, layout, rank, device="meta")
-    model = vllm_env.materialize(meta, "cpu")
+    # the draft as its loader needs it: its own embedding and heads, shared only after post-processing
+    model = vllm_env.materialize(vllm_env.build_model(config, layout, rank, device="meta", role=role), "cpu")
     cfg = load_config(config)
     with vllm_env.activate(model):
         model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg)))
     if post_process:
         before = {name for name, _ in model.named_parameters()}
-        if role == "target":
+        if role == "target":  # the target's call as it always was (tests wrap post_process by it)
             vllm_env.post_process(model)
         else:
             vllm_env.post_process(model, role=role)

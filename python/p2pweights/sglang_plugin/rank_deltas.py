@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 from ..control.error_answers import error_payload
 from ..deltas.area import DeltaArea, Manifest, area_bytes
-from ..deltas.weight_views import device_views, host_views
+from ..deltas.weight_views import device_views, host_views, weights_device
+from ..errors import LayoutMismatch
 from ..settings import value as setting
 from ..transport.publication import merge_regions
 from . import bootstrap_requests
@@ -102,10 +103,12 @@ def cover(table: dict, named: list | None = None) -> None:
 def _open_beside(transporter: Any) -> None:
     params = list(transporter.model.named_parameters())
     table = transporter.weight_info
-    devices = {str(q.device) if q.device.type != "cuda" else f"cuda:{q.device.index or 0}" for _, q in params}
-    if not params or len(devices) != 1 or "meta" in devices or not isinstance(table, dict):
+    try:
+        device = weights_device(q for _, q in params)
+    except LayoutMismatch:
         return  # no weights, or spread over devices: full writes
-    device = devices.pop()
+    if not isinstance(table, dict):
+        return
     if device != "cpu" and not setting("P2PW_DELTA_AREA"):
         # a GPU area takes memory sglang would give its KV cache: only where the operator sized it
         logger.info("p2pweights sglang plugin: weights on %s: no delta area unless P2PW_DELTA_AREA sizes one "

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..deltas.area import DeltaArea, Manifest, area_bytes
-from ..deltas.weight_views import device_views, host_views
+from ..deltas.weight_views import device_views, host_views, weights_device
 from ..errors import InvalidWrite, LayoutMismatch
 from ..receiver.build_report import device_arch
 from ..settings import value as setting
@@ -113,16 +113,6 @@ def open_area(weight_bytes: int, nbytes: int | None, rank: int, engine: str, dev
         return None
 
 
-def weights_device(model: Any) -> str:
-    """Where every parameter lives (``cpu`` or ``cuda:N``); LayoutMismatch when they are spread or on meta."""
-    devices = {str(p.device) if p.device.type != "cuda" else f"cuda:{p.device.index or 0}"
-               for p in model.parameters()}
-    if len(devices) != 1 or "meta" in devices:
-        raise LayoutMismatch(f"the model's parameters are on {sorted(devices) or 'no device'}: p2pweights registers "
-                             f"one rank's parameters on one device")
-    return devices.pop()
-
-
 class RankMemory:
     """The worker's registrations (``transport``: mooncake, nixl or auto) and publication for
     ``rank``; ``deltas``: open a delta area of ``area`` bytes (None: ``P2PW_DELTA_AREA``, else an
@@ -132,7 +122,7 @@ class RankMemory:
                  deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None):
         self.model, self.rank, self.engine = model, int(rank), engine
         self.transport = resolve_transport(transport)[0]
-        self.device = weights_device(model)
+        self.device = weights_device(model.parameters())
         owned = owned_parameters(model.named_parameters())
         self.table = params_table(owned)
         self.regions = merge_regions((ptr, numel * size) for ptr, numel, size in self.table.values())
