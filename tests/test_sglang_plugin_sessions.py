@@ -1,7 +1,7 @@
 """Weight-update sessions inside a real sglang 0.5.23 server (``python -m sglang.launch_server``, tp=1,
 a tiny Qwen3 with dummy weights, on the CPU through the plugin's CPU platform): the plugin's gate
 keeps the receiver's owner rules around sglang's own routes (sglang_plugin/sessions.py, with
-receiver/session_keeper.py). One server for the whole module; each test leaves no session open.
+engine/core.py). One server for the whole module; each test leaves no session open.
 
 Calls go through p2pweights' own engine client (``SglangEngine``: the owner and lease headers a
 sender sends) and, where the status itself matters, through the raw HTTP request."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+import types
 
 import pytest
 
@@ -195,10 +196,11 @@ def test_sglangs_key_check_wraps_the_gate():
     async def stand_in() -> dict:
         return {"success": True, "message": "Success"}
 
-    for path in set(sessions.GATED_PATHS) - {sessions.RENEW_PATH}:
+    for path in set(sessions.GATED_PATHS) - {sessions.RENEW_PATH, sessions.APPLY_PATH}:
         app.add_api_route(path, stand_in, methods=["POST"])
-    host = sessions.SglangSessionHost("stand-in", lease=30)
-    app.add_api_route(sessions.RENEW_PATH, sessions.renew_endpoint(host), methods=["POST"])
+    host = sessions.SglangSessionHost("stand-in", lease=30, tokenizer=types.SimpleNamespace(is_pause=True))
+    for path in (sessions.RENEW_PATH, sessions.APPLY_PATH):
+        app.add_api_route(path, sessions._answered_by_the_gate(), methods=["POST"])
     app.add_middleware(sessions.SessionGate, host=host)  # what install() does, without the module's HOST
     add_api_key_middleware(app, api_key="key", admin_api_key=None)
     client, key = TestClient(app), {"Authorization": "Bearer key"}

@@ -13,7 +13,7 @@ PKG = ROOT / "p2pweights"
 LAYERS = [
     {"errors", "settings", "_native"},
     {"models", "transport", "control"},
-    {"planner", "replica", "copyplans", "deltas"},
+    {"planner", "replica", "copyplans", "deltas", "engine"},
     {"sender", "receiver", "baseline", "sglang_plugin", "vllm_backend"},
     {"benchmarking", "commands", "cli", "__main__"},
 ]

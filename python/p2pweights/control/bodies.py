@@ -401,10 +401,9 @@ def _kind(hint: Any) -> type | None:
     return origin if origin in (str, bool, int, float, list, dict) else None
 
 
-def begin_pause(req: BeginWeightUpdateReq) -> PauseGenerationReq | None:
+def begin_pause(pause: Any) -> PauseGenerationReq | None:
     """The checked :data:`PAUSE_FIRST` of a begin_weight_update body (the pause to run first, in
     the same call), or None when the body has none."""
-    pause = req.extra.get(PAUSE_FIRST)
     if pause is None:
         return None
     if not isinstance(pause, dict):
@@ -412,10 +411,9 @@ def begin_pause(req: BeginWeightUpdateReq) -> PauseGenerationReq | None:
     return decode(PauseGenerationReq, pause)
 
 
-def end_then(req: EndWeightUpdateReq) -> dict | None:
+def end_then(then: Any) -> dict | None:
     """The checked :data:`END_THEN` of an end_weight_update body (``new_version``, ``continue``,
     ``torch_empty_cache``; the flags default to true), or None when the body has none."""
-    then = req.extra.get(END_THEN)
     if then is None:
         return None
     if not isinstance(then, dict) or not isinstance(then.get("new_version"), str):

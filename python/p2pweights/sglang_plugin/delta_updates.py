@@ -8,11 +8,9 @@
   ``delta_area`` a rank's PUT carries once sglang accepted the PUT, and adds it to that rank's GET
   answer (which the HTTP server's ``/remote_instance_transfer_engine_info`` proxy passes on as is). It
   keeps the rank's ``epoch`` the same way (``rank_epochs.py``, ``fencing.py``).
-- **The identity.** One :class:`CommittedBase` (deltas/committed.py) for the engine, kept by the
-  session gate (``sessions.py``): a begin answers the claim ``p2pw_delta``; an end whose body names
-  manifests has every rank apply its own first (the weight checker's communicator, the action
-  ``rank_deltas.ACTION``), and only then goes on to sglang's end (its post-processing); a refused
-  apply fails the end and leaves the weights torn; an end that succeeded answers ``p2pw_base``.
+- **The apply.** The engine core (``engine/core.py``, through the session gate ``sessions.py``)
+  keeps the committed base and decides; :func:`apply` is its step: every rank applies its own
+  manifest (the weight checker's communicator, the action ``rank_deltas.ACTION``).
 """
 from __future__ import annotations
 
@@ -23,9 +21,6 @@ from typing import Any, Callable
 
 from ..control import protocol as p
 from ..control import routes
-from ..deltas.area import Manifest
-from ..deltas.committed import CommittedBase
-from ..errors import InvalidRequest, InvalidWrite
 from ..receiver import asgi_steps as asgi
 from . import rank_deltas, version_guard
 
@@ -48,7 +43,6 @@ EPOCH_KEY = rank_deltas.EPOCH_KEY
 TOKENIZER: Any = None
 TP_SIZE = 0
 REFUSED: str | None = None
-BASE = CommittedBase("sglang")  # the engine's committed identity, kept by the session gate
 
 
 class AreaBook:
@@ -154,21 +148,6 @@ def support() -> str:
 def live() -> dict[str, Any]:
     """What ``/server_info`` says of deltas (``server_info.after_build``)."""
     return {"offers": [OFFER] if TOKENIZER is not None else [], "error": REFUSED}
-
-
-def parse_manifests(manifests: Any, verb: str) -> dict[str, dict]:
-    """The end body's ``{rank: manifest}``, checked as the receiver checks it."""
-    if not isinstance(manifests, dict):
-        raise InvalidRequest(f"{verb}: p2pw_delta must be {{rank: manifest}}")
-    out = {}
-    for rank, m in manifests.items():
-        if not (isinstance(rank, str) and rank.isdigit()):
-            raise InvalidRequest(f"{verb}: p2pw_delta has a key {rank!r} that is not a rank")
-        try:
-            out[rank] = Manifest.parse(m, f"{verb} p2pw_delta[{rank}]").to_dict()
-        except InvalidWrite as e:
-            raise InvalidRequest(str(e)) from None
-    return out
 
 
 async def apply(manifests: dict[str, dict]) -> str:

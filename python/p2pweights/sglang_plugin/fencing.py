@@ -45,30 +45,26 @@ def live() -> dict[str, Any]:
     return {"offers": [] if support() else [OFFER], "error": None}
 
 
-async def revoke(current: int, engine: str) -> int:
-    """Every rank that publishes an epoch moves to the next one (after ``current`` and after any rank's);
-    the new epoch (``current`` when no rank publishes one). Raises EngineError naming the rank that
-    could not, before the takeover's begin reaches sglang."""
+async def revoke(epoch: int, engine: str) -> int | None:
+    """The engine core's :class:`~p2pweights.engine.steps.Revoke`: every rank that publishes an epoch
+    moves to ``epoch`` (the core chose it: after the session's and any rank's); ``epoch`` once the
+    bootstrap server's book shows every such rank there, None when no rank publishes one. Raises
+    EngineError naming the rank that could not, before the takeover's begin reaches sglang."""
     published = dict(delta_updates.EPOCHS)
     if not published:
-        logger.warning("engine %s: a takeover, but no rank publishes revocable registrations: the epoch stays %d",
-                       engine, current)
-        return current
+        return None
     tokenizer = delta_updates.TOKENIZER
-    if tokenizer is None:  # the ranks cannot be reached (data or pipeline parallelism): as a receiver without on_revoke
-        logger.error("engine %s: a takeover cannot revoke the ranks' registrations (%s): the epoch stays %d",
-                     engine, support(), current)
-        return current
+    if tokenizer is None:
+        raise EngineError(f"engine {engine}: the ranks cannot be reached to revoke their registrations ({support()})",
+                          engine=engine)
     why = support()
     if why:
-        logger.error("engine %s: %s; revoking the others", engine, why)
-    epoch = max(current, *published.values()) + 1
+        raise EngineError(f"engine {engine}: {why}", engine=engine)
     try:
         tokenizer.auto_create_handle_loop()
         outputs = await tokenizer.check_weights_communicator(rank_epochs.revoke_request(epoch))
     except Exception as e:  # noqa: BLE001 - answered as the begin's failure, not as a broken connection
-        raise EngineError(f"engine {engine}: the takeover could not reach the ranks to revoke (epoch {epoch}): "
-                          f"{type(e).__name__}: {e}; the weights stay torn", engine=engine) from e
+        raise EngineError(f"engine {engine}: could not reach the ranks: {type(e).__name__}: {e}", engine=engine) from e
     for out in outputs:
         if not out.success:
             try:
@@ -76,14 +72,10 @@ async def revoke(current: int, engine: str) -> int:
                 reason = f"{detail.get('type')}: {detail.get('message')}"
             except (ValueError, TypeError, KeyError):
                 reason = f"the schedulers did not revoke: {out.message!r}"
-            raise EngineError(f"engine {engine}: the takeover could not revoke the lost owner's registrations "
-                              f"(epoch {epoch}): {reason}; the weights stay torn", engine=engine,
-                              hint="retry the update; the rank's log says more")
+            raise EngineError(f"engine {engine}: {reason}", engine=engine, hint="retry the update; the rank's log says more")
     behind = sorted(r for r in published if delta_updates.EPOCHS.get(r) != epoch)
     if behind:
-        raise EngineError(f"engine {engine}: rank(s) {behind} moved to epoch {epoch} but their new publication did "
-                          f"not reach the engine-info bootstrap server; the weights stay torn", engine=engine,
+        raise EngineError(f"engine {engine}: rank(s) {behind} moved to epoch {epoch} but their new publication did not "
+                          f"reach the engine-info bootstrap server", engine=engine,
                           hint="retry the update; the rank's log names the failed PUT")
-    logger.warning("engine %s: a takeover revoked epoch %d's registrations on %d rank(s): now epoch %d", engine,
-                   epoch - 1, len(published), epoch)
     return epoch

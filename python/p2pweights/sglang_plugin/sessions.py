@@ -1,38 +1,22 @@
-"""Weight-update sessions with owner tokens, engine-bounded leases and the torn state, kept inside a
-real sglang server's HTTP process by the receiver's own rules (``receiver/session_keeper.py``: one
-implementation, two hosts). docs/sglang.md, "Sessions".
+"""The sglang plugin's host of the engine core (``engine/core.py``): weight-update sessions with
+owners, engine-bounded leases, epochs, the torn state and the delta base, decided by the core and
+kept inside a real sglang server's HTTP process. docs/sglang.md, "Sessions".
 
 Where: a BEFORE hook on sglang's ``sglang.srt.entrypoints.http_server._setup_and_run_http_server``,
-which the launcher calls once the engine's subprocesses run, just before uvicorn (or Granian's
-embedded server) serves sglang's FastAPI ``app``. The hook (:func:`before_http_server`) adds to that
-``app``:
+which the launcher calls once the engine's subprocesses run, just before uvicorn serves sglang's
+FastAPI ``app``. The hook (:func:`before_http_server`) adds to that ``app`` p2pweights' own routes
+(``/renew_weight_update``, ``/p2pw_apply_deltas``), marked ``ADMIN_OPTIONAL`` like sglang's control
+routes so that sglang's key middleware applies its own ``--api-key`` / ``--admin-api-key`` rules to
+them, and :class:`SessionGate`, an ASGI middleware in front of sglang's routes. sglang adds its key
+middleware after this hook ran, so the key check wraps the gate.
 
-- ``POST /renew_weight_update``, p2pweights' own route (the receiver's body and answers), marked
-  ``ADMIN_OPTIONAL`` like sglang's control routes, so sglang's key middleware guards it alike;
-- :class:`SessionGate`, an ASGI middleware in front of sglang's routes. A call of a route in
-  :data:`GATED_PATHS` goes through ``session_keeper.admit`` (another controller's call of a live
-  session: 409 ``SessionConflict``; a torn engine's: 409 ``TornWeights``; nothing reaches sglang),
-  then sglang's own route, then ``session_keeper.settle`` (a begin that succeeded opens the caller's
-  session and answers its lease; an end that succeeded closes it), as one step under one lock.
-
-sglang already serves ``/begin_weight_update`` and ``/end_weight_update`` (0.5.23's own session:
-it restores packed quantized weights at begin and post-processes at end), so the plugin adds no
-begin or end of its own: the p2pweights session is sglang's session plus an owner and a lease. A
-lost owner's session (expired, given up) stays open in sglang; the next owner's begin takes it over
-(sglang's "already open" is answered as the receiver's takeover) and its end heals it.
-
-Deltas (docs/sglang.md, "Deltas"; ``delta_updates.py``): the gate also keeps the engine's committed
-identity. A begin answers the claim ``p2pw_delta`` (removed from the body sglang reads); an end that
-names manifests has every rank apply its own before sglang's end runs, and answers ``p2pw_base``; a
-refused apply fails the end and tears the weights. ``POST /p2pw_apply_deltas`` (``verify=True``) is
-answered by the gate itself.
-
-Fencing (docs/sglang.md, "Fencing"; ``fencing.py``): a begin that takes a lost owner's session over
-first has every rank move its registrations to a new endpoint under the next epoch (the old one
-closed), and answers that epoch; a revocation that fails answers 500 and leaves the engine torn.
-
-sglang adds its API-key middleware after this hook ran, so the key middleware wraps the gate: a call
-without the key is refused (401) before the gate reads it.
+What this module does is map, and nothing more:
+- sglang's routes onto the core's verbs (:data:`GATED_PATHS`; ``/weights_checker`` by its action:
+  ``reset_tensors`` is a write of the weights, the plugin's own ``p2pw_*`` actions are refused from
+  outside: they are the gate's channel into the ranks);
+- the core's steps onto sglang: pause state from the tokenizer manager, sglang's own routes through
+  its app, the ranks' delta apply and revocation through the weight checker's communicator
+  (``delta_updates.py``, ``fencing.py``), sglang's "already open" answer read as its own session open.
 
 Not covered: a server with several HTTP workers (``--tokenizer-worker-num > 1``: each would keep its
 own session; the plugin offers no sessions there, and says why), the native gRPC server, and the
@@ -40,68 +24,54 @@ engine's other processes (a scheduler obeys whatever reaches it).
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
 from typing import Any
 
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..control import bodies, routes
 from ..control import protocol as p
-from ..control.error_answers import error_payload
-from ..deltas.committed import BASE_KEY, DELTA_KEY
-from ..errors import EngineError, InvalidRequest, InvalidWrite, SessionConflict, TornWeights
-from ..receiver import asgi_steps as asgi
-from ..receiver import session_keeper as sk
-from . import delta_updates, fencing
+from ..control import routes
+from ..engine import core as ec
+from ..engine import steps
+from ..errors import InvalidRequest, InvalidWrite
+from ..front import answer_for, asgi
+from . import delta_updates, fencing, version_guard
 
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 OFFER = "sessions"  # what p2pw_plugin.offers lists while the gate is installed
 
-BEGIN, END, RENEW = "begin_weight_update", "end_weight_update", "renew_weight_update"
-APPLY = "p2pw_apply_deltas"  # verify=True with deltas: the owner has the ranks apply before its digests
-RENEW_PATH, APPLY_PATH = routes.route(RENEW).path, routes.route(APPLY).path
+RENEW_PATH, APPLY_PATH = routes.route(ec.RENEW).path, routes.route(ec.APPLY).path
+CHECKER_PATH = "/weights_checker"
+BODY_LIMIT = 32 << 20  # the largest body a gated route takes (413 above it)
 
-#: sglang's routes under the owner rules -> the verb ``session_keeper`` knows each by: the receiver's
-#: gated verbs that sglang serves, the renewal this plugin adds, and sglang's other routes that write
-#: the weights or free and restore their memory (where the owner's one-sided writes land)
+#: sglang's routes (and the plugin's own) -> the engine core's verb: the receiver's verbs that sglang
+#: serves, and sglang's other routes that write the weights or free and restore their memory
 GATED_PATHS: dict[str, str] = {
-    **{r.path: r.verb for r in routes.ROUTES if r.verb in sk.GATED and not r.p2pw},
-    RENEW_PATH: RENEW,
-    APPLY_PATH: APPLY,  # answered by the gate itself (no route of sglang's)
+    **{r.path: r.verb for r in routes.ROUTES if r.verb in ec.VERBS and not r.p2pw},
+    RENEW_PATH: ec.RENEW,
+    APPLY_PATH: ec.APPLY,
     **{f"/{verb}": verb for verb in ("update_weights_from_tensor", "update_weights_from_disk",
                                      "update_weights_from_ipc", "release_memory_occupation",
                                      "resume_memory_occupation")},
 }
-
-_JSON = asgi.JSON_HEADERS
+#: the weight checker's actions that write the weights (the core's verb), and the plugin's own
+#: actions (the gate's channel into the ranks: never accepted from outside)
+CHECKER_WRITES = {"reset_tensors": "reset_weights"}
+OWN_ACTIONS = "p2pw_"
 
 
 class SglangSessionHost:
-    """The host ``session_keeper.admit`` needs: the HTTP process's one :class:`SessionKeeper`
-    (``lease``: the longest it grants, default ``P2PW_SESSION_LEASE`` in the server's environment)."""
+    """The HTTP process's one engine core (``lease``: the longest it grants, default
+    ``P2PW_SESSION_LEASE`` in the server's environment) and the tokenizer manager its steps reach
+    sglang's ranks through."""
 
-    def __init__(self, engine: str, lease: float | None = None):
-        self.session = sk.SessionKeeper(engine, lease)
-        self.revoking = False  # admit asked for a revocation; the gate awaits it before sglang's begin
-
-    def revoke_epoch(self) -> None:
-        """``session_keeper.admit``'s call at a takeover of a lost owner's session. The ranks are reached
-        through sglang's async communicator, so this only marks it: the gate awaits :meth:`revoke` next,
-        still under its lock, before the begin reaches sglang."""
-        self.revoking = True
-
-    async def revoke(self) -> None:
-        """Every rank moves its registrations to a new endpoint under the next epoch (``fencing.py``);
-        raises EngineError (the begin fails, the engine stays torn) when one cannot."""
-        self.revoking = False
-        self.session.epoch = await fencing.revoke(self.session.epoch, self.session.engine)
+    def __init__(self, engine: str, lease: float | None = None, tokenizer: Any = None):
+        self.core = ec.EngineCore(engine, lease)
+        self.session = self.core.session
+        self.tokenizer = tokenizer
 
 
 # The HTTP process's host once installed; why sessions are not offered when they could not be.
@@ -110,37 +80,44 @@ REFUSED: str | None = None
 
 
 def before_http_server(*args: Any, **kwargs: Any) -> None:
-    """The BEFORE hook: install the gate and the renewal on sglang's ``app`` before it serves. Never
-    raises (a failure is logged at ERROR and reported in ``p2pw_plugin.error``); leaves sglang's
+    """The BEFORE hook: install the gate and the plugin's routes on sglang's ``app`` before it serves.
+    Never raises (a failure is logged at ERROR and reported in ``p2pw_plugin.error``); leaves sglang's
     arguments as they are."""
     from sglang.srt.entrypoints import http_server
     from sglang.srt.runtime_context import get_serving
 
     serving = get_serving()
     try:
+        bound = {**dict(zip(version_guard.HOOKED[TARGET], args)), **kwargs}
         install(http_server.app, workers=int(serving.tokenizer_worker_num),
-                engine=f"http://{serving.host}:{serving.port}")
+                engine=f"http://{serving.host}:{serving.port}", tokenizer=bound.get("tokenizer_manager"))
     except Exception as e:  # noqa: BLE001 - sglang must start either way; the refusal is loud
         refuse(f"sessions not installed: {type(e).__name__}: {e}")
     return None
 
 
-def install(app: Any, *, workers: int = 1, engine: str = "engine", lease: float | None = None) -> SglangSessionHost | None:
-    """Add the renewal route and :class:`SessionGate` to sglang's FastAPI ``app`` (before it serves).
+def install(app: Any, *, workers: int = 1, engine: str = "engine", lease: float | None = None,
+            tokenizer: Any = None) -> SglangSessionHost | None:
+    """Add the plugin's routes and :class:`SessionGate` to sglang's FastAPI ``app`` (before it serves).
     Refuses (None, logged, :data:`REFUSED`) where one session cannot be kept: several HTTP workers,
-    or an app that lacks a gated route (sglang's routes changed)."""
+    no tokenizer manager to ask whether generation is paused, or an app that lacks a gated route
+    (sglang's routes changed)."""
     global HOST
     if workers != 1:
         return refuse(f"sessions need one HTTP process; this server runs {workers} (--tokenizer-worker-num), each "
                       f"would keep its own session")
+    if tokenizer is None or not hasattr(tokenizer, "is_pause"):
+        return refuse("sessions not installed: sglang's tokenizer manager (its is_pause) was not found")
     served = {getattr(r, "path", None) for r in app.router.routes}
     missing = sorted(set(GATED_PATHS) - {RENEW_PATH, APPLY_PATH} - served)
     if missing:
         return refuse(f"sessions not installed: this sglang serves no {', '.join(missing)}")
-    if RENEW_PATH in served:
-        return refuse(f"sessions not installed: {RENEW_PATH} is served already (by another plugin?)")
-    host = SglangSessionHost(engine, lease)
-    app.add_api_route(RENEW_PATH, renew_endpoint(host), methods=["POST"])
+    taken = sorted({RENEW_PATH, APPLY_PATH} & served)
+    if taken:
+        return refuse(f"sessions not installed: {', '.join(taken)} is served already (by another plugin?)")
+    host = SglangSessionHost(engine, lease, tokenizer)
+    for path in (RENEW_PATH, APPLY_PATH):
+        app.add_api_route(path, _answered_by_the_gate(), methods=["POST"])
     app.add_middleware(SessionGate, host=host)
     HOST = host
     return host
@@ -159,123 +136,97 @@ def live() -> dict[str, Any]:
     as a receiver reports it in ``p2pw_weight_update``; None without a gate)."""
     if HOST is None:
         return {"offers": [], "error": REFUSED, "weight_update": None}
-    state = HOST.session.state()
-    return {"offers": [OFFER], "error": None, "weight_update": {**state, "state": str(state["state"])}}
+    return {"offers": [OFFER], "error": None, "weight_update": HOST.core.state()}
 
 
-def renew_endpoint(host: SglangSessionHost) -> Any:
-    """``POST /renew_weight_update {"release": bool}``: the receiver's route (its owner was admitted by
-    the gate): 200 ``{"success", "message", "lease"}``; 400 no session, a bad lease header or body."""
+def _answered_by_the_gate() -> Any:
+    """The endpoint of a route the gate answers itself: there so that sglang's key middleware finds
+    the route and applies its admin rules (``ADMIN_OPTIONAL``, as sglang's control routes); reached
+    only if the gate is not in front of it."""
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def renew_weight_update(request: Request) -> JSONResponse:
-        try:
-            raw = await request.body()
-            try:
-                obj = json.loads(raw) if raw.strip() else {}
-            except ValueError:
-                raise InvalidRequest("the body must be a JSON object") from None
-            if not isinstance(obj, dict):
-                raise InvalidRequest("the body must be a JSON object")
-            req = bodies.decode(bodies.RenewWeightUpdateReq, obj)
-            return JSONResponse(sk.renew_lease(host.session, req.release, request.headers))
-        except InvalidRequest as e:
-            return JSONResponse(error_payload(e), status_code=p.BAD_REQUEST)
+    async def p2pw_session_route(request: Request) -> JSONResponse:
+        status, payload = answer_for(InvalidRequest("the p2pweights session gate is not installed"), request.url.path)
+        return JSONResponse(payload, status_code=status)
 
-    return renew_weight_update
+    return p2pw_session_route
 
 
 class SessionGate:
-    """ASGI middleware: the owner rules around each call of a gated sglang route (module docstring).
-    Gated calls run one at a time (the receiver's control lock), except the renewal and the
-    broadcast group's join and leave (``session_keeper.UNLOCKED``), as on a receiver."""
+    """ASGI middleware: each call of a gated route as a verb of the engine core (module docstring)."""
 
     def __init__(self, app: Any, host: SglangSessionHost):
         self.app, self.host = app, host
-        self._lock = asyncio.Lock()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        verb = GATED_PATHS.get(asgi.route_path(scope)) if scope["type"] == "http" else None
-        if verb is None:
+        path = asgi.route_path(scope) if scope["type"] == "http" else ""
+        if path not in GATED_PATHS and path != CHECKER_PATH:
             return await self.app(scope, receive, send)
         try:
-            status, headers, body = await self._gated(verb, scope, receive)
-        except (SessionConflict, TornWeights) as e:
-            status, headers, body = p.CONFLICT, _JSON, asgi.encode(error_payload(e))
-        except InvalidRequest as e:
-            status, headers, body = p.BAD_REQUEST, _JSON, asgi.encode(error_payload(e))
-        except EngineError as e:  # a takeover that could not revoke: still torn
-            status, headers, body = p.ENGINE_FAILED, _JSON, asgi.encode(error_payload(e))
-        await asgi.respond(send, status, headers, body)
+            raw = await asgi.read_body(receive, BODY_LIMIT)
+        except ValueError as e:
+            return await asgi.respond_json(send, p.PAYLOAD_TOO_LARGE, answer_for(InvalidRequest(str(e)))[1])
+        body = asgi.decode(raw)
+        try:
+            verb = self._verb(path, body)
+            if verb is None:  # a read of the weight checker (a checksum, a compare): anyone's
+                return await self.app(scope, asgi.replay(raw), send)
+            answer = await self.host.core.run_async(verb, asgi.Headers(scope), body if isinstance(body, dict) else None,
+                                                    lambda step: self._step(step, scope, raw))
+        except Exception as e:  # noqa: BLE001 - every failure is an answer (front/error_status.py)
+            status, payload = answer_for(e, path)
+            return await asgi.respond_json(send, status, payload)
+        if answer.raw is not None:
+            return await asgi.respond(send, answer.status, answer.headers or asgi.JSON_HEADERS, answer.raw)
+        await asgi.respond_json(send, answer.status, answer.body)
 
-    async def _gated(self, verb: str, scope: dict, receive: Any) -> tuple[int, list, bytes]:
-        headers = Headers(scope=scope)
-        owner, lease = sk.owner_of(headers), sk.lease_of(headers)
-        session = self.host.session
-        async with self._lock if verb not in sk.UNLOCKED else contextlib.nullcontext():
-            taking_over = verb == BEGIN and session.lost
-            sk.admit(self.host, verb, owner)
-            if self.host.revoking:  # a takeover: the lost owner's registrations go before sglang's begin
-                await self.host.revoke()
-            if verb == APPLY:
-                return await _apply_now(receive, session, owner)
-            claim, receive = (await _delta_part(receive)) if verb in (BEGIN, END) else (None, receive)
-            if verb == BEGIN:  # from here the weights may change: the committed base is forgotten
-                delta = delta_updates.BASE.open(claim, session.epoch, delta_updates.support())
-            elif verb == END and claim is not None:  # the deltas first, then sglang's post-processing
-                refused = await _apply_deltas(claim, session, owner)
-                if refused is not None:
-                    return refused
-            status, out_headers, body = await asgi.answer_of(self.app, scope, receive)
-            if taking_over and status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in body.decode("utf-8", "replace"):
-                # sglang's session is still the lost owner's: the new owner continues it (not begun again)
-                status, out_headers = p.OK, _JSON
-                body = asgi.encode(bodies.encode(bodies.Ack(
-                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")))
-            answer = sk.settle(session, verb, headers, owner, lease, status, asgi.decode(body) if verb == BEGIN else None)
-            if verb == BEGIN and p.ok(status):
-                out_headers, body = _JSON, asgi.encode({**answer, DELTA_KEY: delta})
-            elif verb == END and p.ok(status):  # the weights now: a new identity for the next delta
-                base = delta_updates.BASE.commit(session.epoch)
-                out_headers, body = _JSON, asgi.encode({**(asgi.decode(body) or {}), BASE_KEY: base})
-            elif verb == END:
-                delta_updates.BASE.forget("the last end_weight_update failed")
-        return status, out_headers, body
+    @staticmethod
+    def _verb(path: str, body: Any) -> str | None:
+        if path != CHECKER_PATH:
+            return GATED_PATHS[path]
+        action = body.get("action") if isinstance(body, dict) else None
+        if isinstance(action, str) and action.startswith(OWN_ACTIONS):
+            raise InvalidRequest(f"{CHECKER_PATH} refused: the action {action[:40]!r} is the p2pweights gate's own "
+                                 f"channel into the ranks")
+        return CHECKER_WRITES.get(action) if isinstance(action, str) else None
 
+    async def _step(self, step: steps.Step, scope: dict, raw: bytes) -> Any:
+        """One step of the core, done the sglang way."""
+        if isinstance(step, steps.IsPaused):
+            return bool(self.host.tokenizer.is_pause)
+        if isinstance(step, steps.DeltaSupport):
+            return delta_updates.support()
+        if isinstance(step, steps.PublishedEpochs):
+            return list(delta_updates.EPOCHS.values())
+        if isinstance(step, steps.Revoke):
+            return await fencing.revoke(step.epoch, self.host.core.engine)
+        if isinstance(step, steps.ApplyDeltas):
+            return await _apply(step.manifests)
+        if isinstance(step, steps.End):
+            if step.manifests is not None:  # the deltas first, then sglang's post-processing
+                await _apply(step.manifests)
+            return await self._sglang(scope, ec.END, step.body)
+        if step.verb == ec.RENEW:
+            return steps.Answer(p.OK, {})
+        if step.verb in CHECKER_WRITES.values():
+            return await self._sglang(scope, None, None, raw)
+        return await self._sglang(scope, step.verb, step.body)
 
-async def _delta_part(receive: Any) -> tuple[Any, Any]:
-    """The body's ``p2pw_delta`` (None without one) and the body without it, as sglang reads it."""
-    raw = await asgi.read_body(receive)
-    obj = asgi.decode(raw) if raw.strip() else None
-    if not isinstance(obj, dict) or DELTA_KEY not in obj:
-        return None, asgi.replay(raw)
-    claim = obj.pop(DELTA_KEY)
-    return claim, asgi.replay(asgi.encode(obj))
-
-
-async def _apply_now(receive: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes]:
-    """``POST /p2pw_apply_deltas {"manifests"}``: the deltas now, inside the session (the receiver's route)."""
-    obj = asgi.decode(await asgi.read_body(receive))
-    if not isinstance(obj, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    if not session.open:
-        raise InvalidRequest(f"{p.NO_SESSION} is open; deltas are applied inside a session")
-    refused = await _apply_deltas(obj.get("manifests"), session, owner)
-    return refused or (p.OK, _JSON, asgi.encode(bodies.encode(bodies.Ack())))
+    async def _sglang(self, scope: dict, verb: str | None, body: Any, raw: bytes | None = None) -> steps.Answer:
+        """sglang's own route of ``verb`` (None: the request's own) with ``body`` (``raw``: as it came)."""
+        if verb is not None:
+            path = routes.route(verb).path if verb in routes.BY_VERB else f"/{verb}"
+            scope = {**scope, "path": scope.get("root_path", "") + path, "raw_path": path.encode()}
+        data = raw if raw is not None else (asgi.encode(body) if body else b"")
+        status, headers, out = await asgi.answer_of(self.app, scope, asgi.replay(data))
+        text = out.decode("utf-8", "replace")
+        return steps.Answer(status, asgi.decode(out), raw=out, headers=headers,
+                            already_open=status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in text)
 
 
-async def _apply_deltas(manifests: Any, session: sk.SessionKeeper, owner: str) -> tuple[int, list, bytes] | None:
-    """Every rank applies its manifest (None when all did); a refusal fails the end and tears the weights."""
-    if not delta_updates.BASE.accepted:
-        raise InvalidRequest("end_weight_update names deltas, but this session's begin did not accept any")
-    parsed = delta_updates.parse_manifests(manifests, "end_weight_update")
-    delta_updates.BASE.accepted = False  # applied once: a second apply of the same records would be refused
-    why = await delta_updates.apply(parsed)
-    if not why:
-        return None
-    delta_updates.BASE.forget("a delta apply was refused")
-    session.release(owner)  # torn until a complete update heals it (the next begin takes it over)
-    session.torn = f"the deltas were refused, the weights may be partly applied: {why}"
-    error = InvalidWrite(f"end_weight_update refused: the deltas were not applied: {why}")
-    return p.ENGINE_FAILED, _JSON, asgi.encode(error_payload(error))
+async def _apply(manifests: dict[int, dict]) -> None:
+    """Every rank applies its manifest; raises when one refused (the core tears the engine)."""
+    why = await delta_updates.apply({str(r): m for r, m in manifests.items()})
+    if why:
+        raise InvalidWrite(f"the deltas were not applied: {why}")

@@ -1,8 +1,7 @@
-"""The receiver's record of its engine's weight-update session: who owns it, the owner's lease, and
-whether the engine's weights are torn (docs/protocol.md, "Sessions: owner and lease"). Two hosts use
-it: the receiver's own server (:func:`gated`, :func:`renew`) and, inside a real sglang server's HTTP
-process, the p2pweights sglang plugin (``sglang_plugin/sessions.py``: :func:`admit`, :func:`settle`,
-:func:`renew_lease` around sglang's own routes).
+"""An engine's record of its weight-update session: who owns it, the owner's lease, and whether the
+engine's weights are torn (docs/protocol.md, "Sessions: owner and lease"). The engine core
+(:mod:`.core`) keeps one per engine, whichever host runs it (our receiver, the sglang plugin, the
+vLLM backend).
 
 A session belongs to the controller whose ``begin_weight_update`` opened it: its **owner token**
 is the ``X-P2PW-Session-Owner`` header (``protocol.SESSION_OWNER_HEADER``) every call of that
@@ -32,7 +31,6 @@ Expiry is evaluated on every call, so what the engine answers is always up to da
 """
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import math
@@ -246,6 +244,14 @@ class SessionKeeper:
                              f"the weights may be partly written")
                 logger.warning("engine %s: %s", self.engine, self.torn)
 
+    def tear(self, why: str) -> None:
+        """The weights may be partly written and this session can no longer commit them (the engine
+        core's tear rule, ``core.py``): no owner holds it from now on; torn until a complete update."""
+        with self._lock:
+            if self.open:
+                self._token, self.torn = None, why
+                logger.warning("engine %s: torn: %s", self.engine, why)
+
     def end(self) -> None:
         """The owner ended the session (every write landed; the engine post-processed): not torn."""
         with self._lock:
@@ -272,77 +278,3 @@ class SessionKeeper:
         now = self._clock()
         return (f"{self._name()} (opened {now - self.opened_at:.1f}s ago, last renewed "
                 f"{now - self.renewed_at:.1f}s ago, lease {self.lease:g}s)")
-
-
-# ---- the host's side: one call through the owner rules -----------------------------------------
-
-#: the verbs the owner rules govern; the others (reading, checks, publications) are anyone's
-GATED = frozenset({"pause_generation", "continue_generation", "begin_weight_update", "end_weight_update",
-                   "update_weight_version", "update_weights_from_distributed", "init_weights_update_group",
-                   "destroy_weights_update_group", "renew_weight_update", "p2pw_apply_deltas"})
-#: gated verbs that run outside the server's control lock: joining a group waits for every member;
-#: a renewal must get through while the owner's own end_weight_update holds the lock
-UNLOCKED = frozenset({"init_weights_update_group", "destroy_weights_update_group", "renew_weight_update"})
-
-
-def admit(host: Any, verb: str, owner: str) -> None:
-    """The owner rules before ``verb`` of ``owner`` runs on ``host`` (a receiver's server, or the sglang
-    plugin's HTTP process: anything with a ``session`` (:class:`SessionKeeper`) and ``revoke_epoch()``),
-    inside the host's control lock: another owner's call of a live session, or a torn engine's call it
-    does not accept, is refused (409); a begin with a guessable owner token is refused (400); a begin
-    that takes a lost owner's session over first revokes what that owner could still reach."""
-    host.session.check(verb, owner)
-    if verb == "begin_weight_update":
-        check_owner_token(owner)
-        if host.session.lost:  # a takeover: the lost owner's writes in flight must not land
-            host.revoke_epoch()
-
-
-def settle(session: SessionKeeper, verb: str, headers: Any, owner: str, lease: float | None, status: int,
-           answer: Any) -> Any:
-    """Record what ``verb`` did once it answered ``status`` (still inside the host's control lock): a
-    begin that succeeded opens ``owner``'s session and its answer gains the ``lease`` granted (at most
-    the engine's ``lease_max``), ``took_over`` and ``epoch``; an end that succeeded closes it. The
-    answer, as the caller sends it."""
-    if p.ok(status) and verb == "begin_weight_update":
-        took_over = session.begin(owner, lease, label_of(headers, owner))
-        return {**(answer if isinstance(answer, dict) else {}), "lease": session.lease,
-                "lease_max": session.max_lease, "took_over": took_over, "epoch": session.epoch}
-    if p.ok(status) and verb == "end_weight_update":
-        session.end()
-    return answer
-
-
-def gated(server: Any, verb: str, headers: Any, call: Callable[[], tuple[int, Any]]) -> tuple[int, Any]:
-    """Run one call of ``verb`` (``call`` -> (status, answer)) under ``server.session``'s owner
-    rules: :func:`admit`, the call and :func:`settle` are one step under the server's control lock (a
-    reentrant lock: the verb takes it again)."""
-    if verb not in GATED:
-        return call()
-    owner, lease = owner_of(headers), lease_of(headers)
-    lock = server._control_lock if verb not in UNLOCKED else contextlib.nullcontext()
-    with lock:
-        admit(server, verb, owner)
-        status, answer = call()
-        return status, settle(server.session, verb, headers, owner, lease, status, answer)
-
-
-def renew_lease(session: SessionKeeper, release: bool, headers: Any) -> dict:
-    """``POST /renew_weight_update`` on any host (its owner was checked by :func:`admit`): renew the
-    lease (the answer's ``lease``: the one granted), or give the session up."""
-    owner, lease = owner_of(headers), lease_of(headers)
-    if not session.open:
-        raise InvalidRequest(f"{p.NO_SESSION} is open on this engine: nothing to renew")
-    if release:
-        session.release(owner)
-        return {"success": True, "message": f"session released: the weights are {p.TORN} until a complete update"}
-    return {"success": True, "message": "lease renewed", "lease": session.renew(lease)}
-
-
-def renew(server: Any, release: bool, headers: Any) -> dict:
-    """The receiver's ``POST /renew_weight_update``: :func:`renew_lease`, then a renewal checks the
-    engine's ranks answer (``hooks.on_renew_lease``)."""
-    answer = renew_lease(server.session, release, headers)
-    if not release:
-        server.hooks.on_renew_lease()  # a stalled rank is named here, within the renewal's timeout
-    return answer

@@ -1,0 +1,323 @@
+"""The engine core: every decision an engine that takes one-sided writes makes, written once.
+
+Our receiver, the sglang plugin and the vLLM backend are hosts of this core: each maps its engine's
+routes onto the verbs below and each :mod:`.steps` request onto its engine's own calls, and decides
+nothing (docs/architecture.md, "One engine core, three hosts"). The core owns the session
+(:class:`~.session.SessionKeeper`: owner, lease, torn), the epoch, the committed base of deltas
+(``deltas/committed.py``) and the sequence of every verb. docs/protocol.md, "The engine's rules",
+says the same to a user.
+
+The rules, in the order a verb meets them:
+
+1. **Owner rules** (``session.py``): another controller's call of a live session answers 409
+   (``SessionConflict``); a torn engine accepts only pause, begin (a takeover) and a broadcast
+   group's join or leave (409 ``TornWeights``). A begin needs an unguessable owner token (400).
+2. **Takeover: revoke, then open.** A begin that takes a lost owner's session over (expired,
+   given up, torn) first has every rank revoke what the old epoch could reach, at an epoch after the
+   session's and after any a rank already publishes; only once every rank answered does the epoch
+   move and the begin go on. A revocation that fails fails the begin (500) and the engine stays torn.
+3. **Begin needs a paused engine** (400): one-sided writes land in live parameter memory. A begin
+   by the owner of the open session is refused (400: end it first). From the begin on the weights
+   may change, so the committed base is forgotten whatever follows; the begin answers whether the
+   sender's delta claim holds (``p2pw_delta``), the lease granted and the epoch.
+4. **The tear rule.** Once a session is open, any failure of a verb that changes the weights —
+   the end (a rank's delta apply refused or raised, the engine's post-processing failed), an apply
+   of deltas inside the session, a write through the engine's own route — tears the engine: the
+   base is forgotten, no owner holds the session any more, and the engine stays paused and answers
+   ``torn`` until a complete update (a takeover's begin, every write, an end) heals it. So are an
+   expired lease and an owner's release (``session.py``). Nobody is told success when the weights
+   could be partly written. A call refused before it runs (a malformed body, manifests the begin
+   did not accept) changes nothing: the owner may send it again.
+5. **The end** parses the owner's manifests once (``{"<rank>": manifest}``), takes the session's
+   accepted deltas once, has every rank apply its own and then the engine post-process (one
+   :class:`~.steps.End` step), and only then commits: a new base token at the current epoch, the
+   session closed. The version is set only after the end (400 while a session is open); generation
+   continues only outside a session (400 while one is open).
+6. **Writes through the engine's own routes** (a broadcast, sglang's ``update_weights_from_*``,
+   vLLM's ``/update_weights``, a reset of the weights) run only inside the caller's own session,
+   and **whatever else rewrites or frees the weights' memory** (memory release/resume, a worker RPC)
+   forgets the base: the next delta is refused and the sender writes in full.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from ..control import bodies
+from ..control import protocol as p
+from ..control.error_answers import error_payload
+from ..deltas.area import Manifest
+from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
+from ..errors import EngineError, InvalidRequest, InvalidWrite
+from . import session as sk
+from .steps import Answer, ApplyDeltas, DeltaSupport, End, EngineVerb, IsPaused, PublishedEpochs, Revoke, Verb, drive, drive_async
+
+logger = logging.getLogger(__name__)
+
+PAUSE, CONTINUE, VERSION = "pause_generation", "continue_generation", "update_weight_version"
+BEGIN, END, RENEW, APPLY = "begin_weight_update", "end_weight_update", "renew_weight_update", "p2pw_apply_deltas"
+JOIN, LEAVE = "init_weights_update_group", "destroy_weights_update_group"
+#: the engine's own writes into the weights: only inside the caller's open session
+IN_SESSION = frozenset({"update_weights_from_distributed", "update_weights_from_tensor", "update_weights_from_disk",
+                        "update_weights_from_ipc", "reset_weights"})
+#: what else rewrites or frees the weights' memory: owner rules, then the base is forgotten
+FORGETS = frozenset({"release_memory_occupation", "resume_memory_occupation", "collective_rpc"})
+#: every verb the core decides; reads (server info, publications, digests, checks) are anyone's
+VERBS = frozenset({PAUSE, CONTINUE, VERSION, BEGIN, END, RENEW, APPLY, JOIN, LEAVE}) | IN_SESSION | FORGETS
+#: verbs that run beside the others: joining a group waits for every member; a renewal must get
+#: through while the owner's own end holds the engine
+UNSERIALIZED = frozenset({JOIN, LEAVE, RENEW})
+
+
+class EngineCore:
+    """One engine's decisions (module docstring). ``engine``: the name errors give it; ``lease``: the
+    longest lease it grants (``P2PW_SESSION_LEASE``). ``begin_pauses`` / ``end_folds``: the owner may fold
+    its pause into its begin (``protocol.PAUSE_FIRST``) and its version and continue into its end
+    (``protocol.END_THEN``); the begin says which the engine offers."""
+
+    def __init__(self, engine: str = "engine", lease: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, *, begin_pauses: bool = False, end_folds: bool = False):
+        self.begin_pauses, self.end_folds = bool(begin_pauses), bool(end_folds)
+        self.session = sk.SessionKeeper(engine, lease, clock)
+        self.base = CommittedBase(engine)
+        self._thread_lock = threading.RLock()
+        self._async_lock: asyncio.Lock | None = None
+
+    @property
+    def engine(self) -> str:
+        return self.session.engine
+
+    @engine.setter
+    def engine(self, name: str) -> None:
+        self.session.engine = self.base.engine = name
+
+    # ---- running a verb ---------------------------------------------------------------------------
+    def run(self, verb: str, headers: Any, body: Any, do: Callable[[Any], Any]) -> Answer:
+        """``verb`` with ``headers`` (the owner's) and ``body`` (a dict, or None), each step by ``do``;
+        verbs run one at a time but for :data:`UNSERIALIZED`. Raises the typed errors the front
+        answers (``front`` / ``control.error_answers``)."""
+        with self._thread_lock if verb not in UNSERIALIZED else contextlib.nullcontext():
+            return drive(self.verb(verb, headers, body), do)
+
+    async def run_async(self, verb: str, headers: Any, body: Any, do: Callable[[Any], Any]) -> Answer:
+        """:meth:`run` for an asyncio host (``do`` returns a coroutine)."""
+        if self._async_lock is None:
+            self._async_lock = asyncio.Lock()
+        async with self._async_lock if verb not in UNSERIALIZED else contextlib.nullcontext():
+            return await drive_async(self.verb(verb, headers, body), do)
+
+    def verb(self, verb: str, headers: Any, body: Any) -> Verb:
+        """The generator of one call of ``verb`` (:mod:`.steps`)."""
+        if verb not in VERBS:
+            raise ValueError(f"the engine core has no verb {verb!r}")
+        owner, lease = sk.owner_of(headers), sk.lease_of(headers)
+        body = dict(body) if isinstance(body, dict) else ({} if body is None else body)
+        if verb == BEGIN:
+            return self._begin(owner, lease, sk.label_of(headers, owner), body)
+        if verb == END:
+            return self._end(owner, body)
+        if verb == APPLY:
+            return self._apply(owner, body)
+        if verb == RENEW:
+            return self._renew(owner, lease, body)
+        return self._engine_verb(verb, owner, body)
+
+    # ---- the verbs --------------------------------------------------------------------------------
+    def _begin(self, owner: str, lease: float | None, label: str, body: Any) -> Verb:
+        self.session.check(BEGIN, owner)
+        sk.check_owner_token(owner)
+        if self.session.open and self.session.held:
+            raise InvalidRequest(f"engine {self.engine}: a weight-update session is {p.SESSION_ALREADY_OPEN}; call "
+                                 f"end_weight_update() first")
+        pause = bodies.begin_pause(body.pop(p.PAUSE_FIRST, None)) if isinstance(body, dict) else None
+        takeover = self.session.lost
+        if takeover:  # the lost owner's writes in flight must land nothing, before anything else happens
+            yield from self._revoke()
+        paused = None
+        if pause is not None:  # the owner's pause, folded in
+            paused = yield from self._sub_verb(PAUSE, bodies.encode(pause))
+            if not paused.ok:
+                return paused
+        if not (yield IsPaused()):
+            raise InvalidRequest(f"engine {self.engine}: generation is running; call pause_generation() before "
+                                 f"begin_weight_update() (p2pweights writes land in live parameter memory)")
+        claim = body.pop(DELTA_KEY, None) if isinstance(body, dict) else None
+        support = (yield DeltaSupport()) if claim is not None else ""
+        delta = self.base.open(claim, self.session.epoch, support)  # from here the weights may change
+        try:
+            answer = yield EngineVerb(BEGIN, body)
+        except Exception as e:  # noqa: BLE001 - the engine's begin raised: an answer like any failed one
+            answer = _failed(BEGIN, e)
+        if takeover and answer.already_open:  # the engine's session is still the lost owner's: continued
+            answer = Answer(p.OK, {"success": True, "message": f"took over a {p.TORN} weight-update session: a "
+                                                               f"complete update heals it"})
+        if not answer.ok:
+            return answer
+        took_over = self.session.begin(owner, lease, label)
+        folds = {**({p.BEGIN_PAUSES: True} if self.begin_pauses else {}), **({p.END_FOLDS: True} if self.end_folds else {}),
+                 **({p.PAUSE_FIRST: paused.body} if paused is not None else {})}
+        return answer.with_body({**(answer.body if isinstance(answer.body, dict) else {}), "lease": self.session.lease,
+                                  "lease_max": self.session.max_lease, "took_over": took_over,
+                                  "epoch": self.session.epoch, DELTA_KEY: delta, **folds})
+
+    def _revoke(self) -> Verb:
+        published = [int(e) for e in ((yield PublishedEpochs()) or ()) if isinstance(e, int)]
+        epoch = self.next_epoch(published)
+        try:
+            reached = yield Revoke(epoch)
+        except Exception as e:  # noqa: BLE001 - any rank that could not: the begin fails, still torn
+            raise EngineError(f"engine {self.engine}: the takeover could not revoke the lost owner's registrations "
+                              f"(epoch {epoch}): {type(e).__name__}: {e}; the weights stay {p.TORN}",
+                              engine=self.engine, hint="retry the update; the engine's log names the rank") from e
+        if reached is None:
+            logger.warning("engine %s: a takeover, but it holds no revocable registrations: the epoch stays %d; a "
+                           "lost owner's writes in flight may still land", self.engine, self.session.epoch)
+            return
+        self.session.epoch = int(reached)
+        logger.warning("engine %s: a takeover revoked the lost owner's registrations: now epoch %d", self.engine,
+                       self.session.epoch)
+
+    def next_epoch(self, published: Iterable[int] = ()) -> int:
+        """The epoch a revocation moves to: after the session's and after any a rank already reached
+        (a revocation that failed half-way)."""
+        return max([self.session.epoch, *published]) + 1
+
+    def _end(self, owner: str, body: Any) -> Verb:
+        self.session.check(END, owner)
+        if not self.session.open:
+            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open; call begin_weight_update() first")
+        # checked before anything runs: a malformed body is refused and changes nothing (the owner may retry)
+        then = bodies.end_then(body.pop(p.END_THEN, None)) if isinstance(body, dict) and self.end_folds else None
+        manifests = self._manifests(body.pop(DELTA_KEY, None) if isinstance(body, dict) else None, END)
+        try:
+            answer = yield End(manifests, body)
+        except Exception as e:  # noqa: BLE001 - a rank refused its deltas, or the engine's end raised
+            answer = _failed(END, e)
+        if not answer.ok:
+            self.tear(f"{END} failed (HTTP {answer.status}): {_why(answer)}; the weights may be partly written")
+            return answer
+        base = self.base.commit(self.session.epoch)  # what the engine holds now: a new identity
+        self.session.end()
+        out = {**(answer.body if isinstance(answer.body, dict) else {}), BASE_KEY: base}
+        if then is not None:  # as the owner's own next calls would: the version, then (once bumped) continue
+            steps = [(VERSION, {"new_version": then["new_version"], "abort_all_requests": False})]
+            if then["continue"]:
+                steps.append((CONTINUE, {"torch_empty_cache": then["torch_empty_cache"]}))
+            done = {}
+            for verb, step_body in steps:
+                done[verb] = (sub := (yield from self._sub_verb(verb, step_body))).body
+                if not sub.ok:
+                    break
+            out[p.END_THEN] = done
+        return answer.with_body(out)
+
+    def _sub_verb(self, verb: str, body: Any) -> Verb:
+        """The engine's ``verb`` inside another (a fold): its answer, a raise answered as a failure."""
+        try:
+            return (yield EngineVerb(verb, body))
+        except Exception as e:  # noqa: BLE001 - the outer verb answers what failed
+            return _failed(verb, e)
+
+    def _apply(self, owner: str, body: Any) -> Verb:
+        self.session.check(APPLY, owner)
+        if not self.session.open:
+            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open; deltas are applied inside a session")
+        manifests = self._manifests((body or {}).get("manifests") if isinstance(body, dict) else None, APPLY)
+        if manifests is None:
+            raise InvalidRequest(f"{APPLY}: the body must name 'manifests' ({{rank: manifest}})")
+        try:
+            yield ApplyDeltas(manifests)
+        except Exception as e:  # noqa: BLE001 - any rank's refusal: nothing is known to be whole
+            self.tear(f"the deltas were refused, the weights may be partly applied: {type(e).__name__}: {e}")
+            raise InvalidWrite(f"engine {self.engine}: {APPLY} refused: the deltas were not applied: {e}",
+                               engine=self.engine) from e
+        return Answer(p.OK, {"success": True, "message": "Success"})
+
+    def _renew(self, owner: str, lease: float | None, body: Any) -> Verb:
+        self.session.check(RENEW, owner)
+        if not self.session.open:
+            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open on this engine: nothing to renew")
+        release = body.get("release", False) if isinstance(body, dict) else False
+        if not isinstance(release, bool):
+            raise InvalidRequest("field 'release' must be a boolean")
+        if release:
+            self.session.release(owner)
+            self.base.forget("the owner gave its session up")
+            return Answer(p.OK, {"success": True, "message": f"session released: the weights are {p.TORN} until a "
+                                                             f"complete update"})
+        granted = self.session.renew(lease)
+        answer = yield EngineVerb(RENEW, body)  # the host may check its ranks answer (a stalled one is named)
+        if not answer.ok:
+            return answer
+        return Answer(p.OK, {"success": True, "message": "lease renewed", "lease": granted})
+
+    def _engine_verb(self, verb: str, owner: str, body: Any) -> Verb:
+        self.session.check(verb, owner)
+        session_open = self.session.open
+        if verb in IN_SESSION and not session_open:
+            raise InvalidRequest(f"engine {self.engine}: {verb} must run between begin_weight_update() and "
+                                 f"end_weight_update() (inside the caller's own session)")
+        if verb == VERSION and session_open:
+            raise InvalidRequest(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
+                                 f"before update_weight_version() (the version is bumped only after the update ended)")
+        if verb == CONTINUE and session_open:
+            raise InvalidRequest(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
+                                 f"before continue_generation() (the weights may be partly written)")
+        try:
+            answer = yield EngineVerb(verb, body)
+        except Exception as e:  # noqa: BLE001 - the engine's route raised: settled like a failed answer
+            answer = _failed(verb, e)
+        if verb in IN_SESSION or verb in FORGETS:
+            self.base.forget(f"{verb} ran after the last commit")
+        if verb in IN_SESSION and not answer.ok:
+            self.tear(f"{verb} failed (HTTP {answer.status}): {_why(answer)}; the weights may be partly written")
+        return answer
+
+    # ---- the rules a verb shares ----------------------------------------------------------------
+    def tear(self, why: str) -> None:
+        """The tear rule (module docstring, 4): the base forgotten, no owner, torn until a complete update."""
+        self.base.forget(why)
+        self.session.tear(why)
+
+    def _manifests(self, manifests: Any, verb: str) -> dict[int, dict] | None:
+        """The owner's ``{"<rank>": manifest}`` checked whole (None: it names none), and the session's
+        accepted deltas taken: applied once (a second apply of the same records would be refused)."""
+        if manifests is None:
+            return None
+        if not self.base.accepted:
+            raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they were "
+                                 f"applied already)")
+        if not isinstance(manifests, dict):
+            raise InvalidRequest(f"{verb}: {DELTA_KEY} must be {{rank: manifest}}")
+        parsed = {}
+        for rank, m in manifests.items():
+            if not (isinstance(rank, str) and rank.isdigit()):
+                raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
+            try:
+                parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
+            except InvalidWrite as e:
+                raise InvalidRequest(str(e)) from None
+        self.base.accepted = False
+        return parsed
+
+    def state(self) -> dict:
+        """The session's state as ``/server_info``'s ``p2pw_weight_update`` says it (JSON-ready)."""
+        state = self.session.state()
+        return {**state, "state": str(state["state"])}
+
+
+def _failed(verb: str, e: BaseException) -> Answer:
+    logger.error("%s failed in the engine: %s: %s", verb, type(e).__name__, e)
+    return Answer(p.ENGINE_FAILED, error_payload(f"{verb} failed in the engine: {type(e).__name__}: {e}",
+                                                 type_name=type(e).__name__))
+
+
+def _why(answer: Answer) -> str:
+    body = answer.body
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body)[:300]
+    return str(body)[:300]
