@@ -30,9 +30,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CpuPlatform (the CU
 os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")  # vLLM mounts its RL routes only then
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not importable (install vLLM 0.33.0 without its GPU stack, e.g. "
-                "pip install --no-deps --target /tmp/vllm_site, and run with PYTHONPATH=/tmp/vllm_site: "
-                "docs/vllm_feasibility_notes.md)", allow_module_level=True)
+    pytest.skip("vllm is not importable (scripts/setup.sh installs vLLM 0.33.0 into .vllm_site: run with "
+                "PYTHONPATH=.vllm_site, docs/vllm.md)", allow_module_level=True)
 
 requests = pytest.importorskip("requests")
 

@@ -1,7 +1,7 @@
 """`p2pweights demo --engine-kind vllm`: the demo's P2P steps against stand-in vLLM 0.33 engines.
 
-vLLM's own server cannot run on this CPU host (docs/vllm_feasibility_notes.md, section 5), so each
-engine is the harness of docs/vllm.md ("How it was tested"): a worker process
+vLLM's own server cannot run on this CPU host (docs/vllm.md, "What could not run on these machines"),
+so each engine is the harness of docs/vllm.md ("How it was tested"): a worker process
 (``vllm_backend/cpu_worker.py``: vLLM's ``CpuPlatform``, config, Qwen3 model classes, ``load_weights``
 and post-processing, the ``p2pweights`` backend made by vLLM's factory, vLLM's ``CPUWorker`` methods
 through ``run_method``) behind vLLM's own RL and dev routers, exception handlers and middleware

@@ -1,6 +1,7 @@
 """A vLLM 0.33 worker on a host where vLLM's own worker cannot run (a CPU-only machine: the CUDA
-wheel has no CPU kernels, docs/vllm_feasibility_notes.md section 5), for tests: one process standing
-where one of vLLM's worker processes would (an engine of tp ranks runs tp of them).
+wheel has no CPU kernels: docs/vllm.md, "What could not run on these machines"), for the tests and
+``p2pweights demo --engine-kind vllm``: one process standing where one of vLLM's worker processes
+would (an engine of tp ranks runs tp of them).
 
 What is vLLM's own here: the platform (``VLLM_TARGET_DEVICE=cpu``: ``CpuPlatform``), the config
 (``EngineArgs(..., tensor_parallel_size=tp, weight_transfer_config={"backend": "p2pweights"})``),
