@@ -53,8 +53,6 @@ ERROR_KEY = "p2pw_error"
 AREA: DeltaArea | None = None
 REGIONS: list[tuple[int, int]] = []
 TENSORS: list[Any] = []
-# test hook: called with the area just before it is applied (a test corrupts it there)
-BEFORE_APPLY: Callable[[DeltaArea], None] | None = None
 
 _PUBLISHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_delta_area", default=None)
 
@@ -159,8 +157,6 @@ def rank_apply(rank: int, raw: Any) -> dict:
             return {"rank": rank, "records": 0}
         if AREA is None:
             raise RuntimeError(f"engine rank {rank} keeps no delta area")
-        if BEFORE_APPLY is not None:
-            BEFORE_APPLY(AREA)
         return {"rank": rank, **AREA.apply(Manifest.parse(manifest, f"rank {rank}"), REGIONS, TENSORS)}
     except Exception as e:  # noqa: BLE001 - reported to the launcher; this rank must still join the gather
         logger.error("p2pweights: delta apply refused on rank %d: %s", rank, e)
