@@ -266,6 +266,22 @@ def test_the_sglang_version_is_read_in_one_place_for_the_sender_and_the_receiver
     assert readers == {"models/sglang_version.py"}
 
 
+def test_doctor_reports_the_sglang_version_both_sides_read(monkeypatch):
+    """doctor reads sglang's version through the same one lookup (models/sglang_version.py); a source
+    tree that fails to import is reported, not raised."""
+    from p2pweights.commands import doctor
+    from p2pweights.models import sglang_version as sv
+
+    monkeypatch.setattr(sv, "sglang_version", lambda: "0.0.0-from-the-one-lookup")
+    assert doctor.collect()["sglang"] == "0.0.0-from-the-one-lookup"
+
+    def broken() -> str:
+        raise ImportError("a broken source tree")
+
+    monkeypatch.setattr(sv, "sglang_version", broken)
+    assert "a broken source tree" in doctor.collect()["sglang"]
+
+
 def test_the_receiver_reports_its_sglang_version_and_each_ranks_architecture(engine):
     info = SglangEngine(engine.url).server_info()
     assert info["version"] == MINE

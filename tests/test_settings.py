@@ -1,5 +1,5 @@
-"""The settings registry: every P2PW_ variable declared once, read in one place, documented in the
-README, overridable by keyword, and checked by `p2pweights doctor`."""
+"""The settings registry: every P2PW_ variable declared once, read in one place, overridable by
+keyword, and checked by `p2pweights doctor`."""
 from __future__ import annotations
 
 import ast
@@ -17,28 +17,6 @@ from p2pweights import settings as S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "python" / "p2pweights"
-
-
-def _readme_settings_table() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        m = re.match(r"\|\s*`(P2PW_[A-Z0-9_]+)`\s*\|\s*(.*?)\s*\|", line)
-        if m:
-            rows[m.group(1)] = m.group(2)
-    return rows
-
-
-def _default_text(s: S.Setting) -> str:
-    return s.default_text or str(s.default)
-
-
-def test_readme_table_lists_every_setting_with_its_default():
-    table = _readme_settings_table()
-    assert sorted(table) == sorted(S.REGISTRY), "README's settings table and settings.REGISTRY differ"
-    for name, default in table.items():
-        assert default.replace("`", "") == _default_text(S.REGISTRY[name]).replace("`", ""), name
 
 
 def test_no_module_reads_a_p2pw_variable_outside_the_registry():
