@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_gpu_delta  # noqa: E402  (beside this file)
 import profile_gpu_delta  # noqa: E402
+from cprofile_rows import top_functions  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GiB = 1 << 30
@@ -197,16 +198,6 @@ def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) 
         prof.disable()
         wall = time.perf_counter() - t0
     return [{"wall_s": wall}] + top_functions(prof, top)
-
-
-def top_functions(prof, top: int) -> list[dict]:
-    """A cProfile run's ``top`` functions by own time, as rows."""
-    import pstats
-
-    rows = [{"function": f"{os.path.basename(f)}:{line}:{name}", "calls": nc, "tottime": tt, "cumtime": ct}
-            for (f, line, name), (cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
-    rows.sort(key=lambda r: -r["tottime"])
-    return rows[:top]
 
 
 def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:

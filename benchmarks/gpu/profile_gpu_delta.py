@@ -31,8 +31,8 @@ def section_delta_profile(model: str = "qwen3-4b", spec: str = "tp=2", fraction:
     import cProfile
 
     import torch
-    from bench_gpu import top_functions
     from bench_gpu_delta import vram_engine_and_sender
+    from cprofile_rows import top_functions
     from torch.profiler import ProfilerActivity, profile
 
     from p2pweights.models import resolve_model
