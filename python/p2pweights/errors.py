@@ -297,3 +297,10 @@ class EngineMismatch(UnsupportedLayout):
     """The engine's build is not one the sender's replica reproduces: another sglang version, or a
     GPU architecture whose post-processing rewrites the layout (FP8 off Hopper). The message names
     both sides; refused at connect."""
+
+
+class RevocationFailed(EngineError):
+    """A takeover could not revoke the lost owner's epoch on an engine rank: the old endpoint's regions
+    could not be unregistered or its connections cut within ``P2PW_REVOKE_TIMEOUT`` (a write of the old
+    owner might still land). The begin fails and the engine stays torn; the rank still publishes the
+    old epoch, and the next takeover tries again (docs/security.md, "Epochs")."""

@@ -265,6 +265,10 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "its begin, each rank acknowledges begin and end in their own round trip, the end carries the deltas, "
             "sglang's update hooks are skipped once proven no-ops) or `separate` (each apart, hooks always run: the "
             "path to measure against, benchmarks/bench_control_cost.py)", _one_of("folded", "separate"), scope="engine"),
+    Setting("P2PW_REVOKE_TIMEOUT", _float, 10.0, "seconds an engine rank gives a takeover's revocation to unregister "
+            "the old epoch's memory and cut its connections (a write mid-flight included); past it, or when either "
+            "fails, the begin fails and the engine stays torn (docs/security.md, \"Epochs\")", _positive,
+            default_text="10", scope="engine"),
     Setting("P2PW_RECEIVER_GPUS", _str, "", "`1,2,3,4`: receiver engine rank r keeps its parameters on GPU number "
             "r of this list", _gpu_list, default_text="unset", scope="engine"),
     # scripts/gpu_env.sh and the GPU bundle's sgl_kernel stub (scripts/gpu_bundle.sh); the package never reads them

@@ -18,19 +18,27 @@ next epoch.
   new ``MooncakeReceiver`` with sglang's own settings (its host, ``MOONCAKE_PROTOCOL``,
   ``MOONCAKE_DEVICE``) and a session id no earlier epoch used, registers the same regions, hands it to
   sglang's transporter (``engine``, ``session_id``), re-publishes through sglang's own PUT (its key
-  and the area ride along) under the new epoch, and closes the old endpoint. Closing sglang's own
-  engine unregisters every region from it (a sender's later writes through it fail: measured); sglang
-  keeps a reference to that engine (its load config), so its listener stays open, holding no memory.
-  The TP ranks all-gather their outcomes; no rank raises out of the hook.
+  and the area ride along) under the new epoch, once the old endpoint is fenced (waited for, at most
+  ``P2PW_REVOKE_TIMEOUT``). Fencing sglang's own engine (:class:`SglangEndpoint`) unregisters every
+  region from it, so a later request's header is refused, and cuts the connections senders opened to
+  it, so a request already accepted stops mid-write (unregistering alone let its remaining bytes land:
+  measured, docs/security.md). sglang keeps a reference to that engine (its load config), so its
+  listener stays open, holding no memory and no connection of the old epoch.
+  The TP ranks all-gather their outcomes; no rank raises out of the hook: a fence that fails or
+  overruns is this rank's answer (``error``, type ``RevocationFailed``), and the launcher fails the begin.
 """
 from __future__ import annotations
 
 import contextvars
 import json
 import logging
+import time
 from typing import Any, Callable
 
 from ..control.error_answers import error_payload
+from ..errors import TransportError
+from ..settings import value
+from ..transport import mooncake
 from ..transport.mooncake import NAME as MOONCAKE
 from ..transport.mooncake import MooncakeReceiver
 from ..transport.publication import EnginePublication, ParamTarget
@@ -77,12 +85,23 @@ def around_register_memory_region(original: Callable[..., Any], model: Any, tran
 
 class SglangEndpoint:
     """sglang's own Mooncake engine as epoch 1's endpoint (``RevocableRegions(endpoint=)``): the regions
-    sglang registered there; :meth:`close` unregisters them (sglang keeps the engine itself)."""
+    sglang registered there. :meth:`fence` unregisters them and cuts the connections senders opened to
+    the engine; sglang keeps the engine itself, so :meth:`close` is the same fence."""
 
     name = MOONCAKE
 
-    def __init__(self, engine: Any, session_id: str, regions: list[tuple[int, int]]):
-        self.engine, self.session_id, self.regions = engine, str(session_id), list(regions)
+    def __init__(self, engine: Any, session_id: str, regions: list[tuple[int, int]], protocol: str = "tcp"):
+        self.engine, self.session_id, self.protocol = engine, str(session_id), protocol
+        self.regions = list(regions)
+        self._registered = {int(a): int(n) for a, n in regions}
+        # the engine's TCP data port, asked now (its handshake listener serves one connection at a time,
+        # and before the rank publishes no sender can be holding it); fence() asks again if this failed
+        self.data_port: int | None = None
+        try:
+            self.data_port = mooncake.tcp_data_port(self.session_id)
+        except (OSError, ValueError, TransportError) as e:
+            logger.warning("p2pweights sglang plugin: sglang's Mooncake engine %s did not name its TCP data port (%s)",
+                           self.session_id, e)
 
     @property
     def peer(self) -> str:
@@ -92,12 +111,14 @@ class SglangEndpoint:
         table = {n: ParamTarget(*(int(x) for x in row)) for n, row in params.items()}
         return EnginePublication(transport=MOONCAKE, peer=self.session_id, params=table, rank=rank)
 
+    def fence(self, deadline: float) -> int:
+        """Nothing lands through sglang's engine in these regions once this returns (transport/mooncake.py
+        ``fence``); the connections cut. TransportError names what failed; a later call finishes it."""
+        return mooncake.fence(self.engine, self._registered, self.data_port, self.session_id, deadline,
+                              self.protocol)
+
     def close(self) -> None:
-        engine, self.engine = self.engine, None
-        failed = [a for a, _ in self.regions if engine is not None and engine.unregister_memory(a) != 0]
-        if failed:
-            raise RuntimeError(f"sglang's Mooncake engine {self.session_id} refused to unregister "
-                               f"{len(failed)} region(s) (first at 0x{failed[0]:x})")
+        self.fence(time.monotonic() + float(value("P2PW_REVOKE_TIMEOUT")))
 
 
 def endpoint_maker(session_id: str) -> Callable[[str], MooncakeReceiver]:
@@ -119,10 +140,13 @@ def adopt(transporter: Any) -> RevocableRegions | None:
     area = rank_deltas.AREA
     regions = list(REGISTERED) + ([(area.address, area.nbytes)] if area is not None else [])
     device = str(next(transporter.model.parameters()).device)
+    from sglang.srt.environ import envs
+
     REGIONS = RevocableRegions(MOONCAKE, [(a, n, device) for a, n in regions], table,
                                int(getattr(transporter, "tp_rank", 0) or 0),
                                make_endpoint=endpoint_maker(transporter.session_id),
-                               endpoint=SglangEndpoint(transporter.engine, transporter.session_id, regions))
+                               endpoint=SglangEndpoint(transporter.engine, transporter.session_id, regions,
+                                                       protocol=envs.MOONCAKE_PROTOCOL.get() or "tcp"))
     TRANSPORTER = transporter
     return REGIONS
 
@@ -171,7 +195,7 @@ def rank_revoke(rank: int, raw: Any) -> dict:
             TRANSPORTER.engine, TRANSPORTER.session_id = REGIONS.endpoint.engine, REGIONS.endpoint.peer
         TRANSPORTER._register_to_engine_info_bootstrap()  # sglang's own PUT: the new session, the same table
         return {"rank": rank, EPOCH_KEY: REGIONS.epoch, "peer": REGIONS.endpoint.peer,
-                "seconds": REGIONS.revoke_seconds}
+                "seconds": REGIONS.revoke_seconds, "fence_seconds": REGIONS.fence_seconds}
     except Exception as e:  # noqa: BLE001 - reported to the launcher; this rank must still join the gather
         logger.error("p2pweights: revocation refused on rank %d: %s", rank, e)
         return {"rank": rank, "error": error_payload(e, type_name=type(e).__name__)["error"]}

@@ -27,11 +27,23 @@ session id's port) on 0.0.0.0 and the TCP data port on [::] (dual stack), whatev
 The vendor hard-codes the wildcard; ``MC_TCP_BIND_ADDRESS`` only picks the address advertised under
 a metadata server (set here from the hostname), it binds nothing. ``MC_MIN_RPC_PORT`` /
 ``MC_MAX_RPC_PORT`` (outside 32768-60999) confine both ports to a range a firewall rule can name.
+
+Fencing a receiver (:func:`fence`; docs/security.md, "Epochs"). Mooncake's TCP transport checks a
+request's address against the registered buffers once, at its header (``ServerSession::readHeader``,
+``validateTcpAddress`` in tcp_transport.cpp / tcp_transport_session_impl.h), then reads the body
+straight into the destination in 64 KiB chunks (``readBody``). So ``unregister_memory`` refuses every
+later request but not one already accepted: measured, a 256 MiB write whose sender was stopped after
+~100 MiB landed its remaining bytes after the unregister, and the sender saw success. Only closing the
+connection stops it: dropping the TransferEngine does (its io_context is stopped and destroyed with the
+server sessions), and so does :func:`cut_accepted`, which needs no engine of ours (sglang keeps its own).
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +52,8 @@ from typing import Any
 from ..errors import Busy, NotFound, RemoteDisconnected, TransportError, code_of
 from ..settings import value
 from .publication import EnginePublication, ParamTarget, check_descriptor_transport, parse_descriptor
+
+logger = logging.getLogger(__name__)
 
 NAME = "mooncake"
 
@@ -342,6 +356,142 @@ class MooncakeBackend:
         # segments); writes abandoned in flight may still read the sender's memory until then.
 
 
+# -- fencing a receiver: its regions unregistered, its accepted connections cut ---------------------
+_METADATA_REQUEST = 1  # HandShakeRequestType::Metadata (Mooncake's include/common.h)
+_NOT_REGISTERED = -3   # ERR_ADDRESS_NOT_REGISTERED (include/error.h): unregister_memory of an address not registered
+
+
+def segment_descriptor(session_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The segment descriptor a Mooncake engine serves on its handshake port (P2PHANDSHAKE): what a
+    sender's handshake fetches (``buffers``, ``tcp_data_port``, ...). Mooncake's own framing
+    (``writeString`` / ``readString``, include/common.h): a uint64 length in host order, a type byte,
+    JSON. The handshake listener serves one connection at a time: ask it before a sender can hold it."""
+    host, _, port = session_id.rpartition(":")
+    body = bytes([_METADATA_REQUEST]) + b"{}"
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+        s.sendall(struct.pack("=Q", len(body)) + body)
+        data = b""
+        while len(data) < 8 or len(data) < 8 + struct.unpack("=Q", data[:8])[0]:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    if len(data) < 9 or len(data) < 8 + struct.unpack("=Q", data[:8])[0] or data[8] != _METADATA_REQUEST:
+        raise TransportError(f"Mooncake engine {session_id} answered its handshake with {len(data)} byte(s), "
+                             f"not a segment descriptor")
+    return json.loads(data[9:8 + struct.unpack("=Q", data[:8])[0]])
+
+
+def tcp_data_port(session_id: str, timeout: float = 5.0) -> int | None:
+    """The TCP transport's data port of the engine ``session_id`` (None: it runs no TCP transport)."""
+    port = int(segment_descriptor(session_id, timeout).get("tcp_data_port") or 0)
+    return port or None
+
+
+def _socket_inodes(port: int) -> set[int]:
+    """Inodes of the connections (not listeners) whose local TCP port is ``port`` in this network namespace."""
+    inodes = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] != "0A":  # 0A: LISTEN
+                inodes.add(int(cols[9]))
+    return inodes
+
+
+def _fd_inode(fd: int) -> int | None:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return int(target[8:-1]) if target.startswith("socket:[") else None
+
+
+def accepted_connections(port: int) -> dict[int, int]:
+    """``{fd: socket inode}``: this process's connections accepted on TCP ``port`` (their local port)."""
+    inodes = _socket_inodes(port)
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        inode = _fd_inode(int(name))
+        if inode in inodes:
+            out[int(name)] = inode
+    return out
+
+
+def cut_accepted(port: int, deadline: float) -> int:
+    """Cuts every connection this process accepted on TCP ``port`` and waits until its owner closed it.
+
+    Each socket is shut down (both ways) through a duplicate of its descriptor, so no descriptor
+    number is touched: Mooncake's io thread then reads end-of-file, ends the session and closes the
+    socket, and a request it had accepted reads nothing more into memory. This returns once every
+    socket it found is closed (the count); a socket still open at ``deadline`` (``time.monotonic()``)
+    raises TransportError. Connections accepted later send a header that is checked against what is
+    registered then: fence the memory first (:func:`fence`)."""
+    found = accepted_connections(port)
+    for fd, inode in found.items():
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if os.fstat(dup).st_ino != inode:
+                continue  # the number was reused by another file meanwhile
+            sock = socket.socket(fileno=dup)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                sock.detach()
+        finally:
+            os.close(dup)
+    pause = 1e-3
+    while True:
+        left = {fd for fd, inode in found.items() if _fd_inode(fd) == inode}
+        if not left:
+            return len(found)
+        if time.monotonic() > deadline:
+            raise TransportError(f"{len(left)} of the {len(found)} connection(s) accepted on TCP port {port} were "
+                                 f"shut down but not closed in time (is the transfer engine's io thread stuck?)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def fence(engine: Any, registered: dict[int, int], data_port: int | None, session_id: str, deadline: float,
+          protocol: str = "tcp") -> int:
+    """Nothing lands through the Mooncake ``engine`` once this returns: every address in ``registered``
+    (``{address: nbytes}``, emptied as they go) unregistered, so a later request's header is refused
+    (TCP) or its memory keys fail at the NIC (RDMA), then every connection it accepted cut
+    (:func:`cut_accepted`), so a request already accepted stops where it is. Idempotent: a second call
+    finishes what a failed one left. Returns the connections cut; TransportError names what failed."""
+    failed = []
+    for addr in list(registered):
+        rc = engine.unregister_memory(addr)
+        if rc in (0, _NOT_REGISTERED):  # not registered (any more): what the fence is for
+            registered.pop(addr)
+        else:
+            failed.append((addr, rc))
+    if data_port is None:
+        try:
+            data_port = tcp_data_port(session_id, timeout=max(0.1, deadline - time.monotonic()))
+        except (OSError, ValueError, TransportError) as e:
+            if protocol == "tcp":
+                raise TransportError(f"Mooncake engine {session_id}: its TCP data port is unknown and its handshake "
+                                     f"did not say ({e}): the connections senders opened to it cannot be cut") from None
+            logger.warning("Mooncake engine %s (%s): no TCP data port found (%s); its memory keys are revoked by the "
+                           "unregistration", session_id, protocol, e)
+    cut = cut_accepted(data_port, deadline) if data_port else 0
+    if failed:
+        raise TransportError(f"Mooncake engine {session_id} refused to unregister {len(failed)} region(s) "
+                             f"(first at 0x{failed[0][0]:x}: {failed[0][1]})")
+    return cut
+
+
 class MooncakeReceiver:
     """An engine rank's Mooncake endpoint: register its memory, publish it in sglang's format."""
 
@@ -350,8 +500,18 @@ class MooncakeReceiver:
     def __init__(self, *, hostname: str | None = None, protocol: str | None = None, device: str | None = None,
                  metadata_server: str = "P2PHANDSHAKE"):
         self.engine, self.session_id = new_engine(hostname, protocol, device, metadata_server)
+        self.protocol = protocol or default_protocol()
         self._registered: dict[int, int] = {}
         self._closed = False
+        #: the TCP data port senders' connections reach (None: no TCP transport, or not known yet),
+        #: asked now, while no sender can be holding the one-at-a-time handshake listener
+        self.data_port: int | None = None
+        self._handshake = metadata_server == "P2PHANDSHAKE"  # else its handshake serves no descriptor
+        if self._handshake:
+            try:
+                self.data_port = tcp_data_port(self.session_id)
+            except (OSError, ValueError, TransportError) as e:  # fence() asks again, and fails if it must
+                logger.warning("Mooncake receiver %s: its TCP data port is unknown (%s)", self.session_id, e)
 
     @property
     def peer(self) -> str:
@@ -374,6 +534,18 @@ class MooncakeReceiver:
         table = {n: ParamTarget(*(int(x) for x in row)) for n, row in params.items()}
         return EnginePublication(transport=NAME, peer=self.session_id, params=table, rank=rank)
 
+    def fence(self, deadline: float) -> int:
+        """Nothing lands through this endpoint once this returns (:func:`fence`: its regions unregistered,
+        the connections senders opened to it cut, a request mid-write included); it stays open until
+        :meth:`close`. Returns the connections cut; TransportError when it cannot by ``deadline``
+        (``time.monotonic()``); a later call finishes what a failed one left."""
+        if self._closed:
+            return 0
+        if not self._handshake and self.protocol == "tcp":  # no descriptor to name the data port: the
+            self.close()                                     # engine's destructor cuts its connections
+            return 0
+        return fence(self.engine, self._registered, self.data_port, self.session_id, deadline, self.protocol)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -384,8 +556,9 @@ class MooncakeReceiver:
             except Exception:
                 pass
         self._registered.clear()
-        # Dropping the TransferEngine closes its listener and the connections senders opened to it:
-        # what an engine revoking an epoch relies on (receiver/revocation.py)
+        # Dropping the TransferEngine stops its io thread and closes its listeners and every connection
+        # senders opened to it (a request mid-write included: measured), in its destructor, which holds
+        # the GIL (up to a second: its handshake listener polls accept() once a second).
         self.engine = None
 
     def __enter__(self) -> "MooncakeReceiver":
