@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..control import protocol as p
 from ..control import routes
-from ..receiver import asgi_steps as asgi
+from ..front import asgi
 from . import rank_deltas, version_guard
 
 logger = logging.getLogger(__name__)
