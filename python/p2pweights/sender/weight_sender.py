@@ -244,7 +244,8 @@ class WeightSender:
     def _check_publication(self, p: PreparedRank, client: SglangEngine, pub: EnginePublication,
                            transport: str) -> None:
         """Invariant 1, both ways: the engine rank published exactly the replica's parameters, each
-        with the replica's byte count, for this sender's transport."""
+        with the replica's byte count, for this sender's transport; never a rank its engine refuses."""
+        pub.check_not_refused(engine=client.name)  # an in-process sglang.Engine (sglang_plugin/inprocess.py)
         pub.check_transport(transport, engine=client.name)
         pub.check_regions(engine=client.name)  # no overlap, inside the registered memory
         pub.check_params({n: s.nbytes for n, s in p.replica.param_specs.items()},

@@ -13,8 +13,9 @@ weight-update sessions with owners, leases and the torn state (``sessions.py``);
 ranks' GPU architecture (``gpu_arch.py``) and puts the server's API key on the engine-info bootstrap
 server (``bootstrap_key.py``); host-memory ranks take delta updates (``delta_updates.py``,
 ``rank_deltas.py``); a takeover revokes every rank's registrations under a new epoch (``fencing.py``,
-``rank_epochs.py``); a drafting server publishes both roles in one table (``draft_roles.py``);
-before registering
+``rank_epochs.py``); a drafting server publishes both roles in one table (``draft_roles.py``); an
+in-process ``sglang.Engine`` (no HTTP server, so no gate) is refused: its log, its server info and its
+ranks' publications say why, and senders refuse to connect (``inprocess.py``); before registering
 any hook it checks every hooked sglang function against the ones it was written for
 (``version_guard.py``) and, on a mismatch, refuses to attach: an error in the log and in
 ``p2pw_plugin.error``. docs/sglang.md.
@@ -95,9 +96,10 @@ def register() -> None:
         digest.register(kind)  # POST /p2pw_weights_digest in the launcher, answered by each rank's scheduler
         fenced = None
         if kind == "main":  # a takeover revokes every rank's registrations (fencing.py)
-            from . import fencing
+            from . import fencing, inprocess
 
             fenced = fencing.live
+            inprocess.register(kind)  # an in-process sglang.Engine has no gate: refused, loudly (inprocess.py)
         elif kind == "scheduler":  # before rank_deltas' hooks: inside them, the area is open (rank_epochs.py)
             from . import rank_epochs
 

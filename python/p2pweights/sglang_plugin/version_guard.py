@@ -48,6 +48,9 @@ HOOKED: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head": ("self",),
     # sglang has no draft-extend backend for torch_native: the draft keeps its own (cpu_platform.py)
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": ("self",),
+    # an in-process sglang.Engine is built, and answers its own get_server_info(): refused (inprocess.py)
+    "sglang.srt.entrypoints.engine.Engine.__init__": ("self", "kwargs"),
+    "sglang.srt.entrypoints.engine.Engine.get_server_info": ("self",),
     # not sglang's: how sglang's own calls of the bootstrap server are sent (bootstrap_key.py)
     "requests.sessions.Session.request": (
         "self", "method", "url", "params", "data", "headers", "cookies", "files", "auth", "timeout",
@@ -65,6 +68,8 @@ ONLY_IN: dict[str, frozenset[str]] = {
     ("sglang.srt.model_executor.model_runner_components.remote_instance_weight_transporter."
      "RemoteInstanceWeightTransporter._register_to_engine_info_bootstrap"): frozenset({"scheduler"}),
     "requests.sessions.Session.request": frozenset({"main", "scheduler"}),
+    "sglang.srt.entrypoints.engine.Engine.__init__": frozenset({"main"}),
+    "sglang.srt.entrypoints.engine.Engine.get_server_info": frozenset({"main"}),
     # hooked in the schedulers; checked in the launcher too (its sglang.srt.entrypoints.engine imports the
     # module anyway), so that it never offers a digest its schedulers cannot answer
     ("sglang.srt.managers.scheduler_components.weight_updater."

@@ -29,6 +29,10 @@ and a session id that is not the rank's own (:func:`check_sessions`); docs/trans
 "own" means. They also publish the rank's own build, ``"device_arch": "sm90"`` (``cpu`` for a GPU
 rank's layout held in host memory) and ``"sglang_version"``, which connect checks against the
 engine's ``/server_info`` and the sender's sglang (``replica/build_check.py``).
+
+A publication that carries ``"p2pw_refused": "<why>"`` (:data:`REFUSED_KEY`) comes from an engine whose
+p2pweights plugin cannot keep the session's guarantees there (an in-process ``sglang.Engine``:
+``sglang_plugin/inprocess.py``); a sender refuses to connect to it (:meth:`EnginePublication.check_not_refused`).
 """
 from __future__ import annotations
 
@@ -40,9 +44,11 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..errors import LayoutMismatch, UnknownParameter, WrongTransport
+from ..errors import LayoutMismatch, UnknownParameter, UnsupportedLayout, WrongTransport
 
 TRANSPORTS = ("mooncake", "nixl")
+#: the key of a publication whose engine refuses p2pweights' one-sided writes, and why
+REFUSED_KEY = "p2pw_refused"
 
 # What a rank may register beside its parameters (check_regions): its allocation holds each parameter
 # on a 256-byte boundary (receiver/region.py), so registered bytes stay far below this many times
@@ -117,6 +123,7 @@ class EnginePublication:
     epoch: int = 0
     # where the rank takes encoded deltas, (addr, nbytes), registered with its weights (deltas/area.py); None: none
     delta_area: tuple[int, int] | None = None
+    refused: str = ""              # why the engine's plugin refuses one-sided writes (REFUSED_KEY); "": it does not
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -148,6 +155,14 @@ class EnginePublication:
             f"({_FIX[expected][1]})")
 
     # -- safety ----------------------------------------------------------------------------------
+    def check_not_refused(self, engine: str = "") -> None:
+        """Raise UnsupportedLayout, naming the engine, the rank and why, when the engine's plugin refuses
+        one-sided writes into this rank (:data:`REFUSED_KEY`: an in-process sglang.Engine)."""
+        if self.refused:
+            who = (f"engine {engine}" if engine else "the engine") + (f" rank {self.rank}" if self.rank is not None else "")
+            raise UnsupportedLayout(f"{who} refuses p2pweights' one-sided writes, so this sender does not connect "
+                                    f"to it: {self.refused}", engine=engine or None, rank=self.rank)
+
     def target(self, param: str, source_bytes: int, engine: str = "") -> ParamTarget:
         """The parameter's target after checking the source byte count equals numel x element size."""
         try:
@@ -272,6 +287,8 @@ class EnginePublication:
             d["epoch"] = int(self.epoch)
         if self.delta_area:
             d["delta_area"] = [int(self.delta_area[0]), int(self.delta_area[1])]
+        if self.refused:
+            d[REFUSED_KEY] = self.refused
         return d
 
     def extra(self) -> dict[str, Any]:
@@ -294,7 +311,7 @@ class EnginePublication:
         meta = b""
         location = ""
         registered: list[tuple[int, int]] = []
-        registered_from = device_arch = sglang_version = ""
+        registered_from = device_arch = sglang_version = refused = ""
         epoch, delta_area = 0, None
         if isinstance(data, Mapping):
             if "error" in data and "remote_instance_transfer_engine_info" not in data:
@@ -327,6 +344,7 @@ class EnginePublication:
                         isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 64 for v in area)):
                     raise ValueError(f"'delta_area' must be [addr, nbytes] with both > 0, got {area!r}")
                 delta_area = (area[0], area[1])
+            refused = str(data.get(REFUSED_KEY) or "")
         else:
             info = data
         if not isinstance(info, (list, tuple)) or len(info) != 2 or not isinstance(info[1], Mapping):
@@ -343,7 +361,7 @@ class EnginePublication:
         return cls(transport=transport, peer=str(peer), params=params, rank=None if rank is None else int(rank),
                    agent_metadata=meta, location=location, registered=registered,
                    registered_from=registered_from, device_arch=device_arch, sglang_version=sglang_version,
-                   epoch=epoch, delta_area=delta_area)
+                   epoch=epoch, delta_area=delta_area, refused=refused)
 
 
 def _who(engine: str, rank: int | None) -> str:
