@@ -210,14 +210,9 @@ def test_a_failed_update_leaves_engines_paused_unbumped_and_the_next_update_resu
         assert e.client.weight_version() == "2"
 
 
-def test_on_failure_continue_unfinished_resumes_generation_without_ending_or_bumping(start_engine):
-    e = start_engine("e0")
-    with pytest.raises(ValueError):
-        with UpdateSession(e.client, version=1, on_failure="continue_unfinished") as session:
-            raise ValueError("a write failed")
-    assert session.outcome == {"e0": "generating, session open"}
-    assert e.calls() == [["pause", "abort"], ["begin", "all"], ["continue", True]]
-    assert e.client.weight_version() == "default"
+def test_no_failure_policy_generates_on_partly_written_weights():
+    with pytest.raises(ValueError, match="one of resume_if_unwritten, leave_paused, got 'continue_unfinished'"):
+        FailurePolicy.parse("continue_unfinished")
 
 
 def test_on_failure_resume_if_unwritten_rolls_back_only_when_told_nothing_was_written(start_engine):
@@ -235,15 +230,15 @@ def test_on_failure_resume_if_unwritten_rolls_back_only_when_told_nothing_was_wr
 
 
 def test_failure_policy_is_one_vocabulary_its_values_are_the_strings_callers_pass():
-    assert [str(p) for p in FailurePolicy] == ["resume_if_unwritten", "leave_paused", "continue_unfinished"]
+    assert [str(p) for p in FailurePolicy] == ["resume_if_unwritten", "leave_paused"]
     assert FailurePolicy.parse("leave_paused") is FailurePolicy.LEAVE_PAUSED
     assert json.dumps({"on_failure": FailurePolicy.LEAVE_PAUSED}) == '{"on_failure": "leave_paused"}'
-    assert f"{FailurePolicy.CONTINUE_UNFINISHED}" == "continue_unfinished"
-    for old in ("stay_paused", "continue"):  # the session's former words are gone
+    assert f"{FailurePolicy.LEAVE_PAUSED}" == "leave_paused"
+    for old in ("stay_paused", "continue", "continue_unfinished"):  # the session's former words are gone
         with pytest.raises(ValueError, match="on_failure must be one of resume_if_unwritten, leave_paused"):
             UpdateSession(SglangEngine("http://127.0.0.1:1", name="e"), version=1, on_failure=old)
-    with pytest.raises(ValueError, match="one of resume_if_unwritten, leave_paused, got 'continue_unfinished'"):
-        FailurePolicy.parse("continue_unfinished", (FailurePolicy.RESUME_IF_UNWRITTEN, FailurePolicy.LEAVE_PAUSED))
+    with pytest.raises(ValueError, match="one of leave_paused, got 'resume_if_unwritten'"):
+        FailurePolicy.parse("resume_if_unwritten", (FailurePolicy.LEAVE_PAUSED,))
 
 
 def test_opening_failure_rolls_back_engines_that_saw_no_write(start_engine):

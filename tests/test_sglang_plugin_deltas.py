@@ -137,7 +137,7 @@ def test_a_full_update_then_deltas_byte_exact_then_refusals(seeded, monkeypatch)
 
     # another controller's session in between: the sender's base is refused, a full write heals
     other = {p.SESSION_OWNER_HEADER: secrets.token_urlsafe(32)}
-    for verb in ("begin_weight_update", "end_weight_update"):
+    for verb in ("pause_generation", "begin_weight_update", "end_weight_update", "continue_generation"):
         status, answer = http.request("POST", seeded.server.url, f"/{verb}", body={}, headers=other, timeout=120)
         assert p.ok(status), answer
     third = update(seeded, 3)

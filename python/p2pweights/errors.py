@@ -161,6 +161,11 @@ class EngineError(P2PWeightsError):
     """An engine's control plane (HTTP) failed or answered with an error."""
 
 
+class OutOfOrder(EngineError):
+    """A call out of the engine's order (a begin before the pause, a version or continue inside an
+    open session, an end with no session): refused before it runs (400, as sglang answers)."""
+
+
 class Unauthorized(EngineError, PermissionError):
     """The engine refused the call: it requires an API key (sglang's --api-key) and got none or
     another one (HTTP 401/403)."""

@@ -50,9 +50,8 @@ class FailurePolicy(str, Enum):
     #: no end, no bump: stay paused with the session open at the old version, given up by its owner
     #: (torn: the engine refuses to generate until a complete update, which heals it)
     LEAVE_PAUSED = "leave_paused"
-    #: no end, no bump, but ``continue_generation`` at once: partly written weights served under the
-    #: old version label, the session open. Only for trainers that tolerate that
-    CONTINUE_UNFINISHED = "continue_unfinished"
+    # There is no policy that generates on partly written weights: every p2pweights engine refuses
+    # continue_generation inside an open session (engine/core.py), so none could keep it.
 
     def __str__(self) -> str:  # the value, as a plain str would print (not "FailurePolicy.X")
         return self.value
@@ -99,7 +98,6 @@ UPDATED = "updated"                  # ended, version bumped, generating again
 ROLLED_BACK = "rolled back"          # opening failed elsewhere before any write: ended without bump, generating
 RESUMED_GENERATION = "generating"    # paused but never opened: continued, nothing changed
 LEFT_PAUSED = "paused, session open" # writes may have landed: paused, session open, old version
-CONTINUED_UNFINISHED = "generating, session open"  # CONTINUE_UNFINISHED: serving partly written weights
 FAILED = "failed"                    # a control call on this engine failed; see errors
 
 
@@ -157,9 +155,6 @@ class UpdateSession:
     - ``"resume_if_unwritten"``: as ``"leave_paused"``, unless the caller says nothing was written
       (``abort(reason, written=False)``): then as :meth:`roll_back` (the block's exit cannot see the
       writes, so it assumes they may have landed).
-    - ``"continue_unfinished"``: ``continue_generation`` without ending or bumping: the engine serves again
-      right away, on partly written weights, under the old version label, with its session open.
-      Only for trainers that tolerate that (unquantized models, off-policy-tolerant RL).
 
     Failure while opening (before any write): engines that opened a fresh session are ended
     without a version bump (their weights are untouched; ``end`` re-derives the same buffers) and
@@ -380,17 +375,10 @@ class UpdateSession:
         self._state = UpdateSessionState.ABORTED
         self._settle_check_in()
         if reason:
-            logger.warning("weight update %s failed (%s): engines %s", self.version, reason,
-                           "continue without ending the update" if self.on_failure is FailurePolicy.CONTINUE_UNFINISHED
-                           else "stay paused with their session open")
-        if self.on_failure is FailurePolicy.CONTINUE_UNFINISHED:
-            continued = call_engines(self.engines, "continue_generation", self.torch_empty_cache)
-            self.errors.update(continued.errors)
-            for e in self.engines:
-                self.outcome[e.name] = FAILED if e.name in continued.errors else CONTINUED_UNFINISHED
-        else:
-            for e in self.engines:
-                self.outcome[e.name] = LEFT_PAUSED
+            logger.warning("weight update %s failed (%s): engines stay paused with their session open", self.version,
+                           reason)
+        for e in self.engines:
+            self.outcome[e.name] = LEFT_PAUSED
         self._renewer.stop()
         self._renewer.release(self.engines)  # torn until a complete update, which anyone may start now
         self._done()

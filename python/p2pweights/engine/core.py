@@ -52,7 +52,7 @@ from ..control import protocol as p
 from ..control.error_answers import error_payload
 from ..deltas.area import Manifest
 from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
-from ..errors import EngineError, InvalidRequest, InvalidWrite
+from ..errors import EngineError, InvalidRequest, InvalidWrite, OutOfOrder, P2PWeightsError
 from . import session as sk
 from .steps import Answer, ApplyDeltas, DeltaSupport, End, EngineVerb, IsPaused, PublishedEpochs, Revoke, Verb, drive, drive_async
 
@@ -131,7 +131,7 @@ class EngineCore:
         self.session.check(BEGIN, owner)
         sk.check_owner_token(owner)
         if self.session.open and self.session.held:
-            raise InvalidRequest(f"engine {self.engine}: a weight-update session is {p.SESSION_ALREADY_OPEN}; call "
+            raise OutOfOrder(f"engine {self.engine}: a weight-update session is {p.SESSION_ALREADY_OPEN}; call "
                                  f"end_weight_update() first")
         pause = bodies.begin_pause(body.pop(p.PAUSE_FIRST, None)) if isinstance(body, dict) else None
         takeover = self.session.lost
@@ -143,7 +143,7 @@ class EngineCore:
             if not paused.ok:
                 return paused
         if not (yield IsPaused()):
-            raise InvalidRequest(f"engine {self.engine}: generation is running; call pause_generation() before "
+            raise OutOfOrder(f"engine {self.engine}: generation is running; call pause_generation() before "
                                  f"begin_weight_update() (p2pweights writes land in live parameter memory)")
         claim = body.pop(DELTA_KEY, None) if isinstance(body, dict) else None
         support = (yield DeltaSupport()) if claim is not None else ""
@@ -189,7 +189,7 @@ class EngineCore:
     def _end(self, owner: str, body: Any) -> Verb:
         self.session.check(END, owner)
         if not self.session.open:
-            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open; call begin_weight_update() first")
+            raise OutOfOrder(f"engine {self.engine}: {p.NO_SESSION} is open; call begin_weight_update() first")
         # checked before anything runs: a malformed body is refused and changes nothing (the owner may retry)
         then = bodies.end_then(body.pop(p.END_THEN, None)) if isinstance(body, dict) and self.end_folds else None
         manifests = self._manifests(body.pop(DELTA_KEY, None) if isinstance(body, dict) else None, END)
@@ -225,7 +225,7 @@ class EngineCore:
     def _apply(self, owner: str, body: Any) -> Verb:
         self.session.check(APPLY, owner)
         if not self.session.open:
-            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open; deltas are applied inside a session")
+            raise OutOfOrder(f"engine {self.engine}: {p.NO_SESSION} is open; deltas are applied inside a session")
         manifests = self._manifests((body or {}).get("manifests") if isinstance(body, dict) else None, APPLY)
         if manifests is None:
             raise InvalidRequest(f"{APPLY}: the body must name 'manifests' ({{rank: manifest}})")
@@ -240,7 +240,7 @@ class EngineCore:
     def _renew(self, owner: str, lease: float | None, body: Any) -> Verb:
         self.session.check(RENEW, owner)
         if not self.session.open:
-            raise InvalidRequest(f"engine {self.engine}: {p.NO_SESSION} is open on this engine: nothing to renew")
+            raise OutOfOrder(f"engine {self.engine}: {p.NO_SESSION} is open on this engine: nothing to renew")
         release = body.get("release", False) if isinstance(body, dict) else False
         if not isinstance(release, bool):
             raise InvalidRequest("field 'release' must be a boolean")
@@ -259,13 +259,13 @@ class EngineCore:
         self.session.check(verb, owner)
         session_open = self.session.open
         if verb in IN_SESSION and not session_open:
-            raise InvalidRequest(f"engine {self.engine}: {verb} must run between begin_weight_update() and "
+            raise OutOfOrder(f"engine {self.engine}: {verb} must run between begin_weight_update() and "
                                  f"end_weight_update() (inside the caller's own session)")
         if verb == VERSION and session_open:
-            raise InvalidRequest(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
+            raise OutOfOrder(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
                                  f"before update_weight_version() (the version is bumped only after the update ended)")
         if verb == CONTINUE and session_open:
-            raise InvalidRequest(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
+            raise OutOfOrder(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
                                  f"before continue_generation() (the weights may be partly written)")
         try:
             answer = yield EngineVerb(verb, body)
@@ -311,9 +311,14 @@ class EngineCore:
 
 
 def _failed(verb: str, e: BaseException) -> Answer:
-    logger.error("%s failed in the engine: %s: %s", verb, type(e).__name__, e)
-    return Answer(p.ENGINE_FAILED, error_payload(f"{verb} failed in the engine: {type(e).__name__}: {e}",
-                                                 type_name=type(e).__name__))
+    """The answer of an engine step that raised: 500, the error's class and fields (engine, rank,
+    parameter, hint) kept for the caller's typed exception."""
+    logger.error("%s failed in the engine: %s: %s", verb, type(e).__name__, e, exc_info=e)
+    typed = isinstance(e, P2PWeightsError)
+    what = e.message if typed else str(e)
+    return Answer(p.ENGINE_FAILED, error_payload(f"{verb} failed in the engine: {type(e).__name__}: {what}",
+                                                 type_name=type(e).__name__ if typed else None,
+                                                 **(e.fields() if typed else {})))
 
 
 def _why(answer: Answer) -> str:

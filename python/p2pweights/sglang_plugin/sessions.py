@@ -36,6 +36,7 @@ from ..engine import core as ec
 from ..engine import steps
 from ..errors import InvalidRequest, InvalidWrite
 from ..front import answer_for, asgi
+from ..front.verb_answers import respond_verb
 from . import delta_updates, fencing, version_guard
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 OFFER = "sessions"  # what p2pw_plugin.offers lists while the gate is installed
 
 RENEW_PATH, APPLY_PATH = routes.route(ec.RENEW).path, routes.route(ec.APPLY).path
-CHECKER_PATH = "/weights_checker"
+CHECKER_PATH = routes.route("weights_checker").path
 BODY_LIMIT = 32 << 20  # the largest body a gated route takes (413 above it)
 
 #: sglang's routes (and the plugin's own) -> the engine core's verb: the receiver's verbs that sglang
@@ -168,18 +169,15 @@ class SessionGate:
         except ValueError as e:
             return await asgi.respond_json(send, p.PAYLOAD_TOO_LARGE, answer_for(InvalidRequest(str(e)))[1])
         body = asgi.decode(raw)
-        try:
+
+        async def run() -> Any:
             verb = self._verb(path, body)
             if verb is None:  # a read of the weight checker (a checksum, a compare): anyone's
                 return await self.app(scope, asgi.replay(raw), send)
-            answer = await self.host.core.run_async(verb, asgi.Headers(scope), body if isinstance(body, dict) else None,
-                                                    lambda step: self._step(step, scope, raw))
-        except Exception as e:  # noqa: BLE001 - every failure is an answer (front/error_status.py)
-            status, payload = answer_for(e, path)
-            return await asgi.respond_json(send, status, payload)
-        if answer.raw is not None:
-            return await asgi.respond(send, answer.status, answer.headers or asgi.JSON_HEADERS, answer.raw)
-        await asgi.respond_json(send, answer.status, answer.body)
+            return await self.host.core.run_async(verb, asgi.Headers(scope), body if isinstance(body, dict) else None,
+                                                  lambda step: self._step(step, scope, raw))
+
+        await respond_verb(send, path, run)
 
     @staticmethod
     def _verb(path: str, body: Any) -> str | None:
@@ -218,7 +216,7 @@ class SessionGate:
         if verb is not None:
             path = routes.route(verb).path if verb in routes.BY_VERB else f"/{verb}"
             scope = {**scope, "path": scope.get("root_path", "") + path, "raw_path": path.encode()}
-        data = raw if raw is not None else (asgi.encode(body) if body else b"")
+        data = raw if raw is not None else asgi.encode(body if body is not None else {})  # sglang's routes want one
         status, headers, out = await asgi.answer_of(self.app, scope, asgi.replay(data))
         text = out.decode("utf-8", "replace")
         return steps.Answer(status, asgi.decode(out), raw=out, headers=headers,

@@ -37,6 +37,7 @@ from ..engine import core as ec
 from ..engine import steps
 from ..errors import EngineError, InvalidRequest
 from ..front import answer_for, asgi
+from ..front.verb_answers import respond_verb
 from ..settings import value as setting
 from . import rank_calls
 
@@ -101,19 +102,19 @@ class SessionGate:
                 return await asgi.respond_json(send, p.OK, self.core.state())
             if path not in GATED:
                 return await self.app(scope, asgi.replay(raw), send)
-            verb, body = _verb(path, asgi.decode(raw))
-            if verb is None:  # a read of the weight checker: anyone's
-                return await self.app(scope, asgi.replay(raw), send)
-            answer = await self.core.run_async(verb, asgi.Headers(scope), body,
-                                               lambda step: self._step(step, scope, raw))
         except _Unauthorized as e:
             return await asgi.respond_json(send, p.UNAUTHORIZED, error_payload(str(e)))
         except Exception as e:  # noqa: BLE001 - every failure is an answer (front/error_status.py)
             status, payload = answer_for(e, path)
             return await asgi.respond_json(send, status, payload)
-        if answer.raw is not None:
-            return await asgi.respond(send, answer.status, answer.headers or asgi.JSON_HEADERS, answer.raw)
-        await asgi.respond_json(send, answer.status, answer.body)
+
+        async def run() -> Any:
+            verb, body = _verb(path, asgi.decode(raw))
+            if verb is None:  # a read of the weight checker: anyone's
+                return await self.app(scope, asgi.replay(raw), send)
+            return await self.core.run_async(verb, asgi.Headers(scope), body, lambda step: self._step(step, scope, raw))
+
+        await respond_verb(send, path, run)
 
     # ---- the key --------------------------------------------------------------------------------
     def _check_key(self, scope: dict) -> None:
