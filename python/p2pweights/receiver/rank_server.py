@@ -1,19 +1,21 @@
 """HTTP between an engine's leader (rank 0) and its other ranks.
 
 Ranks >= 1 serve one internal route, ``POST /p2pw_rank/<verb>`` (``routes.RANK_ROUTE_PREFIX``):
-the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or HTTP 500 with
-the control plane's one error payload (``error_answers.error_payload``), so a typed error raised on a
-rank (its class, parameter and hint) reaches the leader, and from there the trainer, as it was.
-The verbs are :meth:`EngineRank.call`'s; each one's body is checked against its class in
-``bodies.RANK_BODIES`` before it runs (a wrong type is a 400 naming the field, as is a parameter
-the rank does not hold). The leader calls them with :class:`RankCall` (sent now, answered later: it
-sends a verb to every rank before it waits for any; :func:`call_rank` in one step); every call goes
-through the one control-plane client (``control.http``). A call may ask the rank to acknowledge it
-at once (``Expect: 100-continue``: the rank's handler thread answers ``100 Continue`` before it runs
-the verb), so that a stopped rank is found within the ping's time in the verb's own round trip; a
-session verb whose caller gave it up before the rank read it (the leader closed the connection:
-:func:`caller_left`) is not run. With an API key the endpoint answers 401 to a
-call without it, and refuses connections and bodies as the engine's server does (:mod:`.http_guard`).
+the body is the verb's arguments, the answer ``{"ok": true, "result": ...}`` or an error status
+with ``"ok": false`` and the control plane's one error payload (``error_answers.error_payload``,
+status by ``front.answer_for``), so a typed error raised on a rank (its class, parameter and hint)
+reaches the leader, and from there the trainer, as it was. The verbs are :meth:`EngineRank.call`'s;
+each one's body is checked against its class in ``bodies.RANK_BODIES`` before it runs (a wrong
+type is a 400 naming the field, as is a parameter the rank does not hold). The leader calls them
+with :class:`RankCall` (sent now, answered later: it sends a verb to every rank before it waits for
+any; :func:`call_rank` in one step); every call goes through the one control-plane client
+(``control.http``). A call may ask the rank to acknowledge it at once (``Expect: 100-continue``:
+the rank's server answers ``100 Continue`` as it starts reading the body, before the verb runs),
+so that a stopped rank is found within the ping's time in the verb's own round trip; a session
+verb whose caller gave it up before the rank read it (the leader closed the connection:
+``front.asgi.client_left``) is not run. The endpoint is a Starlette app behind the same HTTP
+front as the engine's server (``p2pweights.front``: the key, 401 without it; body limits and
+deadlines; verbs on worker threads), served by uvicorn on a background thread.
 
 The other way round, a rank >= 1 watches its leader (:class:`LeaderWatch`) and exits once the
 leader is gone or was replaced; "gone" is decided by the kernel, not by the leader's Python: a
@@ -23,21 +25,20 @@ another instance counts as a miss.
 """
 from __future__ import annotations
 
+import json
 import logging
-import select
 import socket
-import threading
 import time
-from http.server import ThreadingHTTPServer
+import traceback
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..control import bodies, error_answers, protocol, routes
 from ..control.http import request, send
-from ..errors import EngineError, EngineUnreachable, InvalidRequest, P2PWeightsError, UnknownParameter
+from ..errors import EngineError, EngineUnreachable, P2PWeightsError
+from ..front import BackgroundServer, Guard, StatusError, Workers, answer_for, asgi
+from ..front.guard import json_object
 from ..settings import value as setting
-from . import http_guard
-from .http_guard import send_json
 
 if TYPE_CHECKING:
     from .rank import EngineRank
@@ -62,55 +63,89 @@ def ping_timeout() -> float:
     return float(setting("P2PW_ENGINE_CONNECT_TIMEOUT"))
 
 
-class _RankHandler(http_guard.GuardedHandler):
-    rank: "EngineRank"
-    api_key: str | None = None
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
-        logger.debug(format, *args)
-
-    def do_POST(self) -> None:
-        verb = self.path.removeprefix(routes.RANK_ROUTE_PREFIX)
+def run_verb(rank: "EngineRank", verb: str, raw: bytes) -> tuple[int, bytes]:
+    """One call of ``verb`` on ``rank`` (its body ``raw``), answered: (status, JSON bytes). Runs on
+    a worker thread. A plain KeyError (``EngineRank.call``'s "unknown rank verb", a missing argument)
+    is the caller's: 400."""
+    t0 = time.perf_counter()
+    try:
+        body = json_object(raw)
+        if verb in bodies.RANK_BODIES:  # the verb's body checked before it runs (unknown verbs: call's KeyError)
+            bodies.decode(bodies.RANK_BODIES[verb], body)
         try:
-            http_guard.check_key(self, self.api_key)
-            body = http_guard.read_json_object(self)
-        except http_guard.RequestRefused as e:
-            return send_json(self, e.status, {"ok": False, **e.payload()})
-        if not self.path.startswith(routes.RANK_ROUTE_PREFIX):
-            return send_json(self, protocol.NOT_FOUND, {"ok": False, **error_answers.error_payload(
-                f"Not Found: {self.path[:200]}", rank=self.rank.rank)})
-        if verb in SESSION_VERBS and caller_left(self.connection):  # the leader gave this call up: not run
+            result = rank.call(verb, body)
+        except KeyError as e:
+            if isinstance(e, P2PWeightsError):
+                raise
+            raise StatusError(f"KeyError: {e}") from e
+        status, payload = protocol.OK, {"ok": True, "result": result, "seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 - reported to the leader, who names the rank
+        status, error = answer_for(e, None, rank=rank.rank)
+        if status >= protocol.ENGINE_FAILED:
+            logger.error("rank %d: %s failed:\n%s", rank.rank, verb, traceback.format_exc())
+        payload = {"ok": False, **error}
+    return status, json.dumps(payload).encode()
+
+
+def rank_app(rank: "EngineRank", api_key: str | None = None) -> Guard:
+    """Rank ``rank``'s internal endpoint as an ASGI app: one route, ``POST /p2pw_rank/<verb>``."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    workers = Workers(name=f"p2pw-rank{rank.rank}-verb")
+
+    def answer(status: int, payload: dict, **headers: str) -> Response:
+        return Response(json.dumps(payload).encode(), status, headers=headers, media_type="application/json")
+
+    async def endpoint(request: Request) -> Response:
+        verb = request.path_params["verb"]
+        raw = await request.body()
+        if verb in SESSION_VERBS and asgi.client_left(request.scope):  # the leader gave this call up: not run
             logger.warning("rank %d: %s not run: the leader gave the call up (this rank answered too late)",
-                           self.rank.rank, verb)
-            self.close_connection = True
-            return None
-        t0 = time.perf_counter()
-        try:
-            if verb in bodies.RANK_BODIES:  # the verb's body checked before it runs (unknown verbs: call's KeyError)
-                bodies.decode(bodies.RANK_BODIES[verb], body)
-            result = self.rank.call(verb, body)
-            status, payload = protocol.OK, {"ok": True, "result": result, "seconds": time.perf_counter() - t0}
-        except Exception as e:  # noqa: BLE001 - reported to the leader
-            # the caller's: a wrong body, a parameter the rank does not hold, a plain KeyError
-            # (EngineRank.call's "unknown rank verb", or a missing argument)
-            bad_input = isinstance(e, (InvalidRequest, UnknownParameter)) or (
-                isinstance(e, KeyError) and not isinstance(e, P2PWeightsError))
-            if not bad_input:
-                logger.exception("rank %d: %s failed", self.rank.rank, verb)
-            error = e if isinstance(e, P2PWeightsError) else f"{type(e).__name__}: {e}"
-            status = protocol.BAD_REQUEST if bad_input else protocol.ENGINE_FAILED
-            payload = {"ok": False, **error_answers.error_payload(error, rank=self.rank.rank)}
-        send_json(self, status, payload)
+                           rank.rank, verb)
+            return answer(protocol.BAD_REQUEST, {"ok": False, **error_answers.error_payload(
+                f"{verb} not run: its caller gave the call up", rank=rank.rank)}, Connection="close")
+        status, data = await workers.run(request.scope, run_verb, rank, verb, raw)
+        return Response(data, status, media_type="application/json")
+
+    async def refused(request: Request, exc: Any) -> Response:  # another path (404), or not a POST (405)
+        status = getattr(exc, "status_code", protocol.NOT_FOUND)
+        return answer(status, {"ok": False, **error_answers.error_payload(
+            f"{'Not Found' if status == protocol.NOT_FOUND else 'Method Not Allowed'}: {request.url.path[:200]}",
+            rank=rank.rank)})
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        logger.error("rank %d: %s failed:\n%s", rank.rank, request.url.path, traceback.format_exc())
+        status, error = answer_for(exc, None, rank=rank.rank)
+        return answer(status, {"ok": False, **error})
+
+    app = Starlette(routes=[Route(routes.RANK_ROUTE_PREFIX + "{verb:path}", endpoint, methods=["POST"])],
+                    exception_handlers={protocol.NOT_FOUND: refused, protocol.METHOD_NOT_ALLOWED: refused,
+                                        Exception: failed})
+    return Guard(app, api_key=api_key or None)
 
 
-def serve_rank_control(rank: "EngineRank", host: str, port: int, api_key: str | None = None) -> ThreadingHTTPServer:
-    """Start rank ``rank``'s control endpoint on ``host:port`` (0: a free port), in a daemon thread;
-    with ``api_key``, only calls that carry it are run."""
-    handler = type("_BoundRankHandler", (_RankHandler,), {"rank": rank, "api_key": api_key or None})
-    httpd = http_guard.GuardedHTTPServer((host, port), handler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="p2pw-rank-control",
-                     daemon=True).start()
-    return httpd
+class RankEndpoint(BackgroundServer):
+    """A rank's endpoint, served (:class:`~p2pweights.front.BackgroundServer`); ``server_address``,
+    ``shutdown()`` and ``server_close()`` are the names of the stdlib server it replaced."""
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def server_close(self) -> None:
+        self.close()
+
+
+def serve_rank_control(rank: "EngineRank", host: str, port: int, api_key: str | None = None) -> RankEndpoint:
+    """Start rank ``rank``'s control endpoint on ``host:port`` (0: a free port), on a background
+    thread; with ``api_key``, only calls that carry it are run. ``.close()`` stops it."""
+    return RankEndpoint(rank_app(rank, api_key), host, port, name=f"p2pw-rank{rank.rank}-control").start()
 
 
 def call_rank(url: str, rank: int, verb: str, body: dict, timeout: float | None = None, *,
@@ -174,17 +209,6 @@ class RankCall:
         return payload["result"]
 
 
-def caller_left(connection: socket.socket) -> bool:
-    """Whether the peer of ``connection`` has closed it (nothing left to read but its end, or a
-    reset): a leader that gave a call up (a rank stopped past the acknowledgement's wait, then
-    resumed) must not have it run after all."""
-    try:
-        readable, _, _ = select.select([connection], [], [], 0)
-        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
-    except (ConnectionError, OSError, ValueError):
-        return True
-
-
 def get_json(url: str, path: str, timeout: float = CONNECT_TIMEOUT, *, api_key: str | None = None) -> Any:
     """``GET url+path`` answered 200: its JSON (EngineError otherwise, EngineUnreachable when down)."""
     status, payload = request("GET", url, path, timeout=timeout, connect_timeout=timeout, api_key=api_key)
@@ -200,7 +224,7 @@ class LeaderWatch:
     there answers as another instance (replaced). A leader that does not answer ``/server_info``
     within ``answer_timeout`` but whose port still accepts a TCP connection is alive and busy: the
     kernel completes the handshake on a listening socket without the process, so neither a held GIL
-    nor a long request makes the leader look dead; nor does a 503 (its server at its connection cap).
+    nor a long request makes the leader look dead; nor does a 503 (a server too busy to take the call).
     Any other answer is not this leader's (a miss)."""
 
     def __init__(self, leader: str, instance: str, api_key: str | None = None, *, answer_timeout: float = 2.0,
@@ -219,7 +243,7 @@ class LeaderWatch:
             alive = self.listening()
             self.busy += alive
             return alive
-        if status == protocol.SERVICE_UNAVAILABLE:  # its own server, at its connection cap: alive
+        if status == protocol.SERVICE_UNAVAILABLE:  # a server too busy to take the call: alive
             return True
         return status == protocol.OK and isinstance(payload, dict) and payload.get("p2pw_instance") == self.instance
 

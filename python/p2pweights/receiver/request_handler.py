@@ -1,123 +1,135 @@
-"""One HTTP request to a receiver engine's server (:class:`RequestHandler`): the guard's checks
-(:mod:`.http_guard`: key, body size and shape), its route in ``control.routes``' table, its body
+"""The receiver engine's HTTP app (:func:`build_app`): a Starlette app of ``control.routes``' table
+behind the HTTP front's :class:`~p2pweights.front.Guard` (the key, body limits and deadlines,
+error answers), served by :class:`~p2pweights.front.BackgroundServer`.
+
+One request's way to a verb is :meth:`RequestHandler.answer`, the one dispatch: its route, its body
 decoded into the route's class, the session gate (:func:`.session_keeper.gated`), then the
-:class:`~.server.ReceiverServer` verb; the answer is sglang's status and body, or the control
-plane's one error payload. The verbs raise :class:`OutOfOrder` (a call out of order: 400, as
-sglang answers) and :class:`Refused` (sglang's status and message for a refused call).
+:class:`~.server.ReceiverServer` verb (a ``_do_<verb>`` method here); the answer is sglang's status
+and body, or the control plane's one error payload (:func:`p2pweights.front.answer_for`). It runs
+on a worker thread (:class:`~p2pweights.front.Workers`): hooks block for seconds while they fan a
+verb out to the ranks, and the server's locks are threading locks. The verbs raise
+:class:`OutOfOrder` (a call out of order: 400, as sglang answers) and :class:`Refused` (sglang's
+status and message for a refused call).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from ..control import bodies, error_answers, routes
 from ..control import protocol as p
-from ..errors import InvalidRequest, P2PWeightsError, SessionConflict, TornWeights, UnknownParameter
-from . import build_report, http_guard, phases
+from ..errors import InvalidRequest, P2PWeightsError
+from ..front import Guard, StatusError, Workers, answer_for, asgi
+from ..front import guard as front_guard
+from . import build_report, phases
 from . import session_keeper as sessions
-from .http_guard import send_json
 
 logger = logging.getLogger(__name__)
 
 
-class OutOfOrder(Exception):
+class OutOfOrder(StatusError):
     """An out-of-order control call (answered 400 like sglang, with its success/message body)."""
 
 
-class Refused(Exception):
+class Refused(StatusError):
     """A call the engine refuses with sglang's status and message (400 unless said otherwise)."""
 
     def __init__(self, message: str, status: int = p.BAD_REQUEST, **fields: Any):
-        super().__init__(message)
-        self.status, self.fields = status, fields
+        super().__init__(message, status, **fields)
 
 
 def error_answer(e: BaseException, message: str) -> dict:
     """The error payload of a hook's exception, with sglang's message for the route."""
     fields = e.fields() if isinstance(e, P2PWeightsError) else {}
     return error_answers.error_payload(message, type_name=type(e).__name__ if isinstance(e, P2PWeightsError) else None,
-                           **fields)
+                                       **fields)
 
 
-class RequestHandler(http_guard.GuardedHandler):
-    """Keep-alive HTTP/1.1, every read under a timeout and each request under a deadline (http_guard)."""
+def body_limit(receiver: Any, path: str) -> int:
+    """The most bytes a body to ``path`` may have: the server's limit for the routes whose bodies can
+    be large (``bodies.Body.LARGE``), 1 MiB for a verb's few arguments, and a route that takes no
+    body (health among them; an unknown path) reads what it is sent only up to 64 KiB, unparsed."""
+    route = routes.BY_PATH.get(path)
+    if route is None or route.body is None:
+        return front_guard.UNREAD_BODY_LIMIT
+    return receiver.max_body if route.body.LARGE else min(receiver.max_body, bodies.SMALL_BODY_BYTES)
 
-    receiver: Any  # the ReceiverServer (server.py imports this module), set on the bound subclass
-    server_version = "p2pweights-receiver"
 
-    def setup(self) -> None:
-        super().setup()
-        with self.receiver._state_lock:
-            self.receiver._connections.add(self.connection)
+def build_app(receiver: Any) -> Guard:
+    """The receiver's ASGI app: one Starlette route per path of ``control.routes``, behind the Guard."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
 
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            with self.receiver._state_lock:
-                self.receiver._connections.discard(self.connection)
+    workers = Workers(keyed=receiver.max_connections, name="p2pw-receiver-verb")
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+    async def endpoint(request: Request) -> Response:
+        scope = request.scope
+        handler = RequestHandler(receiver, asgi.Headers(scope), asgi.client_host(scope))
+        raw = await request.body()
+        query = dict(request.query_params)
+        status, data = await workers.run(scope, handler.answer_bytes, routes.BY_PATH[asgi.route_path(scope)], raw, query)
+        return Response(data, status, media_type="application/json")
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
+    def json_error(status: int, payload: Any, headers: dict | None = None) -> Response:
+        return Response(asgi.encode(payload), status, headers=headers, media_type="application/json")
 
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        return json_error(p.NOT_FOUND, error_answers.error_payload(f"Not Found: {request.url.path[:200]}"))
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
-        logger.debug("%s %s", self.address_string(), format % args)
+    async def not_allowed(request: Request, exc: HTTPException) -> Response:
+        route = routes.BY_PATH.get(asgi.route_path(request.scope))
+        takes = " or ".join(route.methods) if route is not None else "other methods"
+        return json_error(p.METHOD_NOT_ALLOWED, error_answers.error_payload(
+            f"Method Not Allowed: {request.url.path[:200]} takes {takes}"), headers=exc.headers)
 
-    def _dispatch(self, method: str) -> None:
-        parts = urlsplit(self.path)
-        route, body = routes.BY_PATH.get(parts.path), {}
-        try:  # before any route runs: the key, then a whole, well-formed body (http_guard)
-            if parts.path not in routes.HEALTH_PATHS:
-                http_guard.check_key(self, self.receiver.api_key)
-            if route is not None and route.body is not None:  # a verb's few arguments, or a large body (bodies.Body.LARGE)
-                limit = self.receiver.max_body if route.body.LARGE else min(self.receiver.max_body, bodies.SMALL_BODY_BYTES)
-                body = http_guard.read_json_object(self, limit)
-            else:  # a route that takes no body (health among them) never reads, let alone parses, one
-                http_guard.skip_body(self)
-        except http_guard.RequestRefused as e:
-            return self._send(e.status, e.payload())
-        if route is None:
-            return self._send(p.NOT_FOUND, error_answers.error_payload(f"Not Found: {parts.path}"))
-        if method not in route.methods:
-            return self._send(p.METHOD_NOT_ALLOWED, error_answers.error_payload(
-                f"Method Not Allowed: {parts.path} takes {' or '.join(route.methods)}"))
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    async def failed(request: Request, exc: Exception) -> Response:  # a bug outside the dispatch's own answers
+        logger.error("receiver: %s failed:\n%s", request.url.path, traceback.format_exc())
+        return json_error(*answer_for(exc, asgi.route_path(request.scope)))
+
+    app = Starlette(routes=[Route(r.path, endpoint, methods=list(r.methods)) for r in routes.ROUTES],
+                    exception_handlers={p.NOT_FOUND: not_found, p.METHOD_NOT_ALLOWED: not_allowed, Exception: failed})
+    app.state.workers = workers
+    return Guard(app, api_key=lambda: receiver.api_key, open_paths=routes.HEALTH_PATHS,
+                 body_limit=lambda path: body_limit(receiver, path), read_timeout=receiver.read_timeout,
+                 body_deadline=receiver.request_deadline)
+
+
+class RequestHandler:
+    """One request to the receiver: its headers and client address, and one method per verb."""
+
+    def __init__(self, receiver: Any, headers: Any, client: str):
+        self.receiver, self.headers, self.client = receiver, headers, client
+
+    def answer(self, route: routes.Route, raw: bytes, query: dict) -> tuple[int, Any]:
+        """THE dispatch: ``route``'s body decoded into its class, then the session gate around the
+        verb; (status, answer) whatever happens (an exception is answered by ``answer_for``)."""
         t0, times = time.perf_counter(), {}
         token = phases.collect(times)
         try:
-            req = bodies.decode(route.body, body) if route.body is not None else None
+            req = bodies.decode(route.body, front_guard.json_object(raw)) if route.body is not None else None
             status, payload = sessions.gated(self.receiver, route.verb, self.headers,
                                              lambda: getattr(self, "_do_" + route.verb)(req, query))
             if route.verb in sessions.GATED and isinstance(payload, dict) and p.ok(status):
                 payload = {**payload, p.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
-        except (SessionConflict, TornWeights) as e:
-            status, payload = p.CONFLICT, error_answers.error_payload(e)
-        except (InvalidRequest, UnknownParameter) as e:  # the caller's input (a digest of a name it does not hold)
-            status, payload = p.BAD_REQUEST, error_answers.error_payload(e)
-        except OutOfOrder as e:
-            status, payload = p.BAD_REQUEST, error_answers.error_payload(str(e))
-        except Refused as e:
-            status, payload = e.status, error_answers.error_payload(str(e), **e.fields)
-        except Exception as e:  # noqa: BLE001 - a hook failed: report it, keep serving
-            logger.error("receiver hook for %s failed:\n%s", parts.path, traceback.format_exc())
-            what = e.message if isinstance(e, P2PWeightsError) else str(e)
-            status, payload = p.ENGINE_FAILED, error_answer(e, f"{parts.path} failed in the engine: "
-                                                        f"{type(e).__name__}: {what}")
+        except Exception as e:  # noqa: BLE001 - every failure is an answer; the server keeps serving
+            status, payload = answer_for(e, route.path)
+            if status >= p.ENGINE_FAILED:
+                logger.error("receiver hook for %s failed:\n%s", route.path, traceback.format_exc())
         finally:
             phases.stop(token)
-        self._send(status, payload)
+        return status, payload
 
-    def _send(self, status: int, payload: Any) -> None:
-        send_json(self, status, payload)
+    def answer_bytes(self, route: routes.Route, raw: bytes, query: dict) -> tuple[int, bytes]:
+        """:meth:`answer` with its answer as JSON bytes (none for ``None``: sglang's empty body), encoded
+        on the worker thread (a weights answer can be large)."""
+        status, payload = self.answer(route, raw, query)
+        return status, b"" if payload is None else json.dumps(payload).encode()
 
     # ---- one method per verb: (request body, query) -> (status, answer) ---------------------
 
@@ -149,7 +161,7 @@ class RequestHandler(http_guard.GuardedHandler):
     def _do_register_transfer_engine_info(self, req: bodies.RegisterTransferEngineInfoReq, query: dict) -> tuple[int, Any]:
         info = req.transfer_engine_info
         extra = {k: v for k, v in info.items() if k not in ("session_id", "weights_info_dict")}
-        extra["registered_from"] = self.client_address[0]  # the server's word, not the registrant's: senders check it
+        extra["registered_from"] = self.client  # the server's word, not the registrant's: senders check it
         self.receiver.register_transfer_engine_info(req.tp_rank, info["session_id"], info["weights_info_dict"], extra)
         return p.OK, "OK"
 

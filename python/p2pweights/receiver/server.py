@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
 import traceback
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from ..control import bodies
@@ -51,11 +49,14 @@ from ..control.weights_digest import ALGORITHM
 from ..deltas.area import Manifest
 from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
 from ..errors import InvalidRequest, P2PWeightsError
+from ..front import BackgroundServer
+from ..front import guard as front_guard
+from ..front import workers as front_workers
 from ..settings import value as setting
-from . import http_guard, phases
+from . import phases
 from . import session_keeper as sessions
 from .hooks import ReceiverHooks
-from .request_handler import OutOfOrder, Refused, RequestHandler, error_answer
+from .request_handler import OutOfOrder, Refused, build_app, error_answer
 
 logger = logging.getLogger(__name__)
 
@@ -67,30 +68,34 @@ class ReceiverServer:
     ``weight_version`` is the version reported before the first update (sglang's default: "default").
     ``api_key`` (default ``P2PW_API_KEY``): every route but the health routes answers 401 without
     ``Authorization: Bearer KEY`` (sglang's ``--api-key``). ``max_body``: bytes a request body may
-    have (413 above it); ``read_timeout``: seconds a client may stall while sending a request
-    (408, connection closed); ``request_deadline``: seconds a whole request (headers and body) may
-    take from its first byte; ``max_connections`` / ``max_connections_per_client``: open connections
-    at once, in all and from one client address (503 over either); see :mod:`.http_guard`. ``session_lease`` (default
+    have (413 above it, unread when its Content-Length says so); ``read_timeout``: seconds one read
+    of a request's body may wait, and an idle kept-alive connection stays open (408 for a stalled
+    body); ``request_deadline``: seconds a request's head may take to arrive (then the connection is
+    closed), and then its whole body (408); ``max_connections``: verbs of keyed requests that run at
+    once, each on a worker thread (more wait their turn, none is refused; requests without the key,
+    the health routes, have a few threads of their own); ``max_connections_per_client``: accepted
+    and unused (connections are no longer capped: an idle or dripping one costs no thread, and
+    the deadlines close it). The HTTP front (``p2pweights.front``) does all of this. ``session_lease`` (default
     ``P2PW_SESSION_LEASE``): the longest lease this engine grants a weight-update session's owner
     (:mod:`.session_keeper`).
     """
 
     def __init__(self, hooks: ReceiverHooks | None = None, host: str = "127.0.0.1", port: int = 0, *,
                  weight_version: str = "default", api_key: str | None = None,
-                 max_body: int = http_guard.MAX_BODY_BYTES, read_timeout: float = http_guard.READ_TIMEOUT,
-                 request_deadline: float = http_guard.REQUEST_DEADLINE, max_connections: int = http_guard.MAX_CONNECTIONS,
-                 max_connections_per_client: int = http_guard.MAX_CONNECTIONS_PER_CLIENT,
+                 max_body: int = front_guard.MAX_BODY_BYTES, read_timeout: float = front_guard.READ_TIMEOUT,
+                 request_deadline: float = front_guard.REQUEST_DEADLINE,
+                 max_connections: int = front_workers.KEYED_WORKERS, max_connections_per_client: int | None = None,
                  session_lease: float | None = None):
         self.hooks = hooks if hooks is not None else ReceiverHooks()
         self.api_key: str | None = setting("P2PW_API_KEY", api_key)
         self.max_body = int(max_body)
         self.read_timeout = float(read_timeout)
-        self.request_deadline = float(request_deadline)  # a whole request, headers and body (http_guard)
-        self.max_connections, self.max_connections_per_client = int(max_connections), int(max_connections_per_client)
+        self.request_deadline = float(request_deadline)  # a request's head, then its body (p2pweights.front)
+        self.max_connections = int(max_connections)  # worker threads for keyed requests' verbs
+        self.max_connections_per_client = max_connections_per_client  # unused: connections are not capped
         self.host = host
         self._requested_port = int(port)
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._front: BackgroundServer | None = None  # uvicorn on its own thread and event loop
         self._state_lock = threading.Lock()      # guards the fields below; held only briefly
         self._control_lock = threading.RLock()   # one control hook at a time (re-taken inside sessions.gated)
         # the session's owner, lease (at most session_lease: P2PW_SESSION_LEASE) and torn mark (receiver.session_keeper)
@@ -105,55 +110,44 @@ class ReceiverServer:
         self._registered: dict[int, list] = {}   # tp rank -> [session_id, weights_info_dict]
         self._registered_extra: dict[int, dict] = {}  # tp rank -> extra published keys (NIXL: transport, ...)
         self._closed = False
-        self._connections: set = set()  # open client connections (kept alive between calls)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> "ReceiverServer":
         if self._closed:
             raise RuntimeError("ReceiverServer was closed; create a new one")
-        if self._httpd is not None:
+        if self._front is not None:
             return self
-        handler = type("_BoundHandler", (RequestHandler,), {"receiver": self, "timeout": self.read_timeout,
-                                                            "request_deadline": self.request_deadline})
-        self._httpd = http_guard.GuardedHTTPServer((self.host, self._requested_port), handler,
-                                                   max_connections=self.max_connections,
-                                                   max_per_client=self.max_connections_per_client)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name=f"p2pw-receiver-{self.port}", daemon=True)
-        self._thread.start()
+        # returns once the port is bound and served (a port taken raises OSError here)
+        self._front = BackgroundServer(build_app(self), self.host, self._requested_port, read_timeout=self.read_timeout,
+                                       request_deadline=self.request_deadline, name="p2pweights-receiver").start()
         self.session.engine = self.url
         logger.info("p2pweights receiver control server on %s", self.url)
         return self
 
     @property
     def port(self) -> int:
-        if self._httpd is None:
+        if self._front is None:
             raise RuntimeError("ReceiverServer is not started; call start()")
-        return self._httpd.server_address[1]
+        return self._front.port
 
     @property
     def url(self) -> str:
         host = self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
+    @property
+    def _connections(self) -> list:
+        """The client address of each connection open now (kept alive between calls, or in a request)."""
+        return self._front.open_connections() if self._front is not None else []
+
     def close(self) -> None:
-        """Stop serving and free the port. Idempotent."""
+        """Stop serving, close every connection (kept-alive ones too: none reaches this closed
+        server's state) and free the port; joins the server's thread. Idempotent."""
         self._closed = True
-        httpd, self._httpd = self._httpd, None
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
-        with self._state_lock:  # a kept-alive connection must not reach this closed server's state
-            connections, self._connections = set(self._connections), set()
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        front, self._front = self._front, None
+        if front is not None:
+            front.close()
 
     def __enter__(self) -> "ReceiverServer":
         return self.start()
@@ -162,7 +156,7 @@ class ReceiverServer:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_httpd", None) is not None:
+        if getattr(self, "_front", None) is not None:
             import warnings
             warnings.warn("ReceiverServer was not closed; call close()", ResourceWarning, stacklevel=2)
 
