@@ -31,7 +31,8 @@ def test_a_vram_engine_takes_deltas_from_host_slots_and_from_gpu_slots(tmp_path,
     cfg = write_config("qwen3", str(tmp_path), hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=2048)
     name = f"vram-{buffer_device}-slots"
-    engine = start_engine(cfg, "tp=1", transport="nixl", name=name, env={"P2PW_RECEIVER_DEVICE": "cuda:0"},
+    engine = start_engine(cfg, "tp=1", transport="nixl", name=name,
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(16 << 20)},  # a GPU area is sized
                           startup_timeout=600)
     try:
         specs = checkpoint_tensors(cfg)

@@ -280,7 +280,8 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
     model = model.get("_name", "config") if isinstance(model, dict) else model
     rows = []
     engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
-                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(512 << 20)},  # a GPU area is sized
+                          startup_timeout=600)
     try:
         specs = trainer_tensors(cfg)  # what a trainer holds: BF16 (an FP8 engine's are quantized on send)
         sender = WeightSender(cfg, transport="nixl", buffer_device=buffer_device)

@@ -61,7 +61,8 @@ def vram_engine_and_sender(cfg: str, spec: str):
     from p2pweights.sender import WeightSender
 
     engine = start_engine(cfg, spec, transport="nixl", name="vram-engine",
-                          env={"P2PW_RECEIVER_DEVICE": "cuda:0"}, startup_timeout=600)
+                          env={"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(512 << 20)},  # a GPU area is sized
+                          startup_timeout=600)
     try:
         sender = WeightSender(cfg, transport="nixl", buffer_device="cuda")
         sender.connect([SglangEngine(engine.url, name="vram-engine")])

@@ -258,8 +258,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     Setting("P2PW_RECEIVER_DEVICE", _str, "cpu", "where receiver engine ranks keep their parameters: `cpu` or "
             "`cuda[:N]` (VRAM registration)", _device, scope="engine"),
     Setting("P2PW_DELTA_AREA", _size, None, "bytes of each engine rank's delta area (what one update's "
-            "encoded deltas may take; a sender writes the rest in full). An sglang (plugin) or vLLM rank whose "
-            "weights are on a GPU opens one there only when this (or vLLM's init_info.area_bytes) is set", _positive,
+            "encoded deltas may take; a sender writes the rest in full). A rank whose weights are on a GPU (any "
+            "host: receiver, sglang plugin, vLLM backend) opens one there only when this (or vLLM's "
+            "init_info.area_bytes) is set", _positive,
             default_text="an eighth of the rank's weights, at least 4MiB", scope="engine"),
     Setting("P2PW_RECEIVER_CONTROL", _str, "folded", "a receiver's session verbs: `folded` (the owner's pause rides on "
             "its begin, each rank acknowledges begin and end in their own round trip, the end carries the deltas, "

@@ -28,6 +28,7 @@ the engine is torn, as after any failed update (docs/deltas.md).
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import struct
 import time
@@ -38,6 +39,7 @@ import numpy as np
 
 from .. import _native
 from ..errors import InvalidWrite, OutOfRegion, raise_for_status
+from ..settings import value as setting
 from . import index_apply, index_records
 from .codec import HEADER, HEADER_BYTES
 
@@ -303,3 +305,30 @@ def area_bytes(weight_bytes: int, setting_value: int | None) -> int:
     the weights (at least 4 MiB), rounded up to the page size."""
     n = int(setting_value) if setting_value else max(4 << 20, int(weight_bytes) // 8)
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+logger = logging.getLogger(__name__)
+
+
+def open_rank_area(weight_bytes: int, device: str, rank: int, engine: str, size: int | None = None,
+                   how_to_size: str = "P2PW_DELTA_AREA") -> DeltaArea | None:
+    """The one placement and sizing policy of an engine rank's delta area, whatever hosts the engine
+    (our receiver, the sglang plugin, the vLLM backend): beside the weights, on their ``device``.
+    In host memory always: ``size``, else ``P2PW_DELTA_AREA``, else an eighth of the weights. On a GPU
+    only where sized (``size`` or ``P2PW_DELTA_AREA``: the area takes memory the engine would give its
+    KV cache), and only where it fits. None: no area (full writes), said with ``how_to_size``."""
+    given = size or setting("P2PW_DELTA_AREA")
+    if device != "cpu" and not given:
+        logger.info("p2pweights: engine %s rank %d keeps its weights on %s: no delta area unless %s sizes one "
+                    "(full writes)", engine, rank, device, how_to_size)
+        return None
+    nbytes = area_bytes(weight_bytes, given)
+    try:
+        return DeltaArea(nbytes, rank, engine, device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if device == "cpu":
+            raise
+        logger.warning("p2pweights: engine %s rank %d has no room for a %d-byte delta area on %s (%s): full writes "
+                       "only; size it with %s", engine, rank, nbytes, device, e, how_to_size)
+        return None
+

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..control.weights_digest import parameter_digests
-from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..deltas.area import Manifest, open_rank_area
 from ..errors import InvalidWrite
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
@@ -75,8 +75,7 @@ class EngineRank:
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
         self.weight_regions = [(r.address, r.nbytes) for r in regions]
         # the rank's delta area (deltas/area.py), next to its weights: host memory or this GPU's
-        self.delta_area = DeltaArea(area_bytes(sum(r.nbytes for r in regions), setting("P2PW_DELTA_AREA")),
-                                    self.rank, name, device=self.device)
+        self.delta_area = open_rank_area(sum(r.nbytes for r in regions), self.device, self.rank, name)
         self._weight_tensors = [r.storage for r in regions]  # index records are applied through them
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
         arch, version = device_arch(self.device), sglang_version() or ""

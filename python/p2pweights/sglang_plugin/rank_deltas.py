@@ -29,10 +29,9 @@ import logging
 from typing import Any, Callable
 
 from ..control.error_answers import error_payload
-from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..deltas.area import DeltaArea, Manifest, open_rank_area
 from ..deltas.weight_views import device_views, host_views, weights_device
 from ..errors import LayoutMismatch
-from ..settings import value as setting
 from ..transport.publication import merge_regions
 from . import bootstrap_requests
 from .rank_gather import every_tp_rank, output_of
@@ -64,7 +63,9 @@ def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 
     records are applied through). A refused registration leaves the rank without one (full writes),
     loudly."""
     global AREA, REGIONS, TENSORS
-    area = DeltaArea(area_bytes(sum(n for _, n in regions), setting("P2PW_DELTA_AREA")), rank, "sglang", device=device)
+    area = open_rank_area(sum(n for _, n in regions), device, rank, "sglang")
+    if area is None:
+        return None
     ret = transfer_engine.register_memory(area.address, area.nbytes)
     if ret != 0:
         logger.error("p2pweights sglang plugin: Mooncake refused the delta area (error %s): full writes only", ret)
@@ -106,11 +107,6 @@ def _open_beside(transporter: Any) -> None:
     except LayoutMismatch:
         return  # no weights, or spread over devices: full writes
     if not isinstance(table, dict):
-        return
-    if device != "cpu" and not setting("P2PW_DELTA_AREA"):
-        # a GPU area takes memory sglang would give its KV cache: only where the operator sized it
-        logger.info("p2pweights sglang plugin: weights on %s: no delta area unless P2PW_DELTA_AREA sizes one "
-                    "(full writes)", device)
         return
     named = [(n, q) for n, q in params if n in table]  # what sglang registered and published
     open_area(merged_regions(table), transporter.engine, int(getattr(transporter, "tp_rank", 0) or 0),

@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..deltas.area import DeltaArea, Manifest, area_bytes
+from ..deltas.area import DeltaArea, Manifest, open_rank_area
 from ..deltas.weight_views import device_views, host_views, weights_device
 from ..errors import InvalidWrite, LayoutMismatch
 from ..receiver.build_report import device_arch
-from ..settings import value as setting
 from ..transport import resolve_transport
 from ..transport.publication import merge_regions, params_table
 from ..transport.revocation import RevocableRegions
@@ -92,25 +91,10 @@ def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
 
 
 def open_area(weight_bytes: int, nbytes: int | None, rank: int, engine: str, device: str) -> DeltaArea | None:
-    """The rank's delta area of ``nbytes`` (None: ``P2PW_DELTA_AREA``, else an eighth of the weights)
-    on ``device``. On a GPU only when sized (``nbytes`` or ``P2PW_DELTA_AREA``): the area takes memory
-    vLLM would give its KV cache, and an allocation vLLM's has no room for fails (then no area: full
-    writes, said with the setting that sizes it)."""
-    given = nbytes or setting("P2PW_DELTA_AREA")
-    if device != "cpu" and not given:
-        logger.info("p2pweights: engine %s rank %d keeps its weights on %s: no delta area unless "
-                    "init_info.area_bytes or P2PW_DELTA_AREA sizes one (full writes)", engine, rank, device)
-        return None
-    size = area_bytes(weight_bytes, given)
-    try:
-        return DeltaArea(size, rank, engine, device=device)
-    except RuntimeError as e:  # torch.OutOfMemoryError is one
-        if device == "cpu":
-            raise
-        logger.warning("p2pweights: engine %s rank %d has no room for a %d-byte delta area on %s (%s): full "
-                       "writes only; size it with init_info.area_bytes or P2PW_DELTA_AREA, or lower vLLM's "
-                       "--gpu-memory-utilization", engine, rank, size, device, e)
-        return None
+    """The rank's delta area (``deltas.area.open_rank_area``: the one policy), sized by ``nbytes``
+    (``init_info.area_bytes``) where given."""
+    return open_rank_area(weight_bytes, device, rank, engine, nbytes,
+                          "init_info.area_bytes or P2PW_DELTA_AREA (or lower vLLM's --gpu-memory-utilization)")
 
 
 class RankMemory:
