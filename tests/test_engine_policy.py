@@ -210,3 +210,37 @@ def test_the_weight_checker_cannot_reach_the_plugins_rank_channel_or_reset_the_w
     host.call("begin", {}, who)
     assert host.call("", {"action": "reset_tensors"}, owner(), path="/weights_checker")[0] == p.CONFLICT
     assert host.call("", {"action": "reset_tensors"}, who, path="/weights_checker")[0] == p.OK
+
+
+def test_released_memory_refuses_a_begin_and_its_resume_republishes_under_a_new_epoch(monkeypatch):
+    """sglang's release/resume of the weights' memory (colocated RL): no writes while released; the
+    resume revokes what the old epoch reached and re-publishes before anyone may write. (vLLM's /sleep
+    and /wake_up are refused outright; our receiver has no such verbs.)"""
+    from engine_hosts import SglangHost
+
+    host = SglangHost(monkeypatch)
+    who = owner()
+    host.call("pause", {}, who)
+    assert host.call("", {}, who, path="/release_memory_occupation")[0] == p.OK
+    status, answer = host.call("begin", {}, who)
+    assert status == p.BAD_REQUEST and "resume_memory_occupation" in answer["message"]
+    host.ranks.fail_revoke = True  # a resume whose re-publication fails: still no begin
+    status, answer = host.call("", {}, who, path="/resume_memory_occupation")
+    assert status == p.ENGINE_FAILED and "could not revoke" in answer["message"]
+    assert host.call("begin", {}, who)[0] == p.BAD_REQUEST
+    host.ranks.fail_revoke = False
+    assert host.call("", {}, who, path="/resume_memory_occupation")[0] == p.OK
+    assert host.ranks.epoch == 2 and host.state()["epoch"] == 2
+    status, begun = host.call("begin", {}, who)
+    assert status == p.OK and begun["epoch"] == 2
+    assert host.call("", {}, who, path="/release_memory_occupation")[0] == p.OK  # inside the session: torn
+    assert host.state()["state"] == p.TORN
+
+
+def test_vllm_refuses_sleep_and_wake_up_which_move_the_registered_memory(monkeypatch):
+    from engine_hosts import VllmHost
+
+    host = VllmHost(monkeypatch)
+    for path in ("/sleep", "/wake_up"):
+        status, answer = host.call("", {}, owner(), path=path)
+        assert status == p.BAD_REQUEST and "frees or moves" in answer["message"]

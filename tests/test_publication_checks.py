@@ -14,7 +14,8 @@ from p2pweights.control import SglangEngine
 from p2pweights.errors import LayoutMismatch
 from p2pweights.receiver import ReceiverServer, start_engines
 from p2pweights.sender import WeightSender
-from p2pweights.transport.publication import EnginePublication, ParamTarget, SessionClaim, check_sessions
+from p2pweights.transport.publication import EnginePublication, ParamTarget
+from p2pweights.transport.session_claims import SessionClaim, check_sessions
 from replica_configs import write_config
 
 BASE = 0x7F0000000000

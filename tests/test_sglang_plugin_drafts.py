@@ -195,8 +195,9 @@ def test_a_takeover_moves_the_drafts_memory_to_the_new_epoch(seeded):
     epoch = seeded.server.get_json("/server_info")["p2pw_weight_update"]["epoch"]
     assert old.epoch == epoch
     lost = {p.SESSION_OWNER_HEADER: secrets.token_urlsafe(32), p.SESSION_LEASE_HEADER: "1"}
-    status, answer = http.request("POST", seeded.server.url, "/begin_weight_update", body={}, headers=lost, timeout=120)
-    assert p.ok(status), answer
+    for verb in ("pause_generation", "begin_weight_update"):  # a begin needs a paused engine
+        status, answer = http.request("POST", seeded.server.url, f"/{verb}", body={}, headers=lost, timeout=120)
+        assert p.ok(status), answer
     deadline = time.monotonic() + 60
     while seeded.server.get_json("/server_info")["p2pw_weight_update"].get("state") != p.TORN:
         assert time.monotonic() < deadline, "the lost owner's 1 s lease never lapsed"

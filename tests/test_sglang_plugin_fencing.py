@@ -228,6 +228,69 @@ def test_a_sender_connected_before_the_takeover_follows_the_new_epoch_byte_exact
     assert seeded.engine.weight_version() == f"seed{NEXT}+{CHANGED[1]}"
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 0.3])
+def test_a_late_sender_resumed_while_the_takeover_revokes_lands_nothing_after_it(seeded, delay_s):
+    """The late sender is resumed *during* the takeover (its begin revoking, or its writes going out),
+    not after it: whatever the interleaving, once the takeover's update returns the engine holds its
+    bytes, and nothing of the late sender's lands later (the revocation cut what it had posted)."""
+    late_seed, taker_seed = 64 + int(delay_s * 10), 70 + int(delay_s * 10)
+    epoch = weight_update(seeded)["epoch"]
+    second = expected(seeded.model_dir, taker_seed)
+    go = str(seeded.root / f"go-{late_seed}")
+    late = LateSender(seeded.model_dir, seeded.server.url, late_seed, go)
+    try:
+        late.next_event()
+        open(go, "w").close()
+        assert late.next_event()["event"] == "writing"
+        wait_stopped(late.proc.pid, timeout=60)
+        stopped_at = time.monotonic()
+        while weight_update(seeded)["state"] == "open" and time.monotonic() - stopped_at < 60:
+            time.sleep(0.2)
+        assert weight_update(seeded)["state"] == p.TORN, weight_update(seeded)
+        outcome: list = []
+        with WeightSender(seeded.model_dir, transport="mooncake", buffer_size=1 << 20) as other:
+            other.connect([SglangEngine(seeded.server.url, name="taker", timeout=120)])
+            taker = threading.Thread(target=lambda: outcome.append(update(other, seeded.model_dir, taker_seed)))
+            taker.start()
+            time.sleep(delay_s)
+            open(go + ".resume", "w").close()
+            late.proc.send_signal(signal.SIGCONT)  # mid-takeover
+            taker.join(300)
+        assert outcome, "the takeover's update did not finish"
+        assert weight_update(seeded) == {"state": "none", "epoch": epoch + 1}
+        late.next_event()  # it failed, or its writes were overwritten: the bytes below decide
+        late.proc.wait(60)
+        time.sleep(1.0)
+        landed = differing(held(seeded.engine), second)
+        assert landed == [], f"{len(landed)} tensors hold the late sender's bytes: {landed[:5]}"
+    finally:
+        late.close()
+
+
+def test_a_resume_of_released_memory_republishes_under_a_new_epoch_and_the_sender_follows(seeded):
+    """Colocated RL releases the weights' memory while it trains: no begin while released, and the
+    resume moves every rank to a new epoch (the old endpoint closed) before anyone may write; the
+    module's sender follows it at its next begin and writes byte-exact."""
+    from p2pweights.control import http
+    from p2pweights.errors import EngineError
+
+    epoch, old = weight_update(seeded)["epoch"], publication(seeded)
+    controller = SglangEngine(seeded.server.url, name="colocated", timeout=120)
+    controller.pause_generation()
+    status, answer = http.request("POST", seeded.server.url, "/release_memory_occupation", body={}, timeout=120)
+    assert p.ok(status), answer
+    with pytest.raises(EngineError, match="resume_memory_occupation"):
+        update(seeded.sender, seeded.model_dir, 80)
+    status, answer = http.request("POST", seeded.server.url, "/resume_memory_occupation", body={}, timeout=120)
+    assert p.ok(status), answer
+    assert weight_update(seeded)["epoch"] == epoch + 1
+    now = publication(seeded)
+    assert now.epoch == epoch + 1 and now.peer != old.peer and now.params == old.params
+    update(seeded.sender, seeded.model_dir, 81)
+    assert {t.publication.epoch for r in seeded.sender._ranks for t in r.targets} == {epoch + 1}
+    assert differing(held(seeded.engine), expected(seeded.model_dir, 81)) == []
+
+
 # -- the publication's hooks, in this process ------------------------------------------------------
 def _session_request(self, method, url, params=None, data=None, headers=None, cookies=None, files=None, auth=None,
                      timeout=None, allow_redirects=True, proxies=None, hooks=None, stream=None, verify=None, cert=None,

@@ -12,7 +12,7 @@ PKG = ROOT / "p2pweights"
 # Lower layers never import higher ones. A module's layer is that of its first-level package.
 LAYERS = [
     {"errors", "settings", "_native"},
-    {"models", "transport", "control"},
+    {"models", "transport", "control", "front"},
     {"planner", "replica", "copyplans", "deltas", "engine"},
     {"sender", "receiver", "baseline", "sglang_plugin", "vllm_backend"},
     {"benchmarking", "commands", "cli", "__main__"},

@@ -85,7 +85,7 @@ def test_a_workers_rank_counts_its_dp_rank_once_whether_dp_ranks_share_a_world_o
 
     from vllm.distributed import parallel_state
 
-    from p2pweights.vllm_backend.engine import worker_rank
+    from p2pweights.vllm_backend.transfer_engine import worker_rank
 
     config = types.SimpleNamespace(world_size=2, data_parallel_index=1)  # tp=2, DP rank 1
     monkeypatch.setattr(parallel_state, "_WORLD", types.SimpleNamespace(rank_in_group=1))  # dense: own world

@@ -33,10 +33,16 @@ The rules, in the order a verb meets them:
    :class:`~.steps.End` step), and only then commits: a new base token at the current epoch, the
    session closed. The version is set only after the end (400 while a session is open); generation
    continues only outside a session (400 while one is open).
-6. **Writes through the engine's own routes** (a broadcast, sglang's ``update_weights_from_*``,
-   vLLM's ``/update_weights``, a reset of the weights) run only inside the caller's own session,
-   and **whatever else rewrites or frees the weights' memory** (memory release/resume, a worker RPC)
-   forgets the base: the next delta is refused and the sender writes in full.
+6. **Memory released and resumed** (colocated RL frees the weights' memory while it trains): once
+   released, a begin is refused (400) until the memory is resumed, and a release inside an open
+   session tears it; a resume re-registers and re-publishes every rank under a new epoch (the
+   takeover's revocation) before anyone may write, so a sender that wrote before finds its old
+   connections closed and follows the new epoch at its next begin.
+7. **Writes through the engine's own routes** forget the base (the next delta is refused and the
+   sender writes in full); a broadcast write and a reset of the weights run only inside the
+   caller's own session, while sglang's ``update_weights_from_disk`` / ``_tensor`` / ``_ipc`` (whole
+   updates of the engine's own) run outside one too. **Whatever else rewrites or frees the weights'
+   memory** (memory release/resume, a worker RPC) forgets the base as well.
 """
 from __future__ import annotations
 
@@ -61,13 +67,17 @@ logger = logging.getLogger(__name__)
 PAUSE, CONTINUE, VERSION = "pause_generation", "continue_generation", "update_weight_version"
 BEGIN, END, RENEW, APPLY = "begin_weight_update", "end_weight_update", "renew_weight_update", "p2pw_apply_deltas"
 JOIN, LEAVE = "init_weights_update_group", "destroy_weights_update_group"
-#: the engine's own writes into the weights: only inside the caller's open session
-IN_SESSION = frozenset({"update_weights_from_distributed", "update_weights_from_tensor", "update_weights_from_disk",
-                        "update_weights_from_ipc", "reset_weights"})
+RELEASE, RESUME = "release_memory_occupation", "resume_memory_occupation"
+#: the engine's own writes into the weights: a failure inside an open session tears it
+ENGINE_WRITES = frozenset({"update_weights_from_distributed", "update_weights_from_tensor", "update_weights_from_disk",
+                           "update_weights_from_ipc", "reset_weights"})
+#: of which those that run only inside the caller's open session (the others are whole updates of
+#: the engine's own, as sglang's update_weights_from_disk)
+IN_SESSION = frozenset({"update_weights_from_distributed", "reset_weights"})
 #: what else rewrites or frees the weights' memory: owner rules, then the base is forgotten
-FORGETS = frozenset({"release_memory_occupation", "resume_memory_occupation", "collective_rpc"})
+FORGETS = frozenset({RELEASE, RESUME, "collective_rpc"})
 #: every verb the core decides; reads (server info, publications, digests, checks) are anyone's
-VERBS = frozenset({PAUSE, CONTINUE, VERSION, BEGIN, END, RENEW, APPLY, JOIN, LEAVE}) | IN_SESSION | FORGETS
+VERBS = frozenset({PAUSE, CONTINUE, VERSION, BEGIN, END, RENEW, APPLY, JOIN, LEAVE}) | ENGINE_WRITES | FORGETS
 #: verbs that run beside the others: joining a group waits for every member; a renewal must get
 #: through while the owner's own end holds the engine
 UNSERIALIZED = frozenset({JOIN, LEAVE, RENEW})
@@ -82,6 +92,7 @@ class EngineCore:
     def __init__(self, engine: str = "engine", lease: float | None = None,
                  clock: Callable[[], float] = time.monotonic, *, begin_pauses: bool = False, end_folds: bool = False):
         self.begin_pauses, self.end_folds = bool(begin_pauses), bool(end_folds)
+        self.released: str | None = None  # why the weights' memory is released (a begin waits for the resume)
         self.session = sk.SessionKeeper(engine, lease, clock)
         self.base = CommittedBase(engine)
         self._thread_lock = threading.RLock()
@@ -133,6 +144,9 @@ class EngineCore:
         if self.session.open and self.session.held:
             raise OutOfOrder(f"engine {self.engine}: a weight-update session is {p.SESSION_ALREADY_OPEN}; call "
                                  f"end_weight_update() first")
+        if self.released:
+            raise OutOfOrder(f"engine {self.engine}: {self.released}; call resume_memory_occupation() before "
+                             f"begin_weight_update()")
         pause = bodies.begin_pause(body.pop(p.PAUSE_FIRST, None)) if isinstance(body, dict) else None
         takeover = self.session.lost
         if takeover:  # the lost owner's writes in flight must land nothing, before anything else happens
@@ -164,21 +178,22 @@ class EngineCore:
                                   "lease_max": self.session.max_lease, "took_over": took_over,
                                   "epoch": self.session.epoch, DELTA_KEY: delta, **folds})
 
-    def _revoke(self) -> Verb:
+    def _revoke(self, what: str = "the takeover") -> Verb:
         published = [int(e) for e in ((yield PublishedEpochs()) or ()) if isinstance(e, int)]
         epoch = self.next_epoch(published)
         try:
             reached = yield Revoke(epoch)
         except Exception as e:  # noqa: BLE001 - any rank that could not: the begin fails, still torn
-            raise EngineError(f"engine {self.engine}: the takeover could not revoke the lost owner's registrations "
-                              f"(epoch {epoch}): {type(e).__name__}: {e}; the weights stay {p.TORN}",
-                              engine=self.engine, hint="retry the update; the engine's log names the rank") from e
+            raise EngineError(f"engine {self.engine}: {what} could not revoke the registrations of epoch "
+                              f"{self.session.epoch} (to epoch {epoch}): {type(e).__name__}: {e}; nobody may write "
+                              f"until it is retried", engine=self.engine,
+                              hint="retry the call; the engine's log names the rank") from e
         if reached is None:
-            logger.warning("engine %s: a takeover, but it holds no revocable registrations: the epoch stays %d; a "
-                           "lost owner's writes in flight may still land", self.engine, self.session.epoch)
+            logger.warning("engine %s: %s, but it holds no revocable registrations: the epoch stays %d; writes "
+                           "posted before may still land", self.engine, what, self.session.epoch)
             return
         self.session.epoch = int(reached)
-        logger.warning("engine %s: a takeover revoked the lost owner's registrations: now epoch %d", self.engine,
+        logger.warning("engine %s: %s revoked the registrations of the last epoch: now epoch %d", self.engine, what,
                        self.session.epoch)
 
     def next_epoch(self, published: Iterable[int] = ()) -> int:
@@ -271,10 +286,17 @@ class EngineCore:
             answer = yield EngineVerb(verb, body)
         except Exception as e:  # noqa: BLE001 - the engine's route raised: settled like a failed answer
             answer = _failed(verb, e)
-        if verb in IN_SESSION or verb in FORGETS:
+        if verb in ENGINE_WRITES or verb in FORGETS:
             self.base.forget(f"{verb} ran after the last commit")
-        if verb in IN_SESSION and not answer.ok:
+        if verb in ENGINE_WRITES and session_open and not answer.ok:
             self.tear(f"{verb} failed (HTTP {answer.status}): {_why(answer)}; the weights may be partly written")
+        if verb == RELEASE and answer.ok:
+            self.released = "the weights' memory is released (release_memory_occupation)"
+            if self.session.open:
+                self.tear("the weights' memory was released inside the session")
+        if verb == RESUME and answer.ok:  # the memory is back: every rank re-published under a new epoch first
+            yield from self._revoke("the resume")
+            self.released = None
         return answer
 
     # ---- the rules a verb shares ----------------------------------------------------------------

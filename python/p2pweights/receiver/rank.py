@@ -15,8 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..control.weights_digest import parameter_digests
-from ..deltas.area import Manifest, open_rank_area
-from ..errors import InvalidWrite
+from ..deltas.area import open_rank_area
+from ..engine.rank_area import RankDeltas
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
 from ..replica import sglang_env
@@ -75,8 +75,10 @@ class EngineRank:
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
         self.weight_regions = [(r.address, r.nbytes) for r in regions]
         # the rank's delta area (deltas/area.py), next to its weights: host memory or this GPU's
-        self.delta_area = open_rank_area(sum(r.nbytes for r in regions), self.device, self.rank, name)
-        self._weight_tensors = [r.storage for r in regions]  # index records are applied through them
+        self.deltas = RankDeltas(open_rank_area(sum(r.nbytes for r in regions), self.device, self.rank, name),
+                                 self.rank, name, self.device)
+        self.deltas.cover(self.weight_regions, tensors=[r.storage for r in regions])  # records go through them
+        self.delta_area = self.deltas.area
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
         arch, version = device_arch(self.device), sglang_version() or ""
 
@@ -146,15 +148,8 @@ class EngineRank:
     def apply_deltas(self, manifests: dict) -> dict:
         """The session's deltas for this rank (its manifest in ``manifests``; none: nothing to apply),
         checked whole, then applied into the weights: before ``end``'s post-processing."""
-        manifest = manifests.get(str(self.rank)) if isinstance(manifests, dict) else None
-        if manifest is None:
-            return {"rank": self.rank, "records": 0}
-        if self.delta_area is None:
-            raise InvalidWrite(f"engine {self.name} rank {self.rank} has no delta area (weights on {self.device})")
         with self._lock:
-            return {"rank": self.rank, **self.delta_area.apply(
-                Manifest.parse(manifest, f"engine {self.name} rank {self.rank}"), self.weight_regions,
-                self._weight_tensors)}
+            return self.deltas.apply(manifests)
 
     # -- checks ------------------------------------------------------------------------------------
     def compare(self, hf_seed: int, skip: Sequence[str] = (), *, changed: tuple[float, int] | None = None) -> dict:
@@ -246,8 +241,7 @@ class EngineRank:
             self.registrations.close()
         except Exception:  # noqa: BLE001
             pass
-        if self.delta_area is not None:
-            self.delta_area.close()
+        self.deltas.close()
 
     # -- the verbs a leader calls on each rank (same names over HTTP) -------------------------------
     def call(self, verb: str, body: dict) -> Any:

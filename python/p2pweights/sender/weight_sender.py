@@ -32,7 +32,8 @@ from ..models.stages import stage_hf_names
 from ..planner.assign import Engine as PlanEngine
 from ..planner.assign import assign_engine_ranks
 from ..settings import Settings, sender_signature, settings
-from ..transport.publication import EnginePublication, check_sessions, session_claim
+from ..transport.publication import EnginePublication
+from ..transport.session_claims import check_sessions, session_claim
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes

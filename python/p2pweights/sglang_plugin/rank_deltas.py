@@ -29,8 +29,9 @@ import logging
 from typing import Any, Callable
 
 from ..control.error_answers import error_payload
-from ..deltas.area import DeltaArea, Manifest, open_rank_area
-from ..deltas.weight_views import device_views, host_views, weights_device
+from ..deltas.area import DeltaArea, open_rank_area
+from ..deltas.weight_views import weights_device
+from ..engine.rank_area import RankDeltas
 from ..errors import LayoutMismatch
 from ..transport.publication import merge_regions
 from . import bootstrap_requests
@@ -50,8 +51,7 @@ ERROR_KEY = "p2pw_error"
 
 # This scheduler's area and the weight regions its records may write (one rank per scheduler).
 AREA: DeltaArea | None = None
-REGIONS: list[tuple[int, int]] = []
-TENSORS: list[Any] = []
+DELTAS: RankDeltas | None = None  # the area and where its records may write (engine/rank_area.py)
 
 _PUBLISHING: contextvars.ContextVar[list | None] = contextvars.ContextVar("p2pw_delta_area", default=None)
 
@@ -62,7 +62,7 @@ def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 
     GPU area takes index records; ``named``: the parameters of those regions, which a GPU area's
     records are applied through). A refused registration leaves the rank without one (full writes),
     loudly."""
-    global AREA, REGIONS, TENSORS
+    global AREA, DELTAS
     area = open_rank_area(sum(n for _, n in regions), device, rank, "sglang")
     if area is None:
         return None
@@ -71,18 +71,9 @@ def open_area(regions: list[tuple[int, int]], transfer_engine: Any, rank: int = 
         logger.error("p2pweights sglang plugin: Mooncake refused the delta area (error %s): full writes only", ret)
         area.close()
         return None
-    AREA = area
-    REGIONS, TENSORS = _views(regions, named)
+    AREA, DELTAS = area, RankDeltas(area, rank, "sglang", device)
+    DELTAS.cover(regions, named=named)
     return area
-
-
-def _views(regions: list[tuple[int, int]], named: list | None) -> tuple[list, list]:
-    """Where the area's records may write, and the tensors they are applied through (weight_views)."""
-    if AREA is None or AREA.device == "cpu":
-        return host_views(regions)
-    if named is None:
-        raise ValueError("a GPU delta area needs the parameters its records are applied through")
-    return device_views(named)
 
 
 def merged_regions(table: dict) -> list[tuple[int, int]]:
@@ -94,9 +85,8 @@ def cover(table: dict, named: list | None = None) -> None:
     """The area's records may write every region of ``table`` from now on (a drafting rank's table
     gained the draft's parameters: ``draft_roles.py``; ``named``: those parameters, for a GPU area);
     nothing where the rank keeps no area."""
-    global REGIONS, TENSORS
-    if AREA is not None:
-        REGIONS, TENSORS = _views(merged_regions(table), named)
+    if DELTAS is not None:
+        DELTAS.cover(merged_regions(table), named=named)
 
 
 def _open_beside(transporter: Any) -> None:
@@ -148,12 +138,7 @@ def rank_apply(rank: int, raw: Any) -> dict:
     """This rank's apply of its manifest in ``raw`` (the action's JSON); never raises."""
     try:
         manifests = (json.loads(raw) if isinstance(raw, str) else {}).get("manifests")
-        manifest = manifests.get(str(rank)) if isinstance(manifests, dict) else None
-        if manifest is None:
-            return {"rank": rank, "records": 0}
-        if AREA is None:
-            raise RuntimeError(f"engine rank {rank} keeps no delta area")
-        return {"rank": rank, **AREA.apply(Manifest.parse(manifest, f"rank {rank}"), REGIONS, TENSORS)}
+        return (DELTAS or RankDeltas(None, rank, "sglang")).apply(manifests)
     except Exception as e:  # noqa: BLE001 - reported to the launcher; this rank must still join the gather
         logger.error("p2pweights: delta apply refused on rank %d: %s", rank, e)
         return {"rank": rank, "error": error_payload(e, type_name=type(e).__name__)["error"]}

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from ..control.error_answers import error_payload
 from ..errors import TransportError
 from ..settings import value
-from ..transport import mooncake
+from ..transport import mooncake_fence
 from ..transport.mooncake import NAME as MOONCAKE
 from ..transport.mooncake import MooncakeReceiver
 from ..transport.publication import EnginePublication, ParamTarget
@@ -98,7 +98,7 @@ class SglangEndpoint:
         # and before the rank publishes no sender can be holding it); fence() asks again if this failed
         self.data_port: int | None = None
         try:
-            self.data_port = mooncake.tcp_data_port(self.session_id)
+            self.data_port = mooncake_fence.tcp_data_port(self.session_id)
         except (OSError, ValueError, TransportError) as e:
             logger.warning("p2pweights sglang plugin: sglang's Mooncake engine %s did not name its TCP data port (%s)",
                            self.session_id, e)
@@ -114,7 +114,7 @@ class SglangEndpoint:
     def fence(self, deadline: float) -> int:
         """Nothing lands through sglang's engine in these regions once this returns (transport/mooncake.py
         ``fence``); the connections cut. TransportError names what failed; a later call finishes it."""
-        return mooncake.fence(self.engine, self._registered, self.data_port, self.session_id, deadline,
+        return mooncake_fence.fence(self.engine, self._registered, self.data_port, self.session_id, deadline,
                               self.protocol)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 BACKEND = "p2pweights"  # the name --weight-transfer-config '{"backend": "p2pweights"}' selects
-ENGINE_MODULE, ENGINE_CLASS = "p2pweights.vllm_backend.engine", "P2PWeightsEngine"
+ENGINE_MODULE, ENGINE_CLASS = "p2pweights.vllm_backend.transfer_engine", "P2PWeightsEngine"
 
 
 def register() -> None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..deltas.area import DeltaArea, Manifest, open_rank_area
-from ..deltas.weight_views import device_views, host_views, weights_device
-from ..errors import InvalidWrite, LayoutMismatch
+from ..deltas.area import DeltaArea, open_rank_area
+from ..deltas.weight_views import weights_device
+from ..engine.rank_area import RankDeltas
+from ..errors import LayoutMismatch
 from ..receiver.build_report import device_arch
 from ..transport import resolve_transport
 from ..transport.publication import merge_regions, params_table
@@ -111,14 +112,11 @@ class RankMemory:
         self.table = params_table(owned)
         self.regions = merge_regions((ptr, numel * size) for ptr, numel, size in self.table.values())
         self.build = dict(build or {})
-        self.area: DeltaArea | None = None
-        # where the area's records may write and the tensors index records go through (deltas/weight_views.py)
-        self._writable: list[tuple[int, int]] = []
-        self._tensors: list[Any] = []
-        if deltas:
-            self.area = open_area(sum(n for _, n in self.regions), area, self.rank, engine, self.device)
-        if self.area is not None:
-            self._writable, self._tensors = host_views(self.regions) if self.device == "cpu" else device_views(owned)
+        # the delta area and where its records may write (engine/rank_area.py: the one apply of every host)
+        self.deltas = RankDeltas(open_area(sum(n for _, n in self.regions), area, self.rank, engine, self.device)
+                                 if deltas else None, self.rank, engine, self.device)
+        self.deltas.cover(self.regions, named=owned)
+        self.area = self.deltas.area
         arch = device_arch(self.device)
         published_area = self.area.published() if self.area is not None else None
 
@@ -130,8 +128,7 @@ class RankMemory:
         try:
             self.registrations = RevocableRegions(self.transport, regions, self.table, self.rank, decorate=decorate)
         except BaseException:
-            if self.area is not None:
-                self.area.close()
+            self.deltas.close()
             raise
 
     @property
@@ -164,19 +161,10 @@ class RankMemory:
     def apply_deltas(self, manifests: dict) -> dict:
         """This rank's manifest in ``manifests`` (``{rank: manifest}``; none: nothing), checked whole
         against what the area holds, then applied into the weights (deltas/area.py)."""
-        manifest = manifests.get(str(self.rank))
-        if manifest is None:
-            return {"rank": self.rank, "records": 0}
-        if self.area is None:
-            raise InvalidWrite(f"engine {self.engine} rank {self.rank} has no delta area (weights on {self.device})",
-                               rank=self.rank)
-        parsed = Manifest.parse(manifest, f"engine {self.engine} rank {self.rank}")
-        return {"rank": self.rank, **self.area.apply(parsed, self._writable, self._tensors)}
+        return self.deltas.apply(manifests)
 
     def close(self) -> None:
         try:
             self.registrations.close()
         finally:
-            if self.area is not None:
-                self._tensors = []
-                self.area.close()
+            self.deltas.close()
