@@ -19,6 +19,7 @@ from typing import Any
 from p2pweights.control import http as control_http
 from p2pweights.control import protocol as p
 from p2pweights.deltas.committed import DELTA_KEY
+from p2pweights.errors import InvalidWrite
 
 KEY = "policy-key"
 #: the core's verbs as each host's engine names them
@@ -43,8 +44,8 @@ class Ranks:
         self.epoch = 1
 
     def apply(self, manifests: dict) -> None:
-        if self.fail_apply:
-            raise RuntimeError("rank 0: injected: the delta area does not hold what the manifest says")
+        if self.fail_apply:  # what a rank raises when its area does not hold what the manifest says
+            raise InvalidWrite("rank 0: injected: the delta area does not hold what the manifest says", rank=0)
         self.applied.append(manifests)
 
     def revoke(self, epoch: int) -> None:
@@ -206,8 +207,8 @@ class SglangHost(_Asgi):
                     elif req.action == rank_epochs.ACTION:
                         ranks.revoke(args[rank_epochs.EPOCH_KEY])
                         delta_updates.EPOCHS[0] = args[rank_epochs.EPOCH_KEY]
-                except RuntimeError as e:
-                    error = {rank_deltas.ERROR_KEY: {"type": "RuntimeError", "message": str(e)}}
+                except (RuntimeError, InvalidWrite) as e:
+                    error = {rank_deltas.ERROR_KEY: {"type": type(e).__name__, "message": str(e)}}
                     return [types.SimpleNamespace(success=False, message=json.dumps(error))]
                 return [types.SimpleNamespace(success=True, message="{}")]
 

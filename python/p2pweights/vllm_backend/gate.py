@@ -35,7 +35,7 @@ from ..control.http import key_matches
 from ..deltas.committed import DELTA_KEY
 from ..engine import core as ec
 from ..engine import steps
-from ..errors import EngineError, InvalidRequest
+from ..errors import EngineError, InvalidRequest, InvalidWrite
 from ..front import answer_for, asgi
 from ..front.verb_answers import respond_verb
 from ..settings import value as setting
@@ -159,7 +159,12 @@ class SessionGate:
     async def _vllm(self, scope: dict, body: Any, raw: bytes | None = None) -> steps.Answer:
         """vLLM's own answer to the request's route with ``body`` (``raw``: as it came)."""
         data = raw if raw is not None else (asgi.encode(body) if body else b"")
-        status, headers, out = await asgi.answer_of(self.app, scope, asgi.replay(data))
+        try:
+            status, headers, out = await asgi.answer_of(self.app, scope, asgi.replay(data))
+        except Exception as e:  # noqa: BLE001 - a worker's error raises through vLLM's route: an answer here
+            out, headers = asgi.encode(error_payload(f"{asgi.route_path(scope)} failed in vLLM: {type(e).__name__}: "
+                                                     f"{e}")), asgi.JSON_HEADERS
+            status = p.ENGINE_FAILED
         return steps.Answer(status, asgi.decode(out), raw=out, headers=headers,
                             already_open=not p.ok(status) and b"already active" in out)
 
@@ -184,7 +189,10 @@ def _verb(path: str, obj: Any) -> tuple[str | None, Any]:
 
 async def _apply(client: Any, manifests: dict[int, dict]) -> None:
     """Every worker applies its own manifest (the backend's ``receive_weights``); raises when one refused."""
-    await client.update_weights(request=_update_request({DELTA_KEY: {str(r): m for r, m in manifests.items()}}))
+    try:
+        await client.update_weights(request=_update_request({DELTA_KEY: {str(r): m for r, m in manifests.items()}}))
+    except Exception as e:  # noqa: BLE001 - a worker refused its manifest (vLLM reports it as its own error)
+        raise InvalidWrite(f"the deltas were not applied: {type(e).__name__}: {e}") from e
 
 
 def _update_request(update_info: dict) -> Any:
