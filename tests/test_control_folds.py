@@ -102,9 +102,12 @@ def test_a_server_that_does_not_say_it_paused_is_paused_apart_before_anything_is
     class Forgetful(ReceiverServer):
         """Now behind the URL: a server whose begin neither pauses nor says it did."""
 
-        def _begin(self, req):
-            answer = super()._begin(type(req)(selector=req.selector))  # the pause key dropped
-            return {k: v for k, v in answer.items() if k != p.BEGIN_PAUSES}
+        def control(self, verb, headers, body):
+            if verb != "begin_weight_update":
+                return super().control(verb, headers, body)
+            body = {k: v for k, v in (body or {}).items() if k != p.PAUSE_FIRST}  # the pause key dropped
+            status, answer = super().control(verb, headers, body)
+            return status, {k: v for k, v in answer.items() if k != p.BEGIN_PAUSES}
 
     hooks = Recording()
     with Forgetful(hooks) as srv:

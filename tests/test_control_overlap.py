@@ -249,14 +249,13 @@ def test_an_sglang_server_gets_end_version_and_continue_as_three_calls(receivers
     ends: list[dict] = []
 
     class SglangLike(ReceiverServer):
-        def _begin(self, req):
-            answer = super()._begin(req)
-            answer.pop(p.END_FOLDS)  # sglang's begin answers only success and message
-            return answer
-
-        def _end(self, req):
-            ends.append(dict(req.extra))
-            return super()._end(req)
+        def control(self, verb, headers, body):
+            if verb == "end_weight_update":
+                ends.append(dict(body or {}))
+            status, answer = super().control(verb, headers, body)
+            if verb == "begin_weight_update":
+                answer.pop(p.END_FOLDS)  # sglang's begin answers only success and message
+            return status, answer
 
     server = SglangLike(_Hooks()).start()
     try:

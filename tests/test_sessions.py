@@ -26,9 +26,9 @@ import pytest
 
 from p2pweights.control import SglangEngine, UpdateSession
 from p2pweights.control import protocol as p
+from p2pweights.engine.session import SessionKeeper, SessionState
 from p2pweights.errors import P2PWeightsError, SessionConflict, TornWeights, UpdateFailed, UpdateRefused
 from p2pweights.receiver import ReceiverHooks, ReceiverServer, check_weights_equal, start_engine, start_engines
-from p2pweights.receiver.session_keeper import SessionKeeper, SessionState
 from p2pweights.transport.peer import wait_stopped
 from replica_configs import write_config
 
@@ -237,13 +237,16 @@ def test_an_engine_that_fails_the_check_in_before_the_end_is_named_and_left_paus
 
 
 def test_a_session_an_sglang_server_says_is_open_is_resumed_only_by_its_own_owner():
-    from p2pweights.receiver.request_handler import OutOfOrder
-
     class SglangLike(ReceiverServer):
         """sglang keeps no owners: its begin answers 400 "already open" to anyone."""
 
-        def _begin(self, req):
-            raise OutOfOrder(f"a weight-update session is {p.SESSION_ALREADY_OPEN}")
+        def _begin_weight_update(self, body):
+            return p.BAD_REQUEST, {"success": False, "message": f"a weight-update session is {p.SESSION_ALREADY_OPEN}"}
+
+        def control(self, verb, headers, body):  # no engine core: plain sglang ends any open session
+            if verb == "end_weight_update":
+                return p.OK, self._end(None).body
+            return super().control(verb, headers, body)
 
     hooks = Recording()
     with SglangLike(hooks) as srv:
@@ -353,7 +356,7 @@ def test_a_begin_with_a_guessable_owner_token_is_refused_400_without_repeating_i
 
 
 def test_a_label_that_carries_the_owner_token_is_never_shown():
-    from p2pweights.receiver.session_keeper import label_of
+    from p2pweights.engine.session import label_of
 
     token = _token("t")
     assert label_of({p.SESSION_LABEL_HEADER: f"host:1 {token}"}, token) == ""
@@ -364,8 +367,8 @@ def test_a_label_that_carries_the_owner_token_is_never_shown():
 
 
 def test_the_keeper_caps_every_lease_to_the_engines_own_and_refuses_nonsense():
+    from p2pweights.engine.session import lease_of
     from p2pweights.errors import InvalidRequest
-    from p2pweights.receiver.session_keeper import lease_of
 
     now = [0.0]
     keeper = SessionKeeper("e0", lease=5.0, clock=lambda: now[0])

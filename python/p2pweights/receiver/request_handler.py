@@ -3,7 +3,8 @@ behind the HTTP front's :class:`~p2pweights.front.Guard` (the key, body limits a
 error answers), served by :class:`~p2pweights.front.BackgroundServer`.
 
 One request's way to a verb is :meth:`RequestHandler.answer`, the one dispatch: its route, its body
-decoded into the route's class, the session gate (:func:`.session_keeper.gated`), then the
+decoded into the route's class, then a verb the engine core decides (``engine/core.py``,
+``ReceiverServer.control``) or one only read here; then the
 :class:`~.server.ReceiverServer` verb (a ``_do_<verb>`` method here); the answer is sglang's status
 and body, or the control plane's one error payload (:func:`p2pweights.front.answer_for`). It runs
 on a worker thread (:class:`~p2pweights.front.Workers`): hooks block for seconds while they fan a
@@ -21,11 +22,11 @@ from typing import Any
 
 from ..control import bodies, error_answers, routes
 from ..control import protocol as p
+from ..engine import core as engine_core
 from ..errors import InvalidRequest, P2PWeightsError
 from ..front import Guard, StatusError, Workers, answer_for, asgi
 from ..front import guard as front_guard
 from . import build_report, phases
-from . import session_keeper as sessions
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,12 @@ class RequestHandler:
         token = phases.collect(times)
         try:
             req = bodies.decode(route.body, front_guard.json_object(raw)) if route.body is not None else None
-            status, payload = sessions.gated(self.receiver, route.verb, self.headers,
-                                             lambda: getattr(self, "_do_" + route.verb)(req, query))
-            if route.verb in sessions.GATED and isinstance(payload, dict) and p.ok(status):
-                payload = {**payload, p.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
+            if route.verb in engine_core.VERBS:  # the engine core decides (engine/core.py)
+                status, payload = self.receiver.control(route.verb, self.headers, front_guard.json_object(raw))
+                if isinstance(payload, dict) and p.ok(status):
+                    payload = {**payload, p.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
+            else:
+                status, payload = getattr(self, "_do_" + route.verb)(req, query)
         except Exception as e:  # noqa: BLE001 - every failure is an answer; the server keeps serving
             status, payload = answer_for(e, route.path)
             if status >= p.ENGINE_FAILED:
@@ -165,21 +168,6 @@ class RequestHandler:
         self.receiver.register_transfer_engine_info(req.tp_rank, info["session_id"], info["weights_info_dict"], extra)
         return p.OK, "OK"
 
-    def _do_pause_generation(self, req: bodies.PauseGenerationReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._pause(req)
-
-    def _do_continue_generation(self, req: bodies.ContinueGenerationReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._continue(req)
-
-    def _do_begin_weight_update(self, req: bodies.BeginWeightUpdateReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._begin(req)
-
-    def _do_end_weight_update(self, req: bodies.EndWeightUpdateReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._end(req)
-
-    def _do_update_weight_version(self, req: bodies.UpdateWeightVersionReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._update_weight_version(req)
-
     def _do_weights_checker(self, req: bodies.CheckWeightsReq, query: dict) -> tuple[int, Any]:
         return self.receiver._weights_checker(req)
 
@@ -189,21 +177,6 @@ class RequestHandler:
     def _do_p2pw_weights_digest(self, req: bodies.WeightsDigestReq, query: dict) -> tuple[int, Any]:
         return self.receiver._weights_digest(req)
 
-    def _do_p2pw_apply_deltas(self, req: bodies.ApplyDeltasReq, query: dict) -> tuple[int, Any]:
-        return p.OK, self.receiver._apply_now(req)
-
-    def _do_init_weights_update_group(self, req: bodies.InitWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
-        return self.receiver._init_weights_update_group(req)
-
-    def _do_update_weights_from_distributed(self, req: bodies.UpdateWeightsFromDistributedReq,
-                                            query: dict) -> tuple[int, Any]:
-        return self.receiver._update_weights_from_distributed(req)
-
-    def _do_destroy_weights_update_group(self, req: bodies.DestroyWeightsUpdateGroupReq, query: dict) -> tuple[int, Any]:
-        return self.receiver._destroy_weights_update_group(req)
-
-    def _do_renew_weight_update(self, req: bodies.RenewWeightUpdateReq, query: dict) -> tuple[int, Any]:
-        return p.OK, sessions.renew(self.receiver, req.release, self.headers)
 
 
 def _rank(query: dict) -> int:

@@ -46,19 +46,20 @@ from typing import Any
 from ..control import bodies
 from ..control import protocol as p
 from ..control.weights_digest import ALGORITHM
-from ..deltas.area import Manifest
-from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
-from ..errors import InvalidRequest, P2PWeightsError
+from ..engine import steps
+from ..engine.core import EngineCore
+from ..errors import InvalidRequest
 from ..front import BackgroundServer
 from ..front import guard as front_guard
 from ..front import workers as front_workers
 from ..settings import value as setting
 from . import phases
-from . import session_keeper as sessions
 from .hooks import ReceiverHooks
-from .request_handler import OutOfOrder, Refused, build_app, error_answer
+from .request_handler import Refused, build_app, error_answer
 
 logger = logging.getLogger(__name__)
+
+_ALREADY_OPEN = "p2pw_already_open"  # how _begin_weight_update tells the core its own session is open
 
 
 class ReceiverServer:
@@ -97,13 +98,13 @@ class ReceiverServer:
         self._requested_port = int(port)
         self._front: BackgroundServer | None = None  # uvicorn on its own thread and event loop
         self._state_lock = threading.Lock()      # guards the fields below; held only briefly
-        self._control_lock = threading.RLock()   # one control hook at a time (re-taken inside sessions.gated)
-        # the session's owner, lease (at most session_lease: P2PW_SESSION_LEASE) and torn mark (receiver.session_keeper)
-        self.session = sessions.SessionKeeper(lease=session_lease)
-        self.base = CommittedBase()  # what deltas are computed against (deltas/committed.py)
+        self._control_lock = threading.RLock()   # one control hook at a time (the core's verbs run one at a time too)
+        # every engine-side decision (session, lease, epoch, the tear rule, the delta base): engine/core.py;
+        # begin answers protocol.BEGIN_PAUSES (the owner's next begin may pause first) with P2PW_RECEIVER_CONTROL
+        self.core = EngineCore(lease=session_lease, begin_pauses=setting("P2PW_RECEIVER_CONTROL") == "folded",
+                               end_folds=True)
+        self.session, self.base = self.core.session, self.core.base
         self.weight_version = str(weight_version)
-        # begin answers protocol.BEGIN_PAUSES: the owner's next begin may pause first (P2PW_RECEIVER_CONTROL)
-        self.pause_in_begin = setting("P2PW_RECEIVER_CONTROL") == "folded"
         self.paused = False
         self.updating = False
         self.update_selector: str | None = None
@@ -121,7 +122,7 @@ class ReceiverServer:
         # returns once the port is bound and served (a port taken raises OSError here)
         self._front = BackgroundServer(build_app(self), self.host, self._requested_port, read_timeout=self.read_timeout,
                                        request_deadline=self.request_deadline, name="p2pweights-receiver").start()
-        self.session.engine = self.url
+        self.core.engine = self.url
         logger.info("p2pweights receiver control server on %s", self.url)
         return self
 
@@ -177,25 +178,21 @@ class ReceiverServer:
             self._registered[int(rank)] = [session_id, weights_info]
             self._registered_extra[int(rank)] = {k: v for k, v in extra.items() if not k.startswith("p2pw_")}
 
-    def revoke_epoch(self) -> None:
-        """A takeover (``session_keeper.gated``, before the new owner's begin runs): every rank moves
-        its registrations to a new endpoint under the next epoch (``hooks.on_revoke``), and what is
-        published becomes theirs; the lost owner's connections and keys fail (docs/security.md,
-        "Epochs"). A failure raises: the begin fails and the engine stays torn. An engine whose
-        hooks cannot revoke keeps its epoch (its fence is the senders' alone)."""
-        epoch = self.session.epoch + 1
+    def _revoke(self, epoch: int) -> int | None:
+        """The core's :class:`~p2pweights.engine.steps.Revoke`: every rank moves its registrations to a new
+        endpoint under ``epoch`` (``hooks.on_revoke``), and what is published becomes theirs; the lost
+        owner's connections and keys fail (docs/security.md, "Epochs"). None where the hooks cannot
+        revoke (the engine's fence is then the senders' alone)."""
         published = self.hooks.on_revoke(epoch)
         if published is None:
-            logger.warning("engine %s cannot revoke its registrations (its hooks have no on_revoke): a lost "
-                           "owner's writes in flight may still land", self.url)
-            return
+            return None
         with self._state_lock:
             for rank, (peer, table, extra) in published.items():
                 kept = {k: v for k, v in self._registered_extra.get(int(rank), {}).items() if k == "registered_from"}
                 self._registered[int(rank)] = [peer, table]
                 self._registered_extra[int(rank)] = {**{k: v for k, v in extra.items() if not k.startswith("p2pw_")},
                                                      **kept}
-            self.session.epoch = epoch
+        return epoch
 
     def registered_extras(self) -> dict[int, dict]:
         """Each registered rank's extra publication keys (``device_arch``, ``sglang_version``, NIXL's ...)."""
@@ -209,49 +206,61 @@ class ReceiverServer:
         with self._state_lock:
             return self._registered.get(rank), dict(self._registered_extra.get(rank, {}))
 
-    # ---- control verbs (called by the handler) -------------------------------------------------
+    # ---- the engine core's verbs, mapped onto the hooks --------------------------------------
 
     def state(self) -> str:
         if self.updating:
             return "updating"
         return "paused" if self.paused else "generating"
 
-    def _pause(self, req: bodies.PauseGenerationReq) -> dict:
+    def control(self, verb: str, headers: Any, body: Any) -> tuple[int, Any]:
+        """One call of a verb the engine core decides (``engine.core.VERBS``): (status, answer)."""
+        answer = self.core.run(verb, headers, body, self._step)
+        return answer.status, answer.body
+
+    def _step(self, step: steps.Step) -> Any:
+        """One step the core asks for, done by the hooks (``engine/steps.py``)."""
+        if isinstance(step, steps.IsPaused):
+            return self.paused
+        if isinstance(step, steps.DeltaSupport):
+            return self._delta_support()
+        if isinstance(step, steps.PublishedEpochs):
+            return [e.get("epoch") for e in self.registered_extras().values()]
+        if isinstance(step, steps.Revoke):
+            return self._revoke(step.epoch)
+        if isinstance(step, steps.ApplyDeltas):
+            return self.hooks.on_apply_deltas(step.manifests)
+        if isinstance(step, steps.End):
+            return self._end(step.manifests)
+        t0 = time.perf_counter()
+        status, answer = getattr(self, "_" + step.verb)(step.body or {})
+        phases.record_phase(f"{step.verb}_s", time.perf_counter() - t0)
+        already_open = bool(answer.pop(_ALREADY_OPEN, False)) if isinstance(answer, dict) else False
+        return steps.Answer(status, answer, already_open=already_open)
+
+    def _pause_generation(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.PauseGenerationReq, body)
         with self._control_lock:
             self.hooks.on_pause(req.mode)     # idempotent, like sglang: pausing a paused engine is fine
             self.paused = True
-        return bodies.encode(bodies.GenerationAck("Generation paused successfully."))
+        return p.OK, bodies.encode(bodies.GenerationAck("Generation paused successfully."))
 
-    def _continue(self, req: bodies.ContinueGenerationReq) -> dict:
+    def _continue_generation(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.ContinueGenerationReq, body)
         with self._control_lock:
-            if self.updating:
-                logger.warning("continue_generation while a weight-update session is open: the engine "
-                               "serves weights that are partly written")
             self.hooks.on_continue(req.torch_empty_cache)
             self.paused = False
-        return bodies.encode(bodies.GenerationAck("Generation continued successfully."))
+        return p.OK, bodies.encode(bodies.GenerationAck("Generation continued successfully."))
 
-    def _begin(self, req: bodies.BeginWeightUpdateReq) -> dict:
-        pause = bodies.begin_pause(req)  # checked before anything runs
+    def _begin_weight_update(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.BeginWeightUpdateReq, body)
         with self._control_lock:
-            paused = self._pause(pause) if pause is not None else None  # the owner's pause, folded in
-            if not self.paused:
-                raise OutOfOrder("generation is running; call pause_generation() before begin_weight_update() "
-                                "(p2pweights writes land in live parameter memory)")
-            if self.updating and self.session.held:
-                raise OutOfOrder(f"a weight-update session is {p.SESSION_ALREADY_OPEN}; call end_weight_update() first")
-            # from here the weights may change: the committed base is forgotten, whatever follows
-            delta = self.base.open(req.extra.get(DELTA_KEY), self.session.epoch, self._delta_support())
-            folds = {**({p.BEGIN_PAUSES: True} if self.pause_in_begin else {}),
-                     **({p.PAUSE_FIRST: paused} if paused is not None else {})}
-            if self.updating:  # torn: taken over, not begun again
-                return {**bodies.encode(bodies.Ack(
-                    message=f"took over a {p.TORN} weight-update session: a complete update heals it")), DELTA_KEY: delta,
-                    **folds}
+            if self.updating:  # torn: the lost owner's session is still open here; the core decides
+                return p.BAD_REQUEST, {"success": False, "message": f"a weight-update session is {p.SESSION_ALREADY_OPEN}",
+                                       _ALREADY_OPEN: True}
             self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
-        # this end may bump the version and continue too; the next begin may pause first
-        return {**bodies.encode(bodies.Ack()), p.END_FOLDS: True, DELTA_KEY: delta, **folds}
+        return p.OK, bodies.encode(bodies.Ack())
 
     def _delta_support(self) -> str:
         """Why this engine cannot take deltas now ("" when it can): every rank must publish a delta area."""
@@ -260,81 +269,28 @@ class ReceiverServer:
         extras = self.registered_extras()
         missing = sorted(r for r, e in extras.items() if not e.get("delta_area"))
         if not extras or missing:
-            return (f"engine rank(s) {missing or 'none'} publish no delta area (a rank whose weights are on a GPU "
-                    f"takes full writes: the GPU apply is not built yet)")
+            return f"engine rank(s) {missing or 'none'} publish no delta area"
         return ""
 
-    def _deltas_to_apply(self, manifests: Any, verb: str = "end_weight_update") -> dict[int, dict] | None:
-        """The owner's manifests (``{rank: manifest}``) checked, to apply before the post-processing;
-        once per session (None: the call names none)."""
-        if manifests is None:
-            return None
-        if not self.base.accepted:
-            raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they "
-                                 f"were applied already)")
-        if not isinstance(manifests, dict):
-            raise InvalidRequest(f"{verb}: {DELTA_KEY} must be {{rank: manifest}}")
-        parsed = {}
-        for rank, m in manifests.items():
-            if not (isinstance(rank, str) and rank.isdigit()):
-                raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
-            parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
-        self.base.accepted = False  # applied once: a second apply of the same records would be refused
-        return parsed
-
-    def _apply_now(self, req: bodies.ApplyDeltasReq) -> dict:
-        """``POST /p2pw_apply_deltas``: the deltas now, inside the session (verify=True digests after it)."""
+    def _end(self, manifests: dict[int, dict] | None) -> steps.Answer:
         with self._control_lock:
-            if not self.updating:
-                raise OutOfOrder(f"{p.NO_SESSION} is open; deltas are applied inside a session")
-            parsed = self._deltas_to_apply(req.manifests, "p2pw_apply_deltas")
-            if parsed is not None:
-                self.hooks.on_apply_deltas(parsed)
-        return bodies.encode(bodies.Ack())
-
-    def _end(self, req: bodies.EndWeightUpdateReq) -> dict:
-        then = bodies.end_then(req)  # checked before anything runs
-        with self._control_lock:
-            if not self.updating:
-                raise OutOfOrder(f"{p.NO_SESSION} is open; call begin_weight_update() first")
-            deltas = self._deltas_to_apply(req.extra.get(DELTA_KEY))
-            if deltas is None:
+            if manifests is None:
                 self.hooks.on_end_update()
             else:  # applied, then post-processed: in one call to each rank where the hooks can
-                self.hooks.on_apply_deltas_then_end(deltas)
+                self.hooks.on_apply_deltas_then_end(manifests)
             self.updating, self.update_selector = False, None
-            base = self.base.commit(self.session.epoch)  # the weights now: a new identity for the next delta
-            if then is None:
-                return {**bodies.encode(bodies.Ack()), BASE_KEY: base}
-            self.session.end()  # over before what follows it (sessions.gated records it again: no-op)
-            done: dict[str, dict] = {}
-            # then, as the owner's own next calls would: the version, then (only once it is bumped) continue
-            steps = [("update_weight_version", lambda: self._update_weight_version(
-                bodies.UpdateWeightVersionReq(new_version=then["new_version"], abort_all_requests=False)))]
-            if then["continue"]:
-                steps.append(("continue_generation", lambda: self._continue(
-                    bodies.ContinueGenerationReq(torch_empty_cache=then["torch_empty_cache"]))))
-            for verb, step in steps:
-                t0 = time.perf_counter()
-                try:
-                    done[verb] = step()
-                    phases.record_phase(f"{verb}_s", time.perf_counter() - t0)
-                except Exception as e:  # noqa: BLE001 - ended already: the answer says what failed after it
-                    logger.error("%s after end_weight_update failed:\n%s", verb, traceback.format_exc())
-                    what = e.message if isinstance(e, P2PWeightsError) else str(e)
-                    done[verb] = error_answer(e, f"{verb} failed in the engine after end_weight_update: "
-                                           f"{type(e).__name__}: {what}")
-                    break
-        return {**bodies.encode(bodies.Ack()), p.END_THEN: done, BASE_KEY: base}
+        return steps.Answer(p.OK, bodies.encode(bodies.Ack()))
 
-    def _update_weight_version(self, req: bodies.UpdateWeightVersionReq) -> dict:
+    def _update_weight_version(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.UpdateWeightVersionReq, body)
         with self._control_lock:
-            if self.updating:
-                raise OutOfOrder("a weight-update session is open; call end_weight_update() before "
-                                "update_weight_version() (the version is bumped only after the update ended)")
             self.hooks.on_weight_version(req.new_version, req.abort_all_requests)
             self.weight_version = req.new_version
-        return bodies.encode(bodies.WeightVersionAck(f"Weight version updated to {req.new_version}", req.new_version))
+        return p.OK, bodies.encode(bodies.WeightVersionAck(f"Weight version updated to {req.new_version}", req.new_version))
+
+    def _renew_weight_update(self, body: dict) -> tuple[int, dict]:
+        self.hooks.on_renew_lease()  # a stalled rank is named here, within the renewal's timeout
+        return p.OK, {}
 
     def _weights_checker(self, req: bodies.CheckWeightsReq) -> tuple[int, dict]:
         # sglang's fields, then those it does not define (e.g. p2pweights' hf_seed) as they came
@@ -367,7 +323,8 @@ class ReceiverServer:
             value = value.tolist()
         return p.OK, value
 
-    def _init_weights_update_group(self, req: bodies.InitWeightsUpdateGroupReq) -> tuple[int, dict]:
+    def _init_weights_update_group(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.InitWeightsUpdateGroupReq, body)
         try:  # not under the control lock: joining waits for every member, the sender included
             self.hooks.init_weights_update_group(dataclasses.asdict(req))
         except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
@@ -375,21 +332,20 @@ class ReceiverServer:
             return p.BAD_REQUEST, error_answer(e, f"Failed to initialize custom process group: {e}.")
         return p.OK, bodies.encode(bodies.Ack(message="Succeeded to initialize custom process group."))
 
-    def _destroy_weights_update_group(self, req: bodies.DestroyWeightsUpdateGroupReq) -> tuple[int, dict]:
+    def _destroy_weights_update_group(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.DestroyWeightsUpdateGroupReq, body)
         try:
             self.hooks.destroy_weights_update_group(req.group_name)
         except Exception as e:  # noqa: BLE001
             return p.BAD_REQUEST, error_answer(e, f"Failed to destroy custom process group: {e}.")
         return p.OK, bodies.encode(bodies.Ack(message="Succeeded to destroy custom process group."))
 
-    def _update_weights_from_distributed(self, req: bodies.UpdateWeightsFromDistributedReq) -> tuple[int, dict]:
+    def _update_weights_from_distributed(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.UpdateWeightsFromDistributedReq, body)
         with self._control_lock:
-            if not self.updating:  # sglang 0.5.23's rule and message
-                raise Refused("update_weights_from_distributed must run between begin_weight_update() and "
-                               "end_weight_update()")
             try:
                 self.hooks.update_weights_from_distributed(dataclasses.asdict(req))
-            except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason
+            except Exception as e:  # noqa: BLE001 - sglang answers 400 with the reason (the core tears)
                 logger.error("update_weights_from_distributed failed:\n%s", traceback.format_exc())
                 return p.BAD_REQUEST, error_answer(e, f"Failed to update parameter online: {e}")
             if req.weight_version is not None:
