@@ -55,6 +55,12 @@ def _protocol_class(head_deadline: float) -> type:
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # no Nagle delay between an answer's head and body (asyncio's own rule may not)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
             # nothing sent yet: closed after the keep-alive timeout, as an idle kept connection is
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
@@ -125,7 +131,9 @@ def _protocol_class(head_deadline: float) -> type:
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (0: a free port); OSError when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP, and
+    # an answer's head and body are two writes (with Nagle on, the body waits out the client's delayed ACK)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT, never a live listener
         sock.bind((host, port))
