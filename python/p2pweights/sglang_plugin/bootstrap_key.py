@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from ..control import routes
 from ..control.protocol import PLUGIN_BOOTSTRAP_KEY as OFFER
-from ..receiver import asgi_steps as asgi
+from ..front import asgi
 from . import bootstrap_requests
 
 logger = logging.getLogger(__name__)

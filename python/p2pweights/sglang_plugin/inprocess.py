@@ -36,7 +36,7 @@ from typing import Any
 from .. import __version__
 from ..control import protocol as p
 from ..control import routes
-from ..receiver import asgi_steps as asgi
+from ..front import asgi
 from ..transport.publication import REFUSED_KEY
 from . import bootstrap_key, server_info
 
