@@ -35,12 +35,19 @@ $PIP --no-deps nixl-cu12
 # no dependencies: the registry's wheel is a CUDA build and pins another torch). Apart, because vLLM
 # needs an openai that sglang's pin refuses, and sglang's CPU kernels take vLLM's (GPU-only) ops
 # whenever vLLM imports: the tests put .vllm_site on the path of the vLLM tests' own process only
-# (tests/test_vllm_suite.py).
+# (tests/test_vllm_suite.py). What vLLM's modules import beyond the main install, found in a fresh
+# virtual environment (cloudpickle: vllm.v1.serial_utils, reached by every vLLM config). The list is
+# stamped in .vllm_site: a folder installed from another list gets the packages again.
+VLLM_SITE_PACKAGES=("cbor2==6.3.0" "cachetools==8.0.2" "blake3==1.0.11" "py-cpuinfo==9.0.0" "ijson==3.6.0"
+  "python-json-logger==4.2.0" "oss-harmony==0.0.11" "prometheus_client==0.26.0"
+  "prometheus-fastapi-instrumentator==8.1.0" "openai==2.25.0" "llguidance==1.7.6" "watchfiles==1.3.0"
+  "cloudpickle==3.1.3")
 if [ ! -f .vllm_site/vllm/__init__.py ]; then
-  $PIP --no-deps --target .vllm_site "vllm==0.33.0" "cbor2==6.3.0" "cachetools==8.0.2" "blake3==1.0.11" \
-    "py-cpuinfo==9.0.0" "ijson==3.6.0" "python-json-logger==4.2.0" "oss-harmony==0.0.11" \
-    "prometheus_client==0.26.0" "prometheus-fastapi-instrumentator==8.1.0" "openai==2.25.0" "llguidance==1.7.6" \
-    "watchfiles==1.3.0"
+  $PIP --no-deps --target .vllm_site "vllm==0.33.0"
+fi
+if [ "$(cat .vllm_site/.p2pweights-packages 2>/dev/null)" != "${VLLM_SITE_PACKAGES[*]}" ]; then
+  $PIP --no-deps --upgrade --target .vllm_site "${VLLM_SITE_PACKAGES[@]}"
+  echo "${VLLM_SITE_PACKAGES[*]}" > .vllm_site/.p2pweights-packages
 fi
 # Build and test tools.
 $PIP "pybind11>=2.13" "scikit-build-core>=0.10" cmake ninja pytest pytest-benchmark hypothesis "ruff==0.17.6"
