@@ -238,6 +238,7 @@ class SglangHost(_Asgi):
                                                  "/continue_generation", "/begin_weight_update", "/end_weight_update"}:
             app.add_api_route(path, ok, methods=["POST"])
         app.add_api_route(sessions.CHECKER_PATH, ok, methods=["POST"])
+        monkeypatch.setattr(sessions, "HOST", None)  # install() sets the process's gate: restored after the test
         self.gate = sessions.install(app, engine="sglang-policy", lease=30, tokenizer=tokenizer)
         add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)  # as sglang adds it, after the hook
         self.client = TestClient(app)

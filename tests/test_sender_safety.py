@@ -151,9 +151,9 @@ def test_pause_mode_is_an_argument_of_update(sender):
         sender.update("pm", pause_mode="sleep")
     with pytest.raises(ValueError, match="on_failure"):
         sender.update("pm", on_failure="pray")
-    # an update offers no policy that serves partly written weights (UpdateSession alone does)
+    # no policy serves partly written weights (every engine refuses continue_generation inside a session)
     with pytest.raises(ValueError, match="on_failure must be one of resume_if_unwritten, leave_paused, got"):
-        sender.update("pm", on_failure=FailurePolicy.CONTINUE_UNFINISHED)
+        sender.update("pm", on_failure="continue_unfinished")
 
 
 # -- item 8: trainer inputs ---------------------------------------------------------------------------
