@@ -17,7 +17,7 @@ a controller with its own owner token (``control.lease``: a secret, never logged
 (``host:pid``), sent on every call; a receiver refuses other controllers' calls while the session
 is live (``SessionConflict``), and the owner renews the lease the engine granted while it writes
 (:meth:`UpdateSession.lease_deadline`: until when it may still post). The engine's side of it is
-``receiver/session_keeper.py``.
+the engine core (``engine/core.py``, ``engine/session.py``), the same on every host.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class ReceiverServer:
     and unused (connections are no longer capped: an idle or dripping one costs no thread, and
     the deadlines close it). The HTTP front (``p2pweights.front``) does all of this. ``session_lease`` (default
     ``P2PW_SESSION_LEASE``): the longest lease this engine grants a weight-update session's owner
-    (:mod:`.session_keeper`).
+    (``engine/session.py``).
     """
 
     def __init__(self, hooks: ReceiverHooks | None = None, host: str = "127.0.0.1", port: int = 0, *,
