@@ -839,3 +839,45 @@ def test_a_stopped_engine_rank_fails_the_update_within_the_deadline_naming_it(cf
         os.kill(stopped, signal.SIGCONT)
         healthy.close()
         stalled.close()
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_a_connect_whose_epoch_a_takeover_revoked_mid_way_connects_to_the_new_one(cfg, monkeypatch, transport):
+    """The connect fetched epoch 1's publications; before it connected, a takeover revoked them (the old
+    endpoint is closed): it fetches the rank's publication again, checks it and connects to epoch 2,
+    then writes every byte."""
+    import secrets
+
+    from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+    from p2pweights.sender import WeightSender, attach
+
+    engine = start_engine(cfg, "tp=1", transport=transport, name="racing")
+    real, raced = attach.transports.attach_engine, []
+
+    def take_over() -> None:  # another controller's session given up, then a third's takeover (which revokes)
+        lost, taker = (SglangEngine(engine.url, name=n) for n in ("lost", "taker"))
+        lost.session_owner, taker.session_owner = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        lost.pause_generation()
+        lost.begin_weight_update()
+        lost.renew_weight_update(release=True)
+        assert taker.begin_weight_update()["epoch"] == 2
+        taker.end_weight_update()
+        taker.continue_generation()
+
+    def racing(transport_obj, writer, writer_id, name, pub):
+        if not raced:
+            raced.append(pub.epoch)
+            take_over()
+        return real(transport_obj, writer, writer_id, name, pub)
+
+    monkeypatch.setattr(attach.transports, "attach_engine", racing)
+    try:
+        with WeightSender(cfg, transport=transport, buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])
+            assert raced == [1] and {t.publication.epoch for p in sender._ranks for t in p.targets} == {2}
+            with sender.update("seed91") as update:
+                for name, t in random_checkpoint(checkpoint_tensors(cfg), 91):
+                    update.push(name, t)
+        assert check_weights_equal(engine.url, hf_seed=91)["success"]
+    finally:
+        engine.close()

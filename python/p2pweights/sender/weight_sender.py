@@ -1,22 +1,17 @@
-"""WeightSender: the trainer's API. connect(engines) once, then per training step::
+"""WeightSender: the trainer's API. connect(engines) once, then per training step
+``with sender.update(version=step) as update: update.push(hf_name, tensor) ...; print(update.report)``.
 
-    with sender.update(version=step) as update:
-        for hf_name, tensor in trainer_state_dict_in_hf_names():
-            update.push(hf_name, tensor)
-    print(update.report)
-
-Each PP stage (and each data replica, ``sender_index`` of ``num_senders``) runs its own sender; the
-senders of one trainer share its torch.distributed group (``group=``): sender 0 of the group
-drives the engines' session and the version is bumped after every sender's writes (group.py). The
-planner's rule (:func:`p2pweights.planner.assign.assign_engine_ranks`) picks the engine ranks it prepares
-and the engines it writes them to. An update runs the slot pipeline (update.py): a parameter group
-is staged until complete, transformed (transforms.py), loaded by the replica's own sglang loaders
-into a transfer slot (fillers.py, pipeline.py), and full slots go to the native writer while the
-next one fills. Engines are told to end the update and bump their version only after every write
-succeeded.
+Each PP stage (and each data replica) runs its own sender; the senders of one trainer share its
+torch.distributed group (``group=``): sender 0 drives the engines' session, the version is bumped after
+every sender's writes (group.py). The planner's rule (``planner.assign.assign_engine_ranks``) picks the
+engine ranks it prepares and writes. An update runs the slot pipeline (update.py): a parameter group is
+staged until complete, transformed (transforms.py), loaded by the replica's own loaders into a transfer
+slot (fillers.py, pipeline.py), and full slots go to the native writer while the next one fills.
+Engines end the update and bump their version only after every write succeeded.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Sequence
@@ -34,6 +29,7 @@ from ..planner.assign import assign_engine_ranks
 from ..settings import Settings, sender_signature, settings
 from ..transport.publication import EnginePublication
 from ..transport.session_claims import check_sessions, session_claim
+from .attach import attach_target
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes
@@ -207,12 +203,16 @@ class WeightSender:
             self.transport, self.transport_why = transport, why
         phases.lap("detach")
         attached: list[EngineTarget] = []
+
+        def recheck(p: PreparedRank, client: SglangEngine, fresh: EnginePublication) -> None:  # a later epoch's
+            self._check_publication(p, client, fresh, transport)
+            check_sessions([session_claim(client, fresh, info_of[client.name])])
         try:
             self._ensure_buffers(max((max((g.nbytes for g in p.replica.groups), default=0) for p in ranks), default=0))
             for p, client, pub in publications:
-                target = EngineTarget(client, p.rank, self._next_writer_id, pub)
                 self._next_writer_id += 1
-                transports.attach_engine(self._transport, self._writer, target.writer_id, target.name, pub)
+                target = attach_target(self._transport, self._writer, self._next_writer_id - 1, p.rank, client, pub,
+                                       check=functools.partial(recheck, p, client))
                 phases.count("peer connects")
                 attached.append(target)
                 p.targets.append(target)
