@@ -108,14 +108,15 @@ class RequestHandler:
         self.receiver, self.headers, self.client = receiver, headers, client
 
     def answer(self, route: routes.Route, raw: bytes, query: dict) -> tuple[int, Any]:
-        """THE dispatch: ``route``'s body decoded into its class, then the session gate around the
-        verb; (status, answer) whatever happens (an exception is answered by ``answer_for``)."""
+        """THE dispatch: ``route``'s body parsed once and checked against its class, then the engine
+        core's verb or the read; (status, answer) whatever happens (an exception is answered by ``answer_for``)."""
         t0, times = time.perf_counter(), {}
         token = phases.collect(times)
         try:
-            req = bodies.decode(route.body, front_guard.json_object(raw)) if route.body is not None else None
+            body = front_guard.json_object(raw) if route.body is not None else None
+            req = bodies.decode(route.body, body) if route.body is not None else None
             if route.verb in engine_core.VERBS:  # the engine core decides (engine/core.py)
-                status, payload = self.receiver.control(route.verb, self.headers, front_guard.json_object(raw))
+                status, payload = self.receiver.control(route.verb, self.headers, body)
                 if isinstance(payload, dict) and p.ok(status):
                     payload = {**payload, p.TIMINGS_KEY: {"server_s": time.perf_counter() - t0, **times}}
             else:
