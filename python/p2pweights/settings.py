@@ -227,6 +227,11 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "(`replica-KEY.json`) and copy plans (`plans-vN-KEY.json`); KEY digests the model config, layout, rank, "
             "role, sglang and p2pweights versions, so a change of any makes new files; a plan file of another format "
             "or failing its checks is recorded again", default_text="off"),
+    Setting("P2PW_VLLM_SITE", _path, None, "folder holding vLLM (`vllm/__init__.py`) for the vLLM commands "
+            "(`check-layout`/`demo --engine-kind vllm`) where this Python cannot import it; unset: `.vllm_site` in "
+            "the current directory or a parent, else beside the source checkout (scripts/setup.sh installs it "
+            "there); put on sys.path ahead of site-packages and at the end of the command's children's PYTHONPATH",
+            default_text="unset", scope="process"),
     Setting("P2PW_SGLANG_IMPORT_AS_CPU", parse_bool, False, "`1`: import sglang as on a host without CUDA (the "
             "byte-exact CPU path) on a GPU host without sgl_kernel", default_text="unset", scope="process"),
     # the control plane

@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..replica.roles import roles_of
 
     if args.engine_kind == "vllm":  # vLLM is imported only here
+        from ..replica.vllm_site import ensure_vllm
+
+        ensure_vllm("check-layout --engine-kind vllm")  # this Python's vLLM, else .vllm_site (or P2PW_VLLM_SITE)
         from ..replica.vllm_check import run_check_layout
 
         return run_check_layout(args.model, args.engine, rank=args.rank, seed=args.seed, as_json=args.json)

@@ -51,16 +51,14 @@ WHY_NO_BROADCAST = ("vLLM's own broadcast baseline (its NCCL weight-transfer bac
                     "the CPU stand-in engines lack; the vLLM demo runs p2p only")
 WHY_NO_FP8 = ("the demo's stand-in vLLM engines were run with BF16 models only (an FP8 model's vLLM "
               "post-processing on the CPU platform was not run); use --engine-kind receiver")
-INSTALL = ("install vLLM 0.33.0 without its GPU stack apart from sglang's packages (scripts/setup.sh puts it in "
-           ".vllm_site) and run with it on PYTHONPATH: docs/vllm.md")
 
 
 def require_vllm() -> None:
-    """Refuse (one line, exit 2) where this process cannot import vLLM."""
-    import importlib.util
+    """Make vLLM importable here and in the demo's child processes (``replica.vllm_site``: this
+    Python's vLLM, else ``.vllm_site`` or ``P2PW_VLLM_SITE``); refuse (one line, exit 2) where none is."""
+    from ..replica.vllm_site import ensure_vllm
 
-    if importlib.util.find_spec("vllm") is None:
-        raise UnsupportedLayout(f"--engine-kind {KIND}: vLLM is not importable in this Python; {INSTALL}")
+    ensure_vllm(f"demo --engine-kind {KIND}")
 
 
 def engine_layout(spec: str) -> VllmLayout:
