@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
         ensure_vllm("check-layout --engine-kind vllm")  # this Python's vLLM, else .vllm_site (or P2PW_VLLM_SITE)
         from ..replica.vllm_check import run_check_layout
+        from ..replica.vllm_env import refuse_what_vllm_refuses
 
+        refuse_what_vllm_refuses(args.model, args.engine)  # vLLM's own refusal of the model: one line, exit 2
         return run_check_layout(args.model, args.engine, rank=args.rank, seed=args.seed, as_json=args.json)
     try:
         model = resolve_model(args.model)

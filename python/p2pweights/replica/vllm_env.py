@@ -35,6 +35,7 @@ from ..errors import UnsupportedLayout
 from ..models import load_config, resolve_model
 from .sglang_env import materialize as _materialize
 from .vllm_layout import VllmLayout, check_refusal
+from .vllm_refusals import is_mla_prefill_refusal, mla_prefill_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -347,12 +348,40 @@ def build_model(config: Any, layout: VllmLayout, rank: int, device: str = "meta"
         except UnsupportedLayout:
             raise
         except Exception as e:
+            if is_mla_prefill_refusal(e):  # vLLM's own refusal of the model's MLA head dims on this platform
+                raise mla_prefill_refusal(e, model_config, layout) from e
             raise UnsupportedLayout(f"vLLM cannot build the {role} of engine layout {layout.describe()} rank {rank} "
                                     f"here: {type(e).__name__}: {e}") from e
     for attr in (_CONFIG_ATTR, _LAYOUT_ATTR, _RANK_ATTR):
         setattr(model, attr, getattr(holder, attr))
     check_kernels(model)
     return model.eval()
+
+
+def refuse_what_vllm_refuses(model: str, spec: str) -> None:
+    """check-layout's look, before any rank is built, for vLLM's own refusal of the model: its MLA
+    prefill backend (:mod:`.vllm_refusals`), raised as :func:`build_model` raises it (one line,
+    exit code 2). Only vLLM's selector runs unless it refuses; then rank 0 is built on meta, whose
+    verdict is vLLM's (a sparse MLA layer goes on without a prefill backend). Anything else wrong
+    with ``model`` or ``spec`` is left to check-layout's own checks."""
+    from ..errors import P2PWeightsError
+
+    try:
+        path = resolve_model(model)
+        layout = VllmLayout.parse(spec, command="check-layout")
+        check_refusal(load_config(path), layout)
+        vllm_config = engine_config(path, layout)
+    except P2PWeightsError:
+        return
+    if not vllm_config.model_config.use_mla:
+        return
+    from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
+
+    try:
+        get_mla_prefill_backend(vllm_config)
+    except ValueError as e:
+        if is_mla_prefill_refusal(e):
+            build_model(path, layout, 0)
 
 
 def check_kernels(model: "torch.nn.Module") -> None:
