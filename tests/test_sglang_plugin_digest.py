@@ -38,7 +38,7 @@ from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint  
 from p2pweights.models.engine_layout import EngineLayout  # noqa: E402
 from p2pweights.replica.reference import reference_model  # noqa: E402
 from p2pweights.sender import WeightSender, verify  # noqa: E402
-from p2pweights.sender import update as update_module  # noqa: E402
+from p2pweights.sender import verify as update_module  # noqa: E402  # verify_update calls verify_written
 from p2pweights.sglang_plugin import digest as plugin_digest  # noqa: E402
 from p2pweights.transport.publication import EnginePublication  # noqa: E402
 

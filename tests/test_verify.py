@@ -15,7 +15,7 @@ from p2pweights.errors import EngineError, UpdateFailed
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import ReceiverServer, check_weights_equal, start_engines
 from p2pweights.sender import WeightSender
-from p2pweights.sender import update as update_module
+from p2pweights.sender import verify as update_module  # verify_update calls verify_written
 from p2pweights.transport.publication import EnginePublication
 from replica_configs import write_config
 

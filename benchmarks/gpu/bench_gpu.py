@@ -33,6 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_gpu_delta  # noqa: E402  (beside this file)
+import bench_gpu_wire  # noqa: E402
 import profile_gpu_delta  # noqa: E402
 from cprofile_rows import top_functions  # noqa: E402
 
@@ -303,8 +304,7 @@ def section_update(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 5, 
                 prof = cProfile.Profile()
                 prof.enable()
             with sender.update(step) as u:
-                for n, t in tensors:
-                    u.push(n, t)
+                u.push_many(tensors)  # the bulk path, as a trainer calls it
             if prof is not None:
                 prof.disable()
             r = u.report
@@ -367,6 +367,9 @@ SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "w
             "update_delta_fp8": lambda: bench_gpu_delta.section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
             "delta_profile": lambda: profile_gpu_delta.section_delta_profile(),
             "detection": lambda: bench_gpu_delta.detection_rows(),
+            "update_wire": lambda: bench_gpu_wire.section_update_wire(),
+            "update_wire_mooncake": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[:2]),
+            "update_wire_nixl": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[2:]),
             "tests": section_tests, "profile": section_profile, "connect": section_connect}
 
 

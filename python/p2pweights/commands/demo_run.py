@@ -119,8 +119,7 @@ def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overr
                 version, verify = arg
                 try:
                     with sender.update(version, verify=verify) as update:
-                        for name, t in tensors:
-                            update.push(name, t)
+                        update.push_many(tensors)  # the bulk path (sender/bulk_push.py), as a trainer would
                     conn.send(("done", _step_answer(update)))
                 except Exception as e:  # noqa: BLE001 - reported to the coordinator, which fails the step
                     conn.send(("failed", f"sender {index}: {type(e).__name__}: {e}"))

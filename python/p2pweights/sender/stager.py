@@ -60,13 +60,24 @@ class GroupStager:
         # not hold) are accepted and dropped: the trainer pushes the whole checkpoint.
         exp = set(self._group_of) if expected is None else set(expected) & set(self._group_of)
         self._active = sorted({self._group_of[n] for n in exp})
+        self._active_set = frozenset(self._active)  # membership per push: O(1), not a scan
         for g in self._active:
             outside = [n for n in self._inputs[g] if n not in exp]
             if outside:
                 raise P2PWeightsError(
                     f"parameter group of {self._inputs[g][0]!r}{self._where} needs {outside[0]!r}, which this "
                     f"sender does not push (expected names split a group across senders or PP stages)")
+        self.bulk_table: Any = None  # bulk_push.PushTable of the prepared ranks this stager leads
         self.reset()
+
+    @property
+    def specs(self) -> Mapping[str, TensorSpecLike]:
+        return self._specs
+
+    @property
+    def paired_names(self) -> frozenset[str]:
+        """FP8 engines: every quantized weight and its scale (push() checks them as a pair)."""
+        return frozenset(self._scale_of) | frozenset(self._weight_of)
 
     def reset(self) -> None:
         self._staged: dict[int, dict[str, Any]] = {}
@@ -102,6 +113,16 @@ class GroupStager:
         g = self._group_of.get(name)
         if g is None:
             return None  # this engine rank loads nothing from it
+        return self._stage(name, tensor, g)
+
+    def stage_checked(self, name: str, tensor: Any) -> tuple[int, dict[str, Any]] | None:
+        """:meth:`push` for a tensor whose name, shape, dtype and density the caller already checked
+        against this stager's specs, and which is no member of an FP8 pair (the bulk push's table,
+        bulk_push.py): only the group bookkeeping is left."""
+        g = self._group_of.get(name)
+        return None if g is None else self._stage(name, tensor, g)
+
+    def _stage(self, name: str, tensor: Any, g: int) -> tuple[int, dict[str, Any]] | None:
         if g in self._done and name in self._weight_of:
             raise LayoutMismatch(
                 f"HF tensor {name!r}{self._where} came after its parameter group was complete: pushed twice, or "
@@ -109,13 +130,13 @@ class GroupStager:
                 parameter=name, hint="push a scale only with its weight in float8_e4m3fn, once per update")
         if g in self._done or name in self._staged.get(g, {}):
             raise P2PWeightsError(f"HF tensor {name!r}{self._where} was pushed twice in one update")
-        if g not in self._active:
+        if g not in self._active_set:
             raise P2PWeightsError(f"HF tensor {name!r}{self._where} belongs to another sender's (PP stage's) parameters")
         staged = self._staged.setdefault(g, {})
         if self._scale_of:
             self._check_pair(name, tensor, staged)
         staged[name] = tensor
-        nbytes = int(tensor.numel()) * tensor.element_size()
+        nbytes = tensor.nbytes
         self._held[g] = self._held.get(g, 0) + nbytes
         self.held_bytes += nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)

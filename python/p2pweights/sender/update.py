@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..control import FailurePolicy, SglangEngine, UpdateSession
 from ..control.engine_calls import call_engines, recording_verbs
@@ -30,6 +30,7 @@ from ..control.protocol import PAUSE_MODES
 from ..copyplans import ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from ..settings import value as setting
+from .bulk_push import push_fused, push_many
 from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
 from .inputs import TrainerInputs, check_version_order
@@ -41,7 +42,7 @@ from .report import UpdateReport, UpdateTimes
 from .slot_producer import SlotProducer
 from .transforms import GroupLoad, GroupTransform, apply_transforms
 from .update_report import build_report
-from .verify import WrittenDigests, verify_written
+from .verify import WrittenDigests, verify_update
 from .write_fence import fence_engine, follow_epochs
 from .writer import PipelinedWriter, WriteReport
 
@@ -277,6 +278,10 @@ class Update:
             if done is not None:
                 group_index, tensors = done
                 loads += apply_transforms(self._transforms, GroupLoad(p, p.replica.groups[group_index], tensors))
+        self._place(loads, t0)
+
+    def _place(self, loads: list[GroupLoad], t0: float) -> None:
+        """Groups completed by pushes staged since ``t0``: open the session at the first, place them."""
         self.times.staging += time.perf_counter() - t0
         if self._phase == "new":
             if self._session is not None and self._group.size == 1 and self._open_beside:
@@ -291,9 +296,13 @@ class Update:
             raise
         self._opened(wait=False)  # an opening that failed fails the update now
 
-    def push_many(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        for name, t in named_tensors:
-            self.push(name, t)
+    def push_many(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """push() of every (name, tensor) of a dict or pairs, in order: the bulk path (bulk_push.py)."""
+        push_many(self, named_tensors)
+
+    def push_fused(self, names: Sequence[str], tensor: Any) -> None:
+        """push_many(zip(names, tensor.unbind(0))): experts stacked on dim 0, pushed as views."""
+        push_fused(self, names, tensor)
 
     def finish(self) -> UpdateReport:
         """Waits for every write of every sender; then sender 0 ends the update and bumps the
@@ -327,7 +336,7 @@ class Update:
         logger.info("update %s: writes done: %d bytes to %d engine rank(s) in %.3f s", self.version, rep.bytes,
                     len(rep.engines), data_seconds)
         me = self._group.index
-        differ = self._verify(rep)  # verify=True: before any engine is told to end (it stays paused)
+        differ = verify_update(self, rep)  # verify=True: before any engine is told to end (it stays paused)
         # weights that differ count as written: memory known to differ is never resumed (rolled back)
         statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
                                              written=self._written or bool(differ),
@@ -370,29 +379,6 @@ class Update:
         if self._on_success is not None:
             self._on_success(self)
         return self.report
-
-    def _verify(self, rep: WriteReport) -> dict[str, BaseException]:
-        """verify=True and every write returned: engine rank -> the error naming its first differing
-        parameter (sender/verify.py); {} when equal, or not asked."""
-        if self._digests is None:
-            return {}
-        t0 = time.perf_counter()
-        try:
-            if self._deltas is not None:  # the digests see every sender's deltas applied (a group: all take part)
-                refused = self._deltas.apply_for_verify(
-                    self._engines, self._ranks, owner=self._session is not None, me=self._group.index,
-                    size=self._group.size, failures=rep.failures, gather=self._gather, control=self._control)
-                if refused:
-                    return refused
-            if rep.failures:
-                return {}
-            verify_written(self._ranks, self._digests, self.version)
-        except UpdateFailed as e:
-            return {n: e.errors.get(n) or P2PWeightsError(why) for n, why in e.failures.items()}
-        finally:
-            self.verify_seconds = time.perf_counter() - t0
-            logger.info("update %s: verified in %.3f s", self.version, self.verify_seconds)
-        return {}
 
     def abort(self, reason: str = "abandoned by the caller") -> str:
         """Give the update up (as leaving its block on an error does); returns ``outcome``."""

@@ -18,6 +18,8 @@ no digest, before the update pauses anything.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..control import bodies
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from ..control import SglangEngine
     from .prepared import PreparedRank
 
+logger = logging.getLogger("p2pweights.sender")
 _ROUTE = "p2pw_weights_digest"
 
 
@@ -113,3 +116,28 @@ def verify_written(ranks: Sequence["PreparedRank"], written: WrittenDigests, ver
                      "update rewrites every byte")
     if failures:
         raise UpdateFailed(failures, what=f"verification of weight update {version}")
+
+
+def verify_update(update: Any, rep: Any) -> dict[str, BaseException]:
+    """verify=True and every write of ``update`` (an update.Update, which imports this module)
+    returned: engine rank -> the error naming its first differing parameter; {} when equal, or not
+    asked. Sets ``update.verify_seconds``."""
+    if update._digests is None:
+        return {}
+    t0 = time.perf_counter()
+    try:
+        if update._deltas is not None:  # the digests see every sender's deltas applied (a group: all take part)
+            refused = update._deltas.apply_for_verify(
+                update._engines, update._ranks, owner=update._session is not None, me=update._group.index,
+                size=update._group.size, failures=rep.failures, gather=update._gather, control=update._control)
+            if refused:
+                return refused
+        if rep.failures:
+            return {}
+        verify_written(update._ranks, update._digests, update.version)
+    except UpdateFailed as e:
+        return {n: e.errors.get(n) or P2PWeightsError(why) for n, why in e.failures.items()}
+    finally:
+        update.verify_seconds = time.perf_counter() - t0
+        logger.info("update %s: verified in %.3f s", update.version, update.verify_seconds)
+    return {}
