@@ -153,9 +153,11 @@ def test_json_has_the_keys_the_issue_names(capsys):
     assert set(doc["cost"]) == {"bytes_per_engine_rank_max", "bytes_per_sender_max", "p2p_seconds",
                                 "broadcast_seconds", "floor_seconds", "bottleneck",
                                 "bytes_prepared_per_sender_max", "bytes_gathered_per_sender_max",
-                                "production_seconds", "gather_seconds", "seconds_by_stage"}
+                                "production_seconds", "gather_seconds", "tensors_per_sender_max",
+                                "host_path_seconds", "seconds_by_stage"}
     assert set(doc["links"]) == {"nic_gbps", "host_device_gbps", "slots", "production", "production_gbps",
-                                 "production_measured", "gather_gbps"}
+                                 "production_measured", "gather_gbps", "host_us_per_tensor", "nics_per_node",
+                                 "gpus_per_node", "nic_gbps_per_gpu"}
     assert doc["cost"]["seconds_by_stage"][doc["cost"]["bottleneck"]] == doc["cost"]["p2p_seconds"]
     assert all(set(s) == {"sender", "pp_stage", "engine_rank", "engines"} for s in doc["senders"])
     assert len(doc["senders"]) == 4 * 32  # 4 stages x 32 engine ranks, each prepared once per stage

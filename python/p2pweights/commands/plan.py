@@ -13,7 +13,16 @@ from ..models import UnknownModel, load_config
 from ..models.engine_layout import EngineLayout, parse_layout_spec
 from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
 from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
-from ..planner.cost import GATHER_GBPS, HOST_DEVICE_GBPS, NIC_GBPS, PRODUCTION_GBPS, Cost, Links, predict
+from ..planner.cost import (
+    GATHER_GBPS,
+    GPUS_PER_NODE,
+    HOST_DEVICE_GBPS,
+    NIC_GBPS,
+    PRODUCTION_GBPS,
+    Cost,
+    Links,
+    predict,
+)
 from ..planner.delta_cost import (
     APPLY_GBPS,
     AREA_FRACTION,
@@ -27,6 +36,7 @@ from ..planner.delta_cost import (
     parse_fractions,
     predict_deltas,
 )
+from ..planner.host_path import HOST_US_PER_TENSOR, SENDER_HOST_PATH, stage_tensor_counts
 from .plan_vllm import vllm_engines
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
@@ -57,7 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "an FP8 block-quantized config's linear weights count 1 byte per element plus "
                              "a float32 scale per block whatever this says")
     parser.add_argument("--nic-gbps", type=float, default=NIC_GBPS,
-                        help=f"NIC bandwidth per GPU in GB/s, both sides (default {NIC_GBPS:g})")
+                        help=f"each NIC's bandwidth in GB/s, trainer and engine nodes alike (default {NIC_GBPS:g})")
+    parser.add_argument("--nics-per-node", type=int, default=None, metavar="N",
+                        help="NICs per node, shared evenly by its GPUs: a GPU gets nic-gbps x N / gpus-per-node "
+                             "(default: one NIC per GPU)")
+    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE, metavar="N",
+                        help=f"GPUs per node, trainer and engine nodes alike (default {GPUS_PER_NODE}); "
+                             "read only with --nics-per-node")
+    parser.add_argument("--host-us-per-tensor", type=float, default=HOST_US_PER_TENSOR, metavar="US",
+                        help="a sender's host time per HF tensor the trainer pushes it, in microseconds (default "
+                             f"{HOST_US_PER_TENSOR:g}: the bulk push, benchmarks/bench_push.py); 0 leaves it out")
     parser.add_argument("--host-device-gbps", type=float, default=HOST_DEVICE_GBPS,
                         help=f"sender host<->device copy bandwidth in GB/s (default {HOST_DEVICE_GBPS:g})")
     parser.add_argument("--slots", choices=("host", "gpu"), default="host",
@@ -94,15 +113,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shape = model_shape(read_model(args.model))
+        config = read_model(args.model)
+        shape = model_shape(config)
         trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
         engines = (parse_engines(args.engines, args.engine, shape) if args.engine_kind == "sglang" else
-                   vllm_engines(engine_sizes(args.engines), args.engine, read_model(args.model)))
+                   vllm_engines(engine_sizes(args.engines), args.engine, config))
         links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
                       host_slots=args.slots == "host", production=args.production,
-                      production_gbps=args.production_gbps, gather_gbps=args.gather_gbps)
+                      production_gbps=args.production_gbps, gather_gbps=args.gather_gbps,
+                      host_us_per_tensor=args.host_us_per_tensor, nics_per_node=args.nics_per_node,
+                      gpus_per_node=args.gpus_per_node)
         plan = make_plan(trainer, engines, shape, balanced=args.balanced)
-        cost = predict(plan, shape, links, args.dtype)
+        tensors = stage_tensor_counts(config, shape.layers, trainer.stages) if links.host_us_per_tensor else None
+        cost = predict(plan, shape, links, args.dtype, tensors)
         fractions = parse_fractions(args.changed_fraction)
         rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area)
         deltas = (predict_deltas(cost, fractions, delta_unit(shape, args.dtype), rates, not_built_yet(plan, links))
@@ -240,11 +263,11 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
         f"{plan.active_senders_per_stage} per stage write",
         f"fan-out    a sender prepares at most {plan.max_engine_ranks_per_sender} engine rank(s) and makes at most "
         f"{plan.max_engines_per_sender} engine-rank write(s) per stage",
-        f"links      NIC {links.nic_gbps:g} GB/s per GPU, host<->device {links.host_device_gbps:g} GB/s, "
+        f"links      {nic_label(links)}, host<->device {links.host_device_gbps:g} GB/s, "
         f"slots in {'host' if links.host_slots else 'GPU'} memory",
         f"sender     production {links.production} {links.production_rate:g} GB/s"
         + ("" if links.production_measured else " (target, not measured)")
-        + f", trainer gather {links.gather_gbps:g} GB/s",
+        + f", trainer gather {links.gather_gbps:g} GB/s, {host_label(links, cost)}",
         "",
         f"{'quantity':<40} {'value':>14}",
         f"{'bytes per engine rank (max)':<40} {_gb(cost.bytes_per_engine_rank_max):>14}",
@@ -253,16 +276,38 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
         f"{'bytes gathered per sender (max)':<40} {_gb(cost.bytes_gathered_per_sender_max):>14}",
         f"{'full model (broadcast per GPU)':<40} {_gb(cost.full_model_bytes):>14}",
     ]
+    if cost.tensors_per_sender_max:
+        lines.append(f"{'HF tensors pushed per sender (max)':<40} {cost.tensors_per_sender_max:>14,}")
     for link, seconds in cost.seconds_by_link:
         lines.append(f"{'  time on ' + link:<40} {seconds:>12.3f} s")
     lines += [
         f"{'P2P predicted':<40} {cost.p2p_seconds:>12.3f} s",
         f"{'broadcast predicted':<40} {cost.broadcast_seconds:>12.3f} s",
         f"{'wire floor':<40} {cost.floor_seconds:>12.3f} s",
+        f"{'P2P / wire floor':<40} {cost.p2p_seconds / cost.floor_seconds:>13.2f}x",
         f"{'bottleneck':<40} {cost.bottleneck:>14}",
         f"{'speed-up over broadcast':<40} {cost.broadcast_seconds / cost.p2p_seconds:>13.1f}x",
     ]
+    if cost.bottleneck == SENDER_HOST_PATH:
+        lines.append(f"{'':<40} the sender's host path bounds it: {cost.tensors_per_sender_max:,} tensors x "
+                     f"{links.host_us_per_tensor:g} us = {cost.host_path_seconds:.3f} s, above the wire floor")
     return "\n".join(lines)
+
+
+def nic_label(links: Links) -> str:
+    """``NIC 50 GB/s per GPU`` or ``NICs 4 x 50 GB/s per node of 8 GPUs = 25 GB/s per GPU``."""
+    if links.nics_per_node is None:
+        return f"NIC {links.nic_gbps:g} GB/s per GPU"
+    return (f"NICs {links.nics_per_node} x {links.nic_gbps:g} GB/s per node of {links.gpus_per_node} GPUs "
+            f"= {links.nic_per_gpu:g} GB/s per GPU")
+
+
+def host_label(links: Links, cost: Cost) -> str:
+    if not links.host_us_per_tensor:
+        return "host path per tensor left out"
+    if not cost.tensors_per_sender_max:
+        return "host path per tensor not priced (no checkpoint schema for this architecture)"
+    return f"host path {links.host_us_per_tensor:g} us per pushed tensor"
 
 
 def render_deltas(d: DeltaPlan) -> str:

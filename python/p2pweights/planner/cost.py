@@ -17,7 +17,13 @@ P2P: all PP stages write at once. Each sender runs a pipeline of stages over the
   pinned slot, each prepared byte once (the NIC then reads host memory);
 - *sender NIC*: every byte it writes (each engine rank it prepares, times the engines it writes to).
 
-An engine GPU's NIC receives exactly the bytes its rank holds, from one sender per stage.
+- *sender per-tensor host path*: the trainer pushes each sender its stage's HF tensors one at a
+  time, and each costs the sender's host a fixed time (``host_us_per_tensor``, host_path.py);
+  every tensor of the stage, the most any sender is pushed.
+
+An engine GPU's NIC receives exactly the bytes its rank holds, from one sender per stage. NICs: a
+node's ``nics_per_node`` NICs of ``nic_gbps`` each are shared evenly by its ``gpus_per_node`` GPUs
+(trainer and engine nodes alike); by default one NIC per GPU.
 
 Overlap: the sender's double-buffered pipeline overlaps every stage with the others -- the trainer
 pushes tensors as it gathers them, one slot fills (staging copies out on a side stream) while the
@@ -34,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 
 from ..models.shapes import ModelShape, PlanError, RankBytes, engine_rank_bytes, full_model_bytes
 from .assign import Plan, TrainerLayout
+from .host_path import HOST_US_PER_TENSOR, SENDER_HOST_PATH, host_path_seconds
 
-NIC_GBPS = 50.0  # GB/s per GPU: a 400 Gb/s NIC
+NIC_GBPS = 50.0  # GB/s per NIC: a 400 Gb/s NIC, one per GPU unless nics_per_node says otherwise
+GPUS_PER_NODE = 8
 HOST_DEVICE_GBPS = 55.0  # GB/s: pinned host<->device copies measured on an H200 host
 # GB/s one sender's slot production reaches from GPU tensors, per way of filling slots. loader:
 # sglang's loaders called from Python, measured on the H200 for a Qwen3-4B TP2 rank into GPU slots
@@ -64,20 +72,35 @@ class Links:
     """Link bandwidths and sender rates in GB/s (1e9 bytes per second), and where the
     transfer-buffer slots live."""
 
-    nic_gbps: float = NIC_GBPS
+    nic_gbps: float = NIC_GBPS  # each NIC's bandwidth
     host_device_gbps: float = HOST_DEVICE_GBPS
     host_slots: bool = True  # slots in pinned host memory: each prepared byte crosses device->host once
     production: str = "loader"  # how slots are filled: "loader" (sglang's loaders) or "replay" (copy plans)
     production_gbps: float | None = None  # None: PRODUCTION_GBPS[production]
     gather_gbps: float = GATHER_GBPS
+    host_us_per_tensor: float = HOST_US_PER_TENSOR  # sender host time per pushed HF tensor, us
+    nics_per_node: int | None = None  # None: one NIC per GPU
+    gpus_per_node: int = GPUS_PER_NODE
 
     def __post_init__(self) -> None:
+        if not self.host_us_per_tensor >= 0:
+            raise PlanError(f"--host-us-per-tensor: {self.host_us_per_tensor:g}; must be 0 or more")
+        for flag, n in (("--nics-per-node", self.nics_per_node), ("--gpus-per-node", self.gpus_per_node)):
+            if n is not None and n < 1:
+                raise PlanError(f"{flag}: {n}; a node has at least one")
         if self.production not in PRODUCTION_GBPS:
             raise PlanError(f"--production: {self.production!r} is not one of {', '.join(PRODUCTION_GBPS)}")
         for flag, v in (("--nic-gbps", self.nic_gbps), ("--host-device-gbps", self.host_device_gbps),
                         ("--production-gbps", self.production_rate), ("--gather-gbps", self.gather_gbps)):
             if not v > 0:
                 raise PlanError(f"{flag}: {v:g} GB/s; bandwidths and rates must be positive")
+
+    @property
+    def nic_per_gpu(self) -> float:
+        """GB/s one GPU's writes (or reads) get: its node's NICs shared evenly by its GPUs."""
+        if self.nics_per_node is None:
+            return self.nic_gbps
+        return self.nic_gbps * self.nics_per_node / self.gpus_per_node
 
     @property
     def production_rate(self) -> float:
@@ -93,7 +116,9 @@ class Links:
         return {"nic_gbps": self.nic_gbps, "host_device_gbps": self.host_device_gbps,
                 "slots": "host" if self.host_slots else "gpu", "production": self.production,
                 "production_gbps": self.production_rate, "production_measured": self.production_measured,
-                "gather_gbps": self.gather_gbps}
+                "gather_gbps": self.gather_gbps, "host_us_per_tensor": self.host_us_per_tensor,
+                "nics_per_node": self.nics_per_node or self.gpus_per_node, "gpus_per_node": self.gpus_per_node,
+                "nic_gbps_per_gpu": self.nic_per_gpu}
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,8 @@ class Cost:
     bytes_gathered_per_sender_max: int = 0  # bytes one sender gathers from the trainer's other shards
     production_seconds: float = 0.0
     gather_seconds: float = 0.0
+    tensors_per_sender_max: int = 0  # HF tensors one sender is pushed (0: not counted)
+    host_path_seconds: float = 0.0
     # not part of the JSON `cost` object, shown in the table
     full_model_bytes: int = 0
     seconds_by_link: tuple[tuple[str, float], ...] = ()
@@ -123,6 +150,8 @@ class Cost:
             "p2p_seconds",
             "production_seconds",
             "gather_seconds",
+            "tensors_per_sender_max",
+            "host_path_seconds",
             "broadcast_seconds",
             "floor_seconds",
             "bottleneck",
@@ -131,8 +160,11 @@ class Cost:
         return {**{k: d[k] for k in keys}, "seconds_by_stage": dict(self.seconds_by_link)}
 
 
-def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = "bf16") -> Cost:
-    """Cost of one update under ``plan`` for a model of ``shape`` sent in ``dtype``."""
+def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = "bf16",
+            tensors: Sequence[int] | None = None) -> Cost:
+    """Cost of one update under ``plan`` for a model of ``shape`` sent in ``dtype``; ``tensors``:
+    the HF tensors each PP stage's senders are pushed (host_path.stage_tensor_counts), None to
+    leave the per-tensor host path out."""
     rank_bytes: dict[Hashable, RankBytes] = {}
     for engine in plan.engines:
         if engine.layout not in rank_bytes:
@@ -157,13 +189,16 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
         gathered_max = max(gathered_max, gather.gathered(start, end, first=first, last=last))
 
     engine_rank_max = max(rb.total for rb in rank_bytes.values())
-    nic = links.nic_gbps * GB
+    nic = links.nic_per_gpu * GB
     production_s = prepared_max / (links.production_rate * GB)
     gather_s = gathered_max / (links.gather_gbps * GB)
     by_link = [(ENGINE_NIC, engine_rank_max / nic), (SENDER_NIC, wire_max / nic)]
     if links.host_slots:
         by_link.append((SENDER_HOST_COPY, prepared_max / (links.host_device_gbps * GB)))
     by_link += [(SENDER_PRODUCTION, production_s), (TRAINER_GATHER, gather_s)]
+    tensors_max, host_s = host_path_seconds(tensors, links.host_us_per_tensor)
+    if tensors_max:
+        by_link.append((SENDER_HOST_PATH, host_s))
     bottleneck, p2p = max(by_link, key=lambda kv: kv[1])  # first listed wins a tie
     full = full_model_bytes(shape, dtype).total
     return Cost(
@@ -177,6 +212,8 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
         bytes_gathered_per_sender_max=gathered_max,
         production_seconds=production_s,
         gather_seconds=gather_s,
+        tensors_per_sender_max=tensors_max,
+        host_path_seconds=host_s,
         full_model_bytes=full,
         seconds_by_link=tuple(by_link),
     )
