@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import _native
+from .. import _native, settings
 from ..deltas import index_records, kernels
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
@@ -418,8 +418,9 @@ class UpdateDeltas:
         if not direct and self._scratch.nbytes < need:
             self._scratch = np.empty(need, dtype=np.uint8)
         out = self._spare_view()[self._spare_used:self._spare_used + need] if direct else self._scratch[:need]
-        code, message, n, changed, _runs, mode = _native.delta_encode(
-            int(cur.ctypes.data), int(base.ctypes.data), nbytes, unit, int(out.ctypes.data), need, True, 1)
+        code, message, n, changed, _runs, mode = _native.delta_encode(  # the compare: as many threads as the copies
+            int(cur.ctypes.data), int(base.ctypes.data), nbytes, unit, int(out.ctypes.data), need, True,
+            settings.value("P2PW_COPY_THREADS"))
         if code != int(_native.Code.OK):
             raise_for_status(code, f"delta encode: {message}")
         padded = record_span(n) - PREFIX.size
