@@ -204,7 +204,8 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "first connect would import (sglang, the model's module) and its transport agent; connect waits for "
             "what is not done", default_text="0"),
     Setting("P2PW_COPY_THREADS", _int, min(4, os.cpu_count() or 1), "threads of a replayed copy plan's native "
-            "host copies (a group under 4 MiB runs on one) and of a host slot's delta compare (parts of >= 1 MiB)", _at_least_one, default_text="min(4, cores)"),
+            "host copies (a group under 4 MiB runs on one) and of a host slot's delta compare (parts of >= 1 MiB)",
+            _at_least_one, default_text="min(4, cores)"),
     Setting("P2PW_COPY_LANES", _int, 8, "CUDA streams a GPU slot's replayed copies are spread over (a GPU runs "
             "one stream's small copies one after another); 1: the caller's stream only", _at_least_one),
     Setting("P2PW_CUDA_RUNTIME", _path, None, "path or soname of `libcudart` to dlopen (read by the native core)",
