@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pweights.control import SglangEngine
-from p2pweights.errors import LayoutMismatch, NonFiniteTensor, UnknownParameter
+from p2pweights.errors import LayoutMismatch, NonFiniteTensor, P2PWeightsError, UnknownParameter
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import check_weights_equal, start_engines
 from p2pweights.sender import WeightSender
@@ -95,6 +95,16 @@ def test_a_refused_tensor_amid_a_bulk_push_names_it_and_the_update_goes_on_as_af
         # what came before it was staged, nothing after it: push the rest and the update completes
         u.push_many(tensors[k:])
     assert check_weights_equal(engine.url, hf_seed=13)["success"]
+
+
+def test_a_tensor_pushed_twice_in_one_bulk_push_loses_none_of_the_groups_completed_before_it(dense):
+    cfg, engine, sender = dense
+    tensors = _tensors(cfg, 17)
+    with sender.update("bulk-twice", delta=False) as u:
+        with pytest.raises(P2PWeightsError, match="pushed twice"):
+            u.push_many(tensors + [tensors[0]])  # one chunk: every group completes, then the refusal
+    # every group was placed before the refusal propagated: the update wrote all of them
+    assert check_weights_equal(engine.url, hf_seed=17)["success"]
 
 
 def test_an_unknown_name_in_a_bulk_push_is_refused_naming_it(dense):

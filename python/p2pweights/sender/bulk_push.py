@@ -115,9 +115,16 @@ def _stage(update: Any, chunk: list[tuple[str, Any]]) -> None:
     loads: list[GroupLoad] = []
     transforms = update._transforms
     stagers = [(p, p.stager.stage_checked) for p in update._ranks]
-    for name, t in chunk:  # as push(): each tensor on every rank before the next (a refusal stops both)
-        for p, stage in stagers:
-            done = stage(name, t)
-            if done is not None:
-                loads += apply_transforms(transforms, GroupLoad(p, p.replica.groups[done[0]], done[1]))
+    try:
+        for name, t in chunk:  # as push(): each tensor on every rank before the next (a refusal stops both)
+            for p, stage in stagers:
+                done = stage(name, t)
+                if done is not None:
+                    loads += apply_transforms(transforms, GroupLoad(p, p.replica.groups[done[0]], done[1]))
+    except BaseException:
+        # a tensor refused (pushed twice, another sender's): the groups completed before it are
+        # placed, as push() would have placed them; the stager counts them done, so none may be lost
+        if loads:
+            update._place(loads, t0)
+        raise
     update._place(loads, t0)
