@@ -4,7 +4,6 @@ command end to end (its JSON rows)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +52,9 @@ def test_bench_push_many_host_path_per_tensor(benchmark, many_experts):
 
 
 def test_bench_push_command_prints_byte_exact_rows_for_both_modes():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    # this process's p2pweights (the installed wheel in CI; PYTHONPATH's, when set) in the child too
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_push.py"), "--tensors", "400",
-                          "--updates", "1", "--json"], capture_output=True, text=True, timeout=600, env=env)
+                          "--updates", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
     assert [r["mode"] for r in rows] == ["push", "push_many"]
