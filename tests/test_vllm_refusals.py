@@ -26,9 +26,11 @@ VLLM_SAYS = ("No valid MLA prefill backend found with MLAPrefillSelectorConfig(d
 
 
 def child_env() -> dict[str, str]:
-    """PYTHONPATH the package's source only, no P2PW_VLLM_SITE: the command finds .vllm_site itself."""
+    """No P2PW_VLLM_SITE and no .vllm_site on PYTHONPATH (this process's p2pweights: CI's installed
+    wheel, or the source PYTHONPATH names): the command finds .vllm_site itself."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "P2PW_VLLM_SITE")}
-    return {**env, "PYTHONPATH": str(ROOT / "python")}
+    kept = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and ".vllm_site" not in p]
+    return {**env, **({"PYTHONPATH": os.pathsep.join(kept)} if kept else {})}
 
 
 def errors(stderr: str) -> list[str]:

@@ -2,10 +2,11 @@
 in ``.vllm_site``, and ``check-layout``/``demo --engine-kind vllm`` put that folder on their own path
 (and their children's) with one line on stderr, with no PYTHONPATH set by hand.
 
-Every test runs the command in a child process whose PYTHONPATH is only the package's source: this
-process keeps .vllm_site off its path (tests/conftest.py). The child is what CI's fresh virtual
-environment runs, so a package vLLM imports that setup.sh forgets (cloudpickle) fails here, and the
-module-origin test fails even on a machine whose base Python happens to hold it.
+Every test runs the command in a child process with no .vllm_site on its PYTHONPATH (this process
+keeps it off its path too: tests/conftest.py) and this process's p2pweights (CI's installed wheel).
+The child is what CI's fresh virtual environment runs, so a package vLLM imports that setup.sh
+forgets (cloudpickle) fails here, and the module-origin test fails even on a machine whose base
+Python happens to hold it.
 """
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ CHECK = ["check-layout", "--engine-kind", "vllm", "--engine", "tp=1"]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment with PYTHONPATH the package's source only and no P2PW_VLLM_SITE."""
+    """This process's environment without P2PW_VLLM_SITE and without any .vllm_site on PYTHONPATH:
+    the child imports this process's p2pweights (CI's installed wheel; the source where PYTHONPATH
+    names it), and vLLM only as the command finds it."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "P2PW_VLLM_SITE")}
-    return {**env, "PYTHONPATH": str(ROOT / "python"), **extra}
+    kept = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and ".vllm_site" not in p]
+    return {**env, **({"PYTHONPATH": os.pathsep.join(kept)} if kept else {}), **extra}
 
 
 def run(args: list[str], cwd, timeout: float = 240, **extra: str) -> subprocess.CompletedProcess:
@@ -133,7 +137,7 @@ def test_a_vllm_commands_modules_come_from_this_environment_and_vllm_site_only(q
                 bad[name] = f
         print(json.dumps({{"rc": rc, "modules": len(sys.modules), "bad": bad, "forbidden": forbidden}}))
     """)
-    r = run(["-c", code], cwd=tmp_path)
+    r = run(["-c", code], cwd=tmp_path, P2PW_VLLM_SITE=str(VLLM_SITE))  # an installed wheel has no checkout beside it
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["rc"] == 0, r.stdout + r.stderr
