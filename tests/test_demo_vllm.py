@@ -64,7 +64,7 @@ def test_the_vllm_demo_updates_a_tp2_engine_rank_by_rank_equal_to_a_fresh_tp2_vl
     assert first["bytes_written"] == first["bytes"] and 0 < second["bytes_written"] < second["bytes"] // 4, second
 
 
-def test_what_the_stand_in_vllm_engines_cannot_do_is_refused_before_anything_starts(cfg, monkeypatch):
+def test_what_the_stand_in_vllm_engines_cannot_do_is_refused_before_anything_starts(cfg, monkeypatch, tmp_path):
     with pytest.raises(WrongTransport, match="Mooncake only"):
         demo.run(_args("--model", cfg, "--transport", "nixl"))
     with pytest.raises(UnsupportedLayout, match="NCCL on GPUs"):
@@ -79,5 +79,6 @@ def test_what_the_stand_in_vllm_engines_cannot_do_is_refused_before_anything_sta
         demo_vllm.run_vllm_demo(cfg, modes=("broadcast",), progress=lambda line: None)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    with pytest.raises(UnsupportedLayout, match="docs/vllm.md"):
+    monkeypatch.setenv("P2PW_VLLM_SITE", str(tmp_path))  # vLLM neither importable nor in the folder named
+    with pytest.raises(UnsupportedLayout, match="scripts/setup.sh"):
         demo.run(_args("--model", cfg, "--transport", "mooncake"))

@@ -30,7 +30,7 @@ sys.stdout = sys.stderr
 from p2pweights import WeightSender
 from p2pweights.control import VllmEngine
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
-import p2pweights.sender.update as update_module
+import p2pweights.sender.verify as update_module  # verify_update calls verify_written
 cfg, url, key = sys.argv[1:4]
 sender = WeightSender(cfg, transport="mooncake")
 engine = VllmEngine(url, api_key=key)

@@ -31,7 +31,7 @@ import threading
 import types
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..errors import UnsupportedLayout
+from ..errors import P2PWeightsError, UnsupportedLayout
 from ..models import load_config, resolve_model
 from .sglang_env import materialize as _materialize
 from .vllm_layout import VllmLayout, check_refusal
@@ -364,8 +364,6 @@ def refuse_what_vllm_refuses(model: str, spec: str) -> None:
     exit code 2). Only vLLM's selector runs unless it refuses; then rank 0 is built on meta, whose
     verdict is vLLM's (a sparse MLA layer goes on without a prefill backend). Anything else wrong
     with ``model`` or ``spec`` is left to check-layout's own checks."""
-    from ..errors import P2PWeightsError
-
     try:
         path = resolve_model(model)
         layout = VllmLayout.parse(spec, command="check-layout")

@@ -28,6 +28,7 @@ import sysconfig
 from pathlib import Path
 
 from ..errors import UnsupportedLayout
+from ..settings import value
 
 SITE_NAME = ".vllm_site"
 SETTING = "P2PW_VLLM_SITE"
@@ -41,9 +42,7 @@ def has_vllm(folder: Path) -> bool:
 def _checkout_site() -> Path | None:
     """``.vllm_site`` beside the source checkout (``<root>/python/p2pweights``), None when this
     package is not run from one."""
-    import p2pweights
-
-    root = Path(p2pweights.__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # <root>/python/p2pweights/replica/vllm_site.py
     return root / SITE_NAME if (root / "python" / "p2pweights").is_dir() else None
 
 
@@ -99,8 +98,6 @@ def ensure_vllm(command: str) -> str | None:
     it looked and the fix when no folder holds vLLM."""
     if importlib.util.find_spec("vllm") is not None:
         return None
-    from ..settings import value
-
     named = value(SETTING)
     if named:
         folder = Path(named).expanduser().resolve()
