@@ -13,30 +13,14 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
     the elements changed: deltas), the last version again with delta=False (a steady full update, same
     run), then two fresh checkpoints (every element new) with delta="auto" and delta=False. Then the
     change detection alone on one 256 MiB slot of BF16 (``index_records.find_changes``)."""
-    import torch
-
     from p2pweights.models import resolve_model
-    from p2pweights.models.checkpoint import random_tensor, trainer_tensors
-    from p2pweights.receiver import check_weights_equal
+    from p2pweights.models.checkpoint import trainer_tensors
 
     cfg = resolve_model(model)
     rows = []
     engine, sender = vram_engine_and_sender(cfg, spec)
     try:
-        specs = trainer_tensors(cfg)
-        plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
-        plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
-        for label, version, delta in plan:
-            changed = version if isinstance(version, tuple) else None
-            seed = 7 if changed else version
-            tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
-            torch.cuda.synchronize()
-            with sender.update(label, delta=delta) as u:
-                for n, t in tensors:
-                    u.push(n, t)
-            r = u.report
-            check = check_weights_equal(engine.url, hf_seed=seed, changed_fraction=changed[0] if changed else None,
-                                        changed_steps=changed[1] if changed else None)
+        for label, delta, r, _, equal in delta_steps(engine, sender, trainer_tensors(cfg), fraction, steps):
             rows.append({"model": model, "engine": spec, "update": label, "delta": str(delta), "bytes": r.bytes,
                          "bytes_written": r.bytes_written, "written_ratio": r.bytes_written / r.bytes,
                          "seconds": r.seconds, "data_s": r.data_seconds, "control_s": r.control_seconds,
@@ -44,12 +28,42 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
                          "staging_s": r.staging_seconds, "waiting_s": r.waiting_seconds,
                          "verbs_ms": {k: round(v * 1e3, 1) for k, v in r.control.items()}, "changed_bytes": r.changed_bytes,
                          "base_bytes": r.base_bytes, "reasons": sorted(set(r.delta_reason.values())),
-                         "equal": bool(check["success"])})
-            del tensors
+                         "equal": equal})
         sender.close()
     finally:
         engine.close()
     return rows + detection_rows() + engine_apply_rows()
+
+
+def delta_steps(engine, sender, specs, fraction: float, steps: int, *, bulk: bool = True):
+    """The delta family's updates, each checked byte for byte: version 0 (full: the first update),
+    versions 1..``steps`` (``fraction`` changed: deltas), the last again with delta=False (a steady
+    full update, same run), a fresh checkpoint with delta="auto" and another with delta=False.
+    Yields (label, delta, report, wall seconds of the update, equal)."""
+    import torch
+
+    from p2pweights.models.checkpoint import random_tensor
+    from p2pweights.receiver import check_weights_equal
+
+    plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
+    plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
+    for label, version, delta in plan:
+        changed = version if isinstance(version, tuple) else None
+        seed = 7 if changed else version
+        tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with sender.update(label, delta=delta) as u:
+            if bulk:
+                u.push_many(tensors)
+            else:
+                for n, t in tensors:
+                    u.push(n, t)
+        wall = time.perf_counter() - t0
+        del tensors
+        check = check_weights_equal(engine.url, hf_seed=seed, changed_fraction=changed[0] if changed else None,
+                                    changed_steps=changed[1] if changed else None)
+        yield label, delta, u.report, wall, bool(check["success"])
 
 
 def vram_engine_and_sender(cfg: str, spec: str):

@@ -21,14 +21,12 @@ PAIRS = (("mooncake", "cuda"), ("mooncake", "cpu"), ("nixl", "cuda"), ("nixl", "
 
 def section_update_wire(model: str = "qwen3-4b", spec: str = "tp=2", fraction: float = 0.01, steps: int = 2,
                         pairs=PAIRS) -> list[dict]:
-    import time
-
-    import torch
+    from bench_gpu_delta import delta_steps  # beside this file
 
     from p2pweights.control import SglangEngine
     from p2pweights.models import resolve_model
-    from p2pweights.models.checkpoint import random_tensor, trainer_tensors
-    from p2pweights.receiver import check_weights_equal, start_engine
+    from p2pweights.models.checkpoint import trainer_tensors
+    from p2pweights.receiver import start_engine
     from p2pweights.sender import WeightSender
 
     cfg = resolve_model(model)
@@ -47,26 +45,11 @@ def section_update_wire(model: str = "qwen3-4b", spec: str = "tp=2", fraction: f
             sender.connect([SglangEngine(engine.url, name=f"wire-{transport}")])
             if getattr(sender, "recorder", None) is not None:
                 sender.recorder.wait()
-            plan = [("v0", (fraction, 0), "auto")] + [(f"v{k}", (fraction, k), "auto") for k in range(1, steps + 1)]
-            plan += [(f"v{steps} again", (fraction, steps), False), ("fresh 1", 101, "auto"), ("fresh 2", 102, False)]
-            for label, version, delta in plan:
-                changed = version if isinstance(version, tuple) else None
-                seed = 7 if changed else version
-                tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with sender.update(label, delta=delta) as u:
-                    u.push_many(tensors)
-                wall = time.perf_counter() - t0
-                r = u.report
-                check = check_weights_equal(engine.url, hf_seed=seed,
-                                            changed_fraction=changed[0] if changed else None,
-                                            changed_steps=changed[1] if changed else None)
+            for label, delta, r, wall, equal in delta_steps(engine, sender, specs, fraction, steps):
                 rows.append({"transport": f"{transport} tcp", "slots": slots, "update": label, "delta": str(delta),
                              "bytes": r.bytes, "bytes_written": r.bytes_written, "seconds": r.seconds, "wall_s": wall,
                              "data_s": r.data_seconds, "gbps_written": r.bytes_written / max(r.data_seconds, 1e-9) / 1e9,
-                             "reasons": sorted(set(r.delta_reason.values())), "equal": bool(check["success"])})
-                del tensors
+                             "reasons": sorted(set(r.delta_reason.values())), "equal": equal})
             sender.close()
         finally:
             engine.close()
