@@ -145,8 +145,10 @@ def test_a_second_session_of_one_process_on_an_engine_is_refused_before_anything
 
 def test_the_owner_renews_its_lease_while_it_writes(server):
     srv, hooks = server
-    with UpdateSession(_client(srv.url), version=4, lease=0.6) as session:
-        time.sleep(2.0)  # "writing" for three leases
+    # a lease long enough that a loaded 2-core CI host's stalls (2.9 s seen) do not outlast it; the
+    # renewals run every third of it, so the session outlives two leases only by being renewed
+    with UpdateSession(_client(srv.url), version=4, lease=3.0) as session:
+        time.sleep(6.5)  # "writing" for more than two leases
         assert _weight_update(srv.url)["state"] == "open"
     assert session.outcome == {"e0": "updated"}
 
