@@ -23,18 +23,18 @@ def dense(tmp_path_factory):
     # qwen3 ties its word embeddings: lm_head.weight is a tied name the engine loads nothing from
     cfg = write_config("qwen3", str(tmp_path_factory.mktemp("bulk")), hidden_size=128, intermediate_size=256,
                        num_hidden_layers=2, vocab_size=512)
-    (e,) = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="bulk")
-    s = WeightSender(cfg, transport="mooncake", buffer_size=1 << 20)
-    s.connect([SglangEngine(e.url, name=e.name)])
-    yield cfg, e, s
-    s.close()
-    e.close()
+    yield from _engine_and_sender(cfg, "bulk")
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     cfg = write_config("qwen3_moe", str(tmp_path_factory.mktemp("bulk-moe")))
-    (e,) = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="bulkmoe")
+    yield from _engine_and_sender(cfg, "bulkmoe")
+
+
+def _engine_and_sender(cfg, prefix):
+    """One tp=2 receiver engine over Mooncake and a sender connected to it: (config, engine, sender)."""
+    (e,) = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix=prefix)
     s = WeightSender(cfg, transport="mooncake", buffer_size=1 << 20)
     s.connect([SglangEngine(e.url, name=e.name)])
     yield cfg, e, s
