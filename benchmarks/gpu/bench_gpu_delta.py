@@ -35,10 +35,11 @@ def section_update_delta(model: str = "qwen3-4b", spec: str = "tp=2", fraction: 
     return rows + detection_rows() + engine_apply_rows()
 
 
-def delta_steps(engine, sender, specs, fraction: float, steps: int, *, bulk: bool = True):
+def delta_steps(engine, sender, specs, fraction: float, steps: int, *, bulk: bool = True, device: str = "cuda"):
     """The delta family's updates, each checked byte for byte: version 0 (full: the first update),
     versions 1..``steps`` (``fraction`` changed: deltas), the last again with delta=False (a steady
     full update, same run), a fresh checkpoint with delta="auto" and another with delta=False.
+    ``device``: where the trainer's tensors live (``cpu`` runs the family on a host without a GPU).
     Yields (label, delta, report, wall seconds of the update, equal)."""
     import torch
 
@@ -50,8 +51,9 @@ def delta_steps(engine, sender, specs, fraction: float, steps: int, *, bulk: boo
     for label, version, delta in plan:
         changed = version if isinstance(version, tuple) else None
         seed = 7 if changed else version
-        tensors = [(n, random_tensor(n, s, seed, changed=changed).to("cuda")) for n, s in specs.items()]
-        torch.cuda.synchronize()
+        tensors = [(n, random_tensor(n, s, seed, changed=changed).to(device)) for n, s in specs.items()]
+        if device != "cpu":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         with sender.update(label, delta=delta) as u:
             if bulk:

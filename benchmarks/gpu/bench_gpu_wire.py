@@ -20,7 +20,9 @@ PAIRS = (("mooncake", "cuda"), ("mooncake", "cpu"), ("nixl", "cuda"), ("nixl", "
 
 
 def section_update_wire(model: str = "qwen3-4b", spec: str = "tp=2", fraction: float = 0.01, steps: int = 2,
-                        pairs=PAIRS) -> list[dict]:
+                        pairs=PAIRS, device: str = "cuda") -> list[dict]:
+    """``device="cpu"``: a host receiver and trainer tensors in host memory, UCX over plain tcp (no
+    cuda_copy): the same family on a machine without a GPU (tests/test_bench_gpu_wire.py)."""
     from bench_gpu_delta import delta_steps  # beside this file
 
     from p2pweights.control import SglangEngine
@@ -33,10 +35,11 @@ def section_update_wire(model: str = "qwen3-4b", spec: str = "tp=2", fraction: f
     specs = trainer_tensors(cfg)
     rows = []
     for transport, slots in pairs:
-        env = {"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(512 << 20)}
+        env = {"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(512 << 20)} if device != "cpu" else {}
         if transport == "nixl":
-            env.update(UCX_TCP)
-            os.environ.update(UCX_TCP)  # the sender's agent, created below, reads them too
+            ucx = UCX_TCP if device != "cpu" else {**UCX_TCP, "UCX_TLS": "tcp"}
+            env.update(ucx)
+            os.environ.update(ucx)  # the sender's agent, created below, reads them too
         else:
             env["P2PW_MOONCAKE_PROTOCOL"] = os.environ["P2PW_MOONCAKE_PROTOCOL"] = "tcp"
         engine = start_engine(cfg, spec, transport=transport, name=f"wire-{transport}", env=env, startup_timeout=600)
@@ -45,7 +48,7 @@ def section_update_wire(model: str = "qwen3-4b", spec: str = "tp=2", fraction: f
             sender.connect([SglangEngine(engine.url, name=f"wire-{transport}")])
             if getattr(sender, "recorder", None) is not None:
                 sender.recorder.wait()
-            for label, delta, r, wall, equal in delta_steps(engine, sender, specs, fraction, steps):
+            for label, delta, r, wall, equal in delta_steps(engine, sender, specs, fraction, steps, device=device):
                 rows.append({"transport": f"{transport} tcp", "slots": slots, "update": label, "delta": str(delta),
                              "bytes": r.bytes, "bytes_written": r.bytes_written, "seconds": r.seconds, "wall_s": wall,
                              "data_s": r.data_seconds, "gbps_written": r.bytes_written / max(r.data_seconds, 1e-9) / 1e9,
