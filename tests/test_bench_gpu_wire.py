@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import bench_gpu_wire  # noqa: E402
+
 import bench_push  # noqa: E402
 
 
