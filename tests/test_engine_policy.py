@@ -244,3 +244,20 @@ def test_vllm_refuses_sleep_and_wake_up_which_move_the_registered_memory(monkeyp
     for path in ("/sleep", "/wake_up"):
         status, answer = host.call("", {}, owner(), path=path)
         assert status == p.BAD_REQUEST and "frees or moves" in answer["message"]
+
+
+def test_the_engine_names_its_process_in_its_state_and_begins_and_a_restart_is_a_new_name(host, monkeypatch):
+    # a sender tells a restarted engine at the same address by this name (sender/engine_set.py)
+    instance = host.state()["instance"]
+    assert isinstance(instance, str) and len(instance) == 16
+    who = owner()
+    host.call("pause", {}, who)
+    status, begun = host.call("begin", {}, who)
+    assert status == p.OK and begun["instance"] == instance
+    kind = "receiver" if "receiver" in type(host).__name__.lower() else (
+        "sglang" if "sglang" in type(host).__name__.lower() else "vllm")
+    again = make(kind, monkeypatch)
+    try:
+        assert again.state()["instance"] != instance
+    finally:
+        again.close()

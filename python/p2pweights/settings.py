@@ -252,6 +252,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     # trust in what is written
     Setting("P2PW_CHECK_FINITE", parse_bool, False, "`1`: refuse NaN/Inf in pushed tensors, naming the tensor, "
             "before any write", default_text="unset"),
+    Setting("P2PW_ENGINE_DOWN", _str, "fail", "an engine that does not answer at an update's start: `fail` the update, "
+            "naming it; `skip` it and commit the others (`report.engines_skipped` says why; it is written in full when "
+            "back; docs/sender.md, \"The engine set\")", _one_of("fail", "skip")),
     Setting("P2PW_VERIFY", parse_bool, False, "`1`: `update(verify=True)` by default: engine ranks digest what they "
             "hold and the sender compares before the engines resume", default_text="unset"),
     # the broadcast baseline

@@ -194,6 +194,9 @@ class UpdateSession:
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
         #: publications are older re-fetches them before writing (transport/revocation.py)
         self.epochs: dict[str, int] = {}
+        #: engine -> the process identity its begin answered (engine core's ``instance``): a sender that
+        #: connected to another process at that address re-plans it before writing (sender/engine_set.py)
+        self.instances: dict[str, str] = {}
         self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its end answer
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
@@ -451,6 +454,10 @@ class UpdateSession:
         if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0:
             with self._lock:
                 self.epochs[engine.name] = epoch
+        instance = answer.get("instance") if isinstance(answer, dict) else None
+        if isinstance(instance, str) and instance:
+            with self._lock:
+                self.instances[engine.name] = instance
         if isinstance(answer, dict) and answer.get("took_over"):
             logger.warning("engine %s: took over a torn weight-update session; this update heals it", engine.name)
             with self._lock:

@@ -38,6 +38,7 @@ VERBS: dict[str, Route] = {**{v: routes.route(v) for v in SHARED}, **{r.verb: r 
     Route("begin_weight_update", "/start_weight_update", "POST", _P),
     Route("end_weight_update", "/finish_weight_update", "POST", _P),
     Route("weights_checker", "/weight_checker", "POST", _P),
+    Route("weight_update_state", "/p2pw_weight_update", "GET", _G),
 )}}
 
 #: sglang's pause modes -> vLLM's (abort, wait, keep): requests sglang keeps (in_place, retract) vLLM keeps
@@ -79,7 +80,8 @@ class VllmEngine(SglangEngine):
     def server_info(self) -> dict:
         """What connect needs, in the keys it reads from an sglang ``/server_info``: ``p2pw_transport``,
         ``vllm_version`` and ``device_arch`` (rank 0's publication), ``world_size`` (``/get_world_size``),
-        and ``vllm_server_info`` (vLLM's ``/server_info?config_format=json``; None when a layout was given)."""
+        ``vllm_server_info`` (vLLM's ``/server_info?config_format=json``; None when a layout was given) and
+        ``p2pw_weight_update`` (the gate's session state, with the engine's ``instance``)."""
         pub = self.transfer_engine_info(0)
         world = self._json("get_world_size")
         config = None if self.given_layout is not None else self._json(
@@ -90,7 +92,7 @@ class VllmEngine(SglangEngine):
         self.plugin_offers = GATE_OFFERS
         return {"engine_kind": "vllm", "p2pw_transport": pub.get("transport"), "vllm_version": pub.get("vllm_version"),
                 "device_arch": pub.get("device_arch"), "world_size": world.get("world_size"),
-                "vllm_server_info": config}
+                "vllm_server_info": config, "p2pw_weight_update": self._json("weight_update_state")}
 
     def weight_version(self) -> str:
         return str(self.model_info().get("weight_version"))

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -95,6 +96,9 @@ class EngineCore:
         self.released: str | None = None  # why the weights' memory is released (a begin waits for the resume)
         self.session = sk.SessionKeeper(engine, lease, clock)
         self.base = CommittedBase(engine)
+        # this engine process's identity: a sender that finds another one at the same address (a
+        # restart: new registrations, no base) re-plans it before writing (sender/engine_set.py)
+        self.instance = secrets.token_hex(8)
         self._thread_lock = threading.RLock()
         self._async_lock: asyncio.Lock | None = None
 
@@ -176,7 +180,7 @@ class EngineCore:
                  **({p.PAUSE_FIRST: paused.body} if paused is not None else {})}
         return answer.with_body({**(answer.body if isinstance(answer.body, dict) else {}), "lease": self.session.lease,
                                   "lease_max": self.session.max_lease, "took_over": took_over,
-                                  "epoch": self.session.epoch, DELTA_KEY: delta, **folds})
+                                  "epoch": self.session.epoch, "instance": self.instance, DELTA_KEY: delta, **folds})
 
     def _revoke(self, what: str = "the takeover") -> Verb:
         published = [int(e) for e in ((yield PublishedEpochs()) or ()) if isinstance(e, int)]
@@ -329,7 +333,7 @@ class EngineCore:
     def state(self) -> dict:
         """The session's state as ``/server_info``'s ``p2pw_weight_update`` says it (JSON-ready)."""
         state = self.session.state()
-        return {**state, "state": str(state["state"])}
+        return {**state, "state": str(state["state"]), "instance": self.instance}
 
 
 def _failed(verb: str, e: BaseException) -> Answer:

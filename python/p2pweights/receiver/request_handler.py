@@ -143,7 +143,7 @@ class RequestHandler:
     def _do_server_info(self, req: None, query: dict) -> tuple[int, Any]:
         # the engine's build first (sglang version, each rank's GPU architecture): the hook may say otherwise
         return p.OK, {**build_report.server_identity(self.receiver.registered_extras()), **self.receiver.hooks.server_info(),
-                      "p2pw_weight_update": self.receiver.session.state()}
+                      "p2pw_weight_update": self.receiver.core.state()}
 
     def _do_model_info(self, req: None, query: dict) -> tuple[int, Any]:
         return p.OK, self.receiver._model_info()

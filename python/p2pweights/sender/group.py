@@ -30,6 +30,7 @@ class SenderStatus:
     control: bool = True
     note: str = ""  # sender 0's account of the engines after the update
     epochs: dict[str, int] = field(default_factory=dict)  # the controller's: each engine's epoch at begin
+    instances: dict[str, str] = field(default_factory=dict)  # the controller's: each engine's process at begin
     # delta updates (delta_writes.py): sender 0's claims and answers at opened, every sender's manifests
     # at written, sender 0's new identities at ended
     deltas: dict[str, Any] = field(default_factory=dict)

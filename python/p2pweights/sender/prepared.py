@@ -17,6 +17,7 @@ class EngineTarget:
     rank: int
     writer_id: int
     publication: EnginePublication
+    instance: str | None = None  # the engine process attached to (engine core's ``instance``; engine_set.py)
 
     @property
     def name(self) -> str:

@@ -97,6 +97,8 @@ class UpdateReport:
     slot_bytes: int = 0
     slot_location: str = ""
     staged_peak_bytes: int = 0
+    # engines this update left out (on_engine_down="skip"), each with why (docs/sender.md, "The engine set")
+    engines_skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def memory_bytes(self) -> int:
@@ -155,6 +157,8 @@ class UpdateReport:
                          + (f" ({e.error})" if e.error else "")
                          + (f"; delta: {format_size(e.bytes_written)} written" if e.delta else
                             f"; full: {e.delta_reason}" if e.delta_reason and self.base_bytes else ""))
+        for name, why in self.engines_skipped.items():
+            lines.append(f"  {name}: skipped ({why})")
         return "\n".join(lines)
 
 

@@ -65,7 +65,8 @@ class Update:
                  metrics: Any = None, on_success: Callable[["Update"], None] | None = None, verify: bool = False,
                  owner: str | None = None, lease: float | None = None, copy_plans: str = "on",
                  open_beside_slots: bool | None = None, replay_order: ReplayOrder | None = None,
-                 follow_epochs: Callable[[dict[str, int]], list[str]] | None = None, deltas: Any = None):
+                 follow_epochs: Callable[[dict[str, int], dict[str, str]], list[str]] | None = None,
+                 deltas: Any = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         self.version = str(version)
@@ -165,8 +166,10 @@ class Update:
             except Exception as e:  # noqa: BLE001 - the others learn it at the next step, then it is raised
                 error = e
         epochs = dict(self._session.epochs) if self._session is not None else {}
+        instances = dict(self._session.instances) if self._session is not None else {}
         said = self._deltas.said(self._engines) if self._deltas is not None and self._session is not None else {}
-        statuses = self._gather(SenderStatus(me, control_failures(error), epochs=epochs, deltas=said))
+        statuses = self._gather(SenderStatus(me, control_failures(error), epochs=epochs, instances=instances,
+                                             deltas=said))
         if error is not None:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise error
@@ -176,7 +179,7 @@ class Update:
             raise self._failed(failures, f"opening weight update {self.version}", UNTOUCHED)
         if self._session is None:  # not the controller: the controller's epochs (and deltas), before the first write
             follow_epochs({n: e for s in statuses for n, e in s.epochs.items()}, self._follow_epochs, self._writer,
-                          self._ranks, None)
+                          self._ranks, None, {n: i for s in statuses for n, i in s.instances.items()})
             if self._deltas is not None:
                 self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
@@ -225,7 +228,8 @@ class Update:
         try:
             if self._deltas is not None:
                 self._deltas.opened(self._session.answers)
-            follow_epochs(self._session.epochs, self._follow_epochs, self._writer, self._ranks, self._session)
+            follow_epochs(self._session.epochs, self._follow_epochs, self._writer, self._ranks, self._session,
+                          self._session.instances)
         except BaseException as e:
             self._session.roll_back(f"{type(e).__name__}: {e}")
             raise

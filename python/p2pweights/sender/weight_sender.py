@@ -11,25 +11,19 @@ Engines end the update and bump their version only after every write succeeded.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import transport as transports
 from ..control import FailurePolicy, SglangEngine
 from ..control.lease import new_owner_id
 from ..copyplans import PlanRecorder, ReplayOrder
-from ..errors import EngineError, P2PWeightsError, SenderGroupError
+from ..errors import P2PWeightsError, SenderGroupError
 from ..models.checkpoint import load_config
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
-from ..planner.assign import Engine as PlanEngine
-from ..planner.assign import assign_engine_ranks
 from ..settings import Settings, sender_signature, settings
-from ..transport.publication import EnginePublication
-from ..transport.session_claims import check_sessions, session_claim
-from .attach import attach_target
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes
@@ -41,13 +35,16 @@ from .inputs import TrainerInputs
 from .metrics import metrics_for
 from .prepared import EngineTarget, PreparedRank
 from .quantize import with_quantize_on_send
-from .report import Progress
 from .stager import GroupStager
 from .transforms import GroupTransform
 from .update import Update
 from .verify import check_engines_digest
 from .warmup import Warmup
 from .writer import PipelinedWriter
+
+if TYPE_CHECKING:
+    from .engine_set import EngineMember
+    from .join import Join
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +107,9 @@ class WeightSender:
         self.connect_phases = ConnectPhases()  # seconds per phase and counts of the last connect
         self._early: EarlySlots | None = None  # a cold connect's agent and slots, made while replicas build
         self._ranks: list[PreparedRank] = []
-        self._engines: list[SglangEngine] = []
+        self._engines: list[SglangEngine] = []  # the engines attached (ready or down), in plan order
+        self._members: dict[str, "EngineMember"] = {}  # every engine of the set by name (engine_set.py)
+        self._join: "Join | None" = None  # add_engines(wait=False) in progress (join.py)
         self._next_writer_id = 0
         self._closed = False
         self._metrics = metrics_for(metrics)
@@ -131,8 +130,10 @@ class WeightSender:
 
     # -- connect ---------------------------------------------------------------------------------
     @property
-    def engines(self) -> list[SglangEngine]:
-        return list(self._engines)
+    def engines(self) -> list["EngineMember"]:
+        """Every engine of the set with its state (``joining``, ``ready``, ``down``, ``failed``; see
+        sender/engine_set.py), the last version this sender committed there and why it is down."""
+        return list(self._members.values())
 
     @property
     def prepared(self) -> list[PreparedRank]:
@@ -149,87 +150,101 @@ class WeightSender:
 
     def connect(self, engines: Sequence[SglangEngine | str]) -> None:
         """Plan, build (or reuse) replicas, connect every target engine rank. Call again with a new
-        engine list (or after an engine restarted): replicas are reused, connections rebuilt.
+        engine list (or after an engine restarted): replicas are reused, connections rebuilt. To
+        change the set between updates without touching the engines kept, use :meth:`add_engines`
+        and :meth:`remove_engines`.
 
         Every engine's layout and publication is checked before the current connections are
         touched: a connect that fails there leaves the sender as it was. One that fails while
         attaching detaches what it attached and leaves the sender disconnected. Both re-raise."""
         if self._closed:
             raise P2PWeightsError("WeightSender is closed")
-        from .engine_kinds import layout_and_identity  # replica/ (engine_identity, vLLM's layouts)
+        self._check_between_updates("connect")
+        from . import engine_set  # replica/ (engine_identity, vLLM's layouts), not at `import p2pweights`
 
-        phases = self.connect_phases = ConnectPhases(self.replicas)
+        self.connect_phases = ConnectPhases(self.replicas)
         if self.transport is not None and self._transport is None and self._early is None:
             self._early = self._early_slots()  # cold: agent (GPU slots) beside the replicas
-        clients = [self._client(e) for e in engines]
-        infos = [c.server_info() for c in clients]
-        phases.lap("http server_info")
-        # auto: the engines' transport (all the same, else WrongTransport), before anything is touched
-        transport, why = transports.transport_for_engines(self.settings.transport,
-                                                          [(c.name, info) for c, info in zip(clients, infos)])
+        surveys, transport, why = engine_set.survey_engines(self, [self._client(e) for e in engines])
         if self.transport is None:  # cold auto sender: the agent for the engines' transport
             self.transport, self.transport_why = transport, why
             self._early = self._early_slots()
-        # layout; same build, same architecture (engine_kinds.py): refused before any replica is built
-        facts = [layout_and_identity(c, info, self.config) for c, info in zip(clients, infos)]
-        layouts, identities = [f[0] for f in facts], [f[1] for f in facts]
-        plan = assign_engine_ranks(self.num_senders, [PlanEngine(lay.world_size, lay.key) for lay in layouts])
-        mine = [p for p in plan if p.sender == self.sender_index]
-        phases.lap("identity + plan")
-        self._wait_for_warmup(layouts, mine)
-        progress = Progress("connect: engine ranks prepared (replica + loader probe)", len(mine))
-        ranks = []
-        for i, entry in enumerate(mine):
-            ranks.append(self._prepare(layouts[entry.engines[0]], entry.engine_rank))
-            progress.step(i + 1)
-        progress.done()
-        phases.lap("replicas")
-        publications: list[tuple[PreparedRank, SglangEngine, EnginePublication]] = []
-        for p, entry in zip(ranks, mine):
-            for e in entry.engines:
-                client = clients[e]
-                pub = EnginePublication.from_json(client.transfer_engine_info(entry.engine_rank))
-                phases.lap("publication fetch")
-                identities[e].check_rank(entry.engine_rank, pub.device_arch, pub.sglang_version)
-                self._check_publication(p, client, pub, transport)
-                publications.append((p, client, pub))
-                phases.lap("publication checks")
-        info_of = {c.name: info for c, info in zip(clients, infos)}  # each rank's session is its own, none shared
-        check_sessions([session_claim(client, pub, info_of[client.name]) for _, client, pub in publications])
-        phases.lap("publication checks")
-        self._disconnect_all(wait=False)
-        if transport != self.transport:  # auto, engines of another transport than the agent's
-            self._drop_transport()
-            self.transport, self.transport_why = transport, why
-        phases.lap("detach")
-        attached: list[EngineTarget] = []
+        self._members.clear()
+        engine_set.apply_engine_set(self, surveys, transport, why, incremental=False)
+        self._start_recorder()
+        self.connect_phases.done()
 
-        def recheck(p: PreparedRank, client: SglangEngine, fresh: EnginePublication) -> None:  # a later epoch's
-            self._check_publication(p, client, fresh, transport)
-            check_sessions([session_claim(client, fresh, info_of[client.name])])
+    def add_engines(self, engines: Sequence[SglangEngine | str], *, wait: bool = True) -> None:
+        """Engines join between updates; those kept stay attached (their deltas go on), each new one's
+        first update writes it in full. ``wait=False``: read, check and plan them on a thread while
+        updates go on (``joining``); the first update after that attaches them (with a group: once
+        every sender has them ready; each adds the same engines in the same order). A refused join
+        raises here (``wait``) or leaves the engine ``failed`` with the reason (``sender.engines``)."""
+        self._check_between_updates("add_engines")
+        from . import engine_set
+        from .join import Join, prepare_join
+
+        clients = [self._client(e) for e in engines]
+        taken = [c.name for c in clients if c.name in self._members and self._members[c.name].state != engine_set.FAILED]
+        if taken or len({c.name for c in clients}) != len(clients):
+            raise ValueError(f"add_engines: engine name(s) {taken or [c.name for c in clients]} already in the set "
+                             f"or repeated; each engine needs its own name (SglangEngine(url, name=...))")
+        if not self._engines:
+            raise P2PWeightsError("connect(engines) before add_engines()")
+        joining = [engine_set.EngineMember(c) for c in clients]
+        for m in joining:
+            self._members[m.name] = m
+        if wait:
+            try:
+                prepare_join(self, joining)
+                surveys = [m.survey for m in self._members.values()
+                           if m.survey is not None and m.state != engine_set.FAILED]
+                engine_set.apply_engine_set(self, surveys, self.transport, self.transport_why, incremental=True)
+            except BaseException:
+                for m in joining:
+                    self._members.pop(m.name, None)
+                raise
+            self._start_recorder()
+            return
+        if self._join is not None and not self._join.done():
+            self._join.wait()  # one join at a time: the earlier one's engines first
+        self._join = Join(self, joining)
+
+    def remove_engines(self, engines: Sequence[SglangEngine | str]) -> None:
+        """Engines leave the set between updates: their ranks are detached and the plan recomputed
+        for the rest (a rank newly given to this sender is attached; the others stay attached).
+        Every sender of a group removes the same engines."""
+        self._check_between_updates("remove_engines")
+        from . import engine_set
+
+        names = {e.name if isinstance(e, SglangEngine) else self._client(e).name for e in engines}
+        unknown = names - set(self._members)
+        if unknown:
+            raise ValueError(f"remove_engines: no engine named {sorted(unknown)} in the set "
+                             f"({', '.join(self._members) or 'none'})")
+        gone = [self._members.pop(n) for n in names]
+        surveys = [m.survey for m in self._members.values()
+                   if m.state in (engine_set.READY, engine_set.DOWN) and m.survey is not None]
+        if not surveys:
+            self._disconnect_all()
+            return
         try:
-            self._ensure_buffers(max((max((g.nbytes for g in p.replica.groups), default=0) for p in ranks), default=0))
-            for p, client, pub in publications:
-                self._next_writer_id += 1
-                target = attach_target(self._transport, self._writer, self._next_writer_id - 1, p.rank, client, pub,
-                                       check=functools.partial(recheck, p, client))
-                phases.count("peer connects")
-                attached.append(target)
-                p.targets.append(target)
-            phases.lap("peer connect")
-            for transform in self.transforms:
-                transform.connect(ranks)
-            phases.lap("transforms")
-            if self._bases is not None:  # the bases' first touch here, not in the first update
-                self._bases.prepare(ranks, self.settings.buffer_device, phases)
+            engine_set.apply_engine_set(self, surveys, self.transport, self.transport_why, incremental=True)
         except BaseException:
-            self._detach(attached)
+            for m in gone:
+                self._members[m.name] = m
             raise
-        self._ranks = ranks
-        self._engines = clients
-        if self.settings.copy_plans == "background":
-            self.recorder = PlanRecorder(ranks, self.settings.buffer_device, busy=self._updating).start()
-        phases.done()
+        self._start_recorder()
+
+    def _check_between_updates(self, what: str) -> None:
+        if self._updating():
+            raise P2PWeightsError(f"{what}() while update {self._update.version} is in flight; finish it first")
+
+    def _start_recorder(self) -> None:
+        if self.settings.copy_plans == "background" and self._ranks:
+            if self.recorder is not None:
+                self.recorder.stop(timeout=0)
+            self.recorder = PlanRecorder(self._ranks, self.settings.buffer_device, busy=self._updating).start()
 
     def _prepare(self, layout: Any, rank: int) -> PreparedRank:
         from .engine_kinds import rank_replica_of
@@ -241,17 +256,6 @@ class WeightSender:
         stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs, expected,
                              where=f"{layout.describe()} rank {rank}")
         return PreparedRank(layout.key, rank, replica, stager)
-
-    def _check_publication(self, p: PreparedRank, client: SglangEngine, pub: EnginePublication,
-                           transport: str) -> None:
-        """Invariant 1, both ways: the engine rank published exactly the replica's parameters, each
-        with the replica's byte count, for this sender's transport; never a rank its engine refuses."""
-        pub.check_not_refused(engine=client.name)  # an in-process sglang.Engine (sglang_plugin/inprocess.py)
-        pub.check_transport(transport, engine=client.name)
-        pub.check_regions(engine=client.name)  # no overlap, inside the registered memory
-        pub.check_params({n: s.nbytes for n, s in p.replica.param_specs.items()},
-                         engine=f"{client.name} rank {p.rank}",
-                         hint=f"is it serving the same model and flags ({client.base_url})?")
 
     def _ensure_buffers(self, largest_group: int) -> None:
         need = slot_size(self.settings.buffer_size, largest_group)
@@ -356,7 +360,8 @@ class WeightSender:
     # -- update ----------------------------------------------------------------------------------
     def update(self, version: Any, *, control: bool = True, pause_mode: str = "abort",
                on_failure: str | FailurePolicy = FailurePolicy.RESUME_IF_UNWRITTEN, force: bool = False, cast: bool = False,
-               check_finite: bool | None = None, verify: bool | None = None, delta: bool | str = "auto") -> Update:
+               check_finite: bool | None = None, verify: bool | None = None, delta: bool | str = "auto",
+               on_engine_down: str | None = None) -> Update:
         """An update as a context manager.
 
         control: drive the engines' session (pause, begin; end, version, continue on success). With
@@ -377,6 +382,9 @@ class WeightSender:
         delta: "auto" (default) writes only what changed to engines that prove they hold this sender's
         last commit, the others in full (``report.delta_reason`` says why); False writes everything
         (the sender's bases are still kept). Without bases (``P2PW_DELTA=off``) every update is full.
+        on_engine_down: "fail" (an engine that does not answer fails the update, named) or "skip" (it is
+        left out, the others commit, ``report.engines_skipped`` names it; default ``P2PW_ENGINE_DOWN``).
+        Engines joined by ``add_engines(wait=False)`` and ready are attached here (engine_set.py).
 
         The version is checked here, before anything else; names, shapes, dtypes, tied names and
         NaN at each push; the engines are paused only at the first push that passed them.
@@ -392,26 +400,31 @@ class WeightSender:
         if self._update is not None and self._update._phase in ("new", "opening", "open"):
             raise P2PWeightsError(f"update {self._update.version} of this sender is still in flight; finish it "
                                   f"(or leave its with-block) before update({version!r})")
+        from .join import check_engine_down, update_set
+
+        down = check_engine_down(self.settings.engine_down if on_engine_down is None else on_engine_down)
+        ranks, engines, skipped = update_set(self, down if control else "fail")
         if check_finite is None:
             check_finite = self.settings.check_finite
         verify = self.settings.verify if verify is None else bool(verify)
         if verify:
-            check_engines_digest(self._engines)
-        specs = {n: s for p in self._ranks for n, s in p.replica.hf_specs.items()}
+            check_engines_digest(engines)
+        specs = {n: s for p in ranks for n, s in p.replica.hf_specs.items()}
         tied = model_spec(architecture_of(self.config)).tied_names(self.config) if self._has_spec() else {}
         inputs = TrainerInputs(specs, tied, cast=cast, check_finite=check_finite,
                                where=f"sender {self.sender_index}")
-        self._update = Update(self._ranks, self._engines, self._writer, version, control=control,
+        self._update = Update(ranks, engines, self._writer, version, control=control,
                               transforms=self.transforms, staging_for=self._staging_for, group=self.group,
                               inputs=inputs, pause_mode=pause_mode, on_failure=on_failure,
                               previous_version=self.last_version, force=force, metrics=self._metrics,
                               on_success=self._updated, verify=verify, owner=self.owner,
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
                               open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
-                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control))
+                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control, ranks))
+        self._update.engines_skipped = skipped
         return self._update
 
-    def _update_deltas(self, delta: bool | str, control: bool) -> UpdateDeltas | None:
+    def _update_deltas(self, delta: bool | str, control: bool, ranks: list[PreparedRank]) -> UpdateDeltas | None:
         """This update's delta state (delta_writes.py), or None when the sender keeps no bases."""
         if self._bases is None:
             return None
@@ -422,41 +435,21 @@ class WeightSender:
             why, keep = "control=False or pipeline stages: deltas need one session owner and one writer per rank", False
         elif self.settings.open_beside_slots:
             why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
-        return UpdateDeltas(self._bases, self._ranks, self._buffers, wanted=not why, off_reason=why, keep=keep)
+        return UpdateDeltas(self._bases, ranks, self._buffers, wanted=not why, off_reason=why, keep=keep)
 
-    def _follow_epochs(self, epochs: dict[str, int]) -> list[str]:
-        """The engines whose registration epoch (begin's answer) is newer than what this sender
-        connected to revoked their old endpoints at a takeover (transport/revocation.py): their
-        ranks' publications are fetched again, checked as at connect (and to hold the same table:
-        the memory did not move), and re-attached under the same writer ids. Called before any slot
-        is posted. Answers the engines re-attached."""
-        moved = []
-        for p in self._ranks:
-            for t in p.targets:
-                epoch = epochs.get(t.engine.name)
-                if not epoch or not t.publication.epoch or t.publication.epoch == epoch:  # 0: publishes none
-                    continue
-                pub = EnginePublication.from_json(t.engine.transfer_engine_info(t.rank))
-                if pub.epoch != epoch:
-                    raise EngineError(f"engine {t.engine.name} rank {t.rank} publishes epoch {pub.epoch}, not the "
-                                      f"epoch {epoch} its begin_weight_update answered (another takeover?); "
-                                      f"nothing was written", engine=t.engine.name, rank=t.rank,
-                                      hint="retry the update")
-                self._check_publication(p, t.engine, pub, self.transport)
-                if pub.params != t.publication.params:
-                    raise EngineError(f"engine {t.engine.name} rank {t.rank} re-published a different weights table "
-                                      f"at epoch {epoch}; nothing was written", engine=t.engine.name, rank=t.rank,
-                                      hint="reconnect the sender (sender.connect) to plan against the engine again")
-                transports.detach_engine(self._transport, self._writer, t.writer_id)
-                transports.attach_engine(self._transport, self._writer, t.writer_id, t.name, pub)
-                logger.warning("engine %s rank %d: epoch %d -> %d (a takeover revoked the old registrations); "
-                               "re-attached", t.engine.name, t.rank, t.publication.epoch, epoch)
-                t.publication = pub
-                moved.append(t.engine.name)
-        return sorted(set(moved))
+    def _follow_epochs(self, epochs: dict[str, int], instances: dict[str, str]) -> list[str]:
+        from .engine_set import follow_engines
+
+        return follow_engines(self, epochs, instances)
 
     def _updated(self, update: Update) -> None:
         self.last_version = update.version
+        skipped = getattr(update, "engines_skipped", {})
+        if update.report is not None:
+            update.report.engines_skipped = dict(skipped)
+        for e in update._engines:
+            if e.name in self._members:
+                self._members[e.name].version = update.version
 
     def _has_spec(self) -> bool:
         try:

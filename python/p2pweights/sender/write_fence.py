@@ -17,12 +17,14 @@ def fence_engine(writer: Any, ranks: Sequence[Any], engine: str, deadline: float
                 writer.fence(t.writer_id, left if left == left else -1.0)
 
 
-def follow_epochs(epochs: dict[str, int], reattach: Callable[[dict[str, int]], list[str]] | None,
-                  writer: Any, ranks: Sequence[Any], session: Any) -> None:
-    """Re-attach the engine ranks whose epoch (begin's answer) moved on (``reattach``: the sender's,
-    answering the engines it re-attached), then fence them again: a new connection has no deadline."""
-    if reattach is None or not epochs:
+def follow_epochs(epochs: dict[str, int], reattach: Callable[[dict[str, int], dict[str, str]], list[str]] | None,
+                  writer: Any, ranks: Sequence[Any], session: Any, instances: dict[str, str] | None = None) -> None:
+    """Re-attach the engine ranks whose epoch (begin's answer) moved on, or whose engine is another
+    process than the one connected to (``instances``: a restart at the same address; ``reattach``:
+    the sender's, answering the engines it re-attached), then fence them again: a new connection has
+    no deadline."""
+    if reattach is None or not (epochs or instances):
         return
-    for engine in reattach(epochs):
+    for engine in reattach(epochs, instances or {}):
         if session is not None:
             fence_engine(writer, ranks, engine, session.lease_deadline(engine))
