@@ -22,6 +22,15 @@ seed is printed; ``--seed`` replays the draws, not the timing):
   nan           a pushed tensor holds NaN with check_finite=True: refused (before the pause when first)
   expiry        the sender is SIGSTOPped after its writes began, left past the lease, then SIGKILLed
   engine_stop   a rank of one engine is SIGSTOPped for 1 s (within its watchdog's ~2 s) mid-update
+  churn faults (issue "Elastic engine sets"; the long-lived main sender keeps its engine set):
+  restart       an engine is restarted at the same address between updates (another process: new
+                registrations, no base); the main sender's next update must re-plan it and write it in full
+  down          an engine is killed; the update runs with on_engine_down="skip": the other commits, the
+                dead one is named in engines_skipped; it is restarted (its start-up weights) afterwards
+  kill_mid      an engine is killed after the update's writes began (skip): it fails alone, the other
+                commits; restarted afterwards
+  leave_join    the main sender removes an engine, updates the rest, and adds it back (its next update
+                writes it in full); the engine left out keeps its version and bytes
 
 After every update, each engine must either report version ``seedN`` (or its start-up version before
 any commit) and hold exactly the bytes of ``random_checkpoint(specs, N)`` with no session open, or be
@@ -80,8 +89,9 @@ UNREVOKED_DIR = os.path.join(HERE, "chaos_unrevoked")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["p2pweights"].__file__)))
 SGLANG_START_TIMEOUT_S = 900.0  # a loaded 2-core host: a server's start-up can take minutes
 
-FAULTS = ["none", "kill", "late", "concurrent", "nan", "expiry", "engine_stop"]
-WEIGHTS = [4, 2, 2, 1, 1, 1, 1]
+FAULTS = ["none", "kill", "late", "concurrent", "nan", "expiry", "engine_stop", "restart", "down", "kill_mid",
+          "leave_join"]
+WEIGHTS = [4, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
 
 # One sender process: a loop of updates asked on stdin, one JSON line each; events on stdout.
 CHILD = textwrap.dedent('''
@@ -109,6 +119,16 @@ CHILD = textwrap.dedent('''
     say(event="ready", pid=os.getpid(), tensors=len(list(random_checkpoint(specs, 0))))
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("cmd") in ("remove", "add"):  # the engine set changes between updates (engine_set.py)
+            try:
+                if job["cmd"] == "remove":
+                    sender.remove_engines([m.name for m in sender.engines if m.url == job["url"]])
+                else:
+                    sender.add_engines([job["url"]])
+                say(event="ok", engines={m.name: m.state for m in sender.engines})
+            except P2PWeightsError as e:
+                say(event="failed", error=str(e)[:2000], kind=type(e).__name__)
+            continue
         seed, mode, at, go = job["seed"], job["mode"], job.get("at", 0), job.get("go")
         items = list(random_checkpoint(specs, seed))
         if mode == "nan":
@@ -119,12 +139,13 @@ CHILD = textwrap.dedent('''
         while go and not os.path.exists(go):
             time.sleep(0.005)
         try:
-            with sender.update(f"seed{seed}", check_finite=(mode == "nan") or None, force=True) as update:
+            with sender.update(f"seed{seed}", check_finite=(mode == "nan") or None, force=True,
+                               on_engine_down=job.get("down")) as update:
                 for i, (name, t) in enumerate(items):
                     update.push(name, t)
                     if mode == "slow" and i == 0:
                         time.sleep(2.0)  # holds its session: the other controller certainly meets it
-                    if mode in ("hold", "late") and i == at:
+                    if mode in ("hold", "late", "pause") and i == at:
                         update.pipeline.drain()  # what is placed goes out now: its writes begin
                         if mode == "late":  # stopped between posts, not inside one (docs/security.md)
                             time.sleep(1.0)
@@ -133,7 +154,7 @@ CHILD = textwrap.dedent('''
                             time.sleep(600)  # until stopped / killed
                         while not os.path.exists(go + ".resume"):
                             time.sleep(0.005)
-            say(event="done", seed=seed)
+            say(event="done", seed=seed, skipped=sorted(update.report.engines_skipped))
         except SessionConflict as e:
             say(event="refused", error=str(e)[:400], engine=e.engine)
         except P2PWeightsError as e:
@@ -328,6 +349,8 @@ class Chaos:
         self.late = {"resumed": 0, "engine": 0, "sender": 0, "none": 0, "committed": 0}  # who stopped them
         self.late_codes: dict[str, int] = {}  # the native codes of the late senders' failed writes
         self.spare_failures = 0  # spare senders whose connect failed (it raced a takeover's revocation)
+        self.skipped: set[int] = set()  # engines the last update was allowed to leave out (churn faults)
+        self.churn = {"restarted": 0, "skipped": 0, "missed": 0, "rejoined": 0}  # what the churn faults saw
 
     def log(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -372,11 +395,11 @@ class Chaos:
         return os.path.join(self.tmp, f"go{self.go_n}")
 
     def run_one(self, sender: Sender, mode: str = "full", at: int = 0, go: str | None = None,
-                timeout: float = 180) -> tuple[int, dict]:
+                timeout: float = 180, down: str | None = None) -> tuple[int, dict]:
         s = self.seed()
         self.tried.append(f"seed{s}")
-        sender.ask(seed=s, mode=mode, at=at, go=go)
-        return s, (sender.next_event(timeout) if mode not in ("hold", "late", "slow") else {})
+        sender.ask(seed=s, mode=mode, at=at, go=go, down=down)
+        return s, (sender.next_event(timeout) if mode not in ("hold", "late", "slow", "pause") else {})
 
     def count(self, row: dict, event: dict) -> None:
         row["attempted"] += 1
@@ -408,6 +431,8 @@ class Chaos:
         self.wait_not_open()
         torn_any = False
         for i in range(len(self.engines)):
+            if i in self.skipped:  # left out of this update (down, removed): it keeps what it had
+                continue
             self.allowed[i] = {self.done[-1]} if self.done else self.allowed[i] | set(self.tried)
         for i, e in enumerate(self.engines):
             where = f"update {update_no} ({row['fault']}), engine {e.name}"
@@ -584,6 +609,76 @@ class Chaos:
             os.kill(pid, signal.SIGCONT)
         self.count(row, self.main_sender().next_event(180))
 
+    # -- churn: the engine set changes under the long-lived main sender ---------------------------------
+    def _restarted(self, i: int) -> None:
+        """Engine ``i`` started again at its address: it serves its start-up weights (no sender replaced)."""
+        self.engines[i].restart()
+        self.initial[i] = SglangEngine(self.engines[i].url, timeout=30).weight_version()
+        self.allowed[i] = {self.initial[i]}
+        self.churn["restarted"] += 1
+
+    def _expect_skipped(self, ev: dict, i: int) -> None:
+        name = SglangEngine(self.engines[i].url).name
+        if ev.get("event") == "done":
+            if ev.get("skipped") != [name]:
+                self.churn["missed"] += 1
+                self.failures.append(f"{ev}: engine {name} should have been the one skipped")
+            else:
+                self.churn["skipped"] += 1
+
+    def fault_restart(self, row: dict) -> None:
+        sender = self.main_sender()
+        self._restarted(self.rng.randrange(len(self.engines)))
+        _, ev = self.run_one(sender)
+        self.count(row, ev)
+        if ev.get("event") != "done":
+            self.failures.append(f"restart: the main sender's update after an engine restart did not commit: {ev}")
+
+    def fault_down(self, row: dict) -> None:
+        sender = self.main_sender()
+        i = self.rng.randrange(len(self.engines))
+        self.engines[i].kill()
+        self.skipped = {i}
+        _, ev = self.run_one(sender, down="skip")
+        self.count(row, ev)
+        self._expect_skipped(ev, i)
+        self._restarted(i)
+
+    def fault_kill_mid(self, row: dict) -> None:
+        sender = self.main_sender()
+        i = self.rng.randrange(len(self.engines))
+        go = self.go_file()
+        open(go, "w").close()
+        self.run_one(sender, "pause", at=self.rng.randrange(self.tensors - 1), go=go, down="skip")
+        ev = sender.next_event(180)
+        if ev.get("event") == "writing":
+            self.engines[i].kill()
+            self.skipped = {i}
+            open(go + ".resume", "w").close()
+            ev = sender.next_event(240)
+            self._expect_skipped(ev, i)
+        self.count(row, ev)
+        if i in self.skipped:
+            self._restarted(i)
+
+    def fault_leave_join(self, row: dict) -> None:
+        sender = self.main_sender()
+        i = self.rng.randrange(len(self.engines))
+        url = SglangEngine(self.engines[i].url).base_url
+        sender.ask(cmd="remove", url=url)
+        if sender.next_event(120).get("event") != "ok":
+            self.failures.append(f"leave_join: removing {url} failed")
+            return
+        self.skipped = {i}
+        _, ev = self.run_one(sender)
+        self.count(row, ev)
+        sender.ask(cmd="add", url=url)
+        back = sender.next_event(300)
+        if back.get("event") != "ok":
+            self.failures.append(f"leave_join: adding {url} back failed: {back}")
+        else:
+            self.churn["rejoined"] += 1
+
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> None:
         t0 = time.monotonic()
@@ -616,7 +711,7 @@ class Chaos:
             row = self.rows[fault]
             row["updates"] += 1
             t = time.monotonic()
-            self.tried, self.done = [], []
+            self.tried, self.done, self.skipped = [], [], set()
             getattr(self, f"fault_{fault}")(row)
             heal = self.check(row, n)
             versions = []
@@ -717,6 +812,9 @@ def main() -> int:
               f"no write refused: {late['none']}; committed: {late['committed']}\n"
               f"# the late senders' failed writes (engine ranks, by native code): {codes}\n"
               f"# spare senders whose connect failed (raced a takeover), replaced: {chaos.spare_failures}\n"
+              f"# churn: engines restarted at the same address {chaos.churn['restarted']}, skipped as named "
+              f"{chaos.churn['skipped']} (not as named: {chaos.churn['missed']}), removed and added back "
+              f"{chaos.churn['rejoined']}\n"
               f"# attempted: updates begun by any controller (a late or concurrent fault has two); "
               f"torn after: engines found paused and torn after the update (healed by the next)\n"
               + ("# OK: 0 wrong bytes served" if not chaos.failures else
@@ -724,7 +822,7 @@ def main() -> int:
     extra = {"seed": a.seed, "transport": a.transport, "updates": a.updates, "faults": a.faults, "weights": a.weights,
              "unfenced": a.unfenced,
              "unrevoked": a.unrevoked, "engine_kind": a.engine_kind, "engines": a.engines, "late": late,
-             "late_codes": chaos.late_codes, "spare_failures": chaos.spare_failures,
+             "late_codes": chaos.late_codes, "spare_failures": chaos.spare_failures, "churn": chaos.churn,
              "seconds": round(time.monotonic() - t0, 1), "failures": chaos.failures}
     emit(f"p2pweights chaos: {a.engine_kind} engines {a.engines} (tiny qwen3), {a.transport}", COLUMNS, rows_out,
          as_json=a.json,

@@ -163,3 +163,28 @@ def test_set_changes_are_refused_mid_update_and_unknown_names_are_named(cluster)
         assert exact(a, 1) and states(sender) == {"elastic0": "ready"}
     finally:
         sender.close()
+
+
+def test_an_engine_killed_mid_update_fails_alone_under_skip_and_the_others_commit(cluster):
+    cfg, engines = cluster
+    a, c = engines["elastic0"], engines["elastic2"]
+    sender = WeightSender(cfg, transport="mooncake", engine_timeout=4.0)
+    try:
+        sender.connect([client(a), client(c)])
+        push(sender, cfg, "k1", 1)
+        items = list(random_checkpoint(checkpoint_tensors(cfg), 5, changed=(FRACTION, 2)))
+        with sender.update("k2", on_engine_down="skip") as u:
+            u.push_many(items[: len(items) // 2])
+            u.pipeline.drain()  # what is placed goes out now: the engine dies with writes behind it
+            c.kill()
+            u.push_many(items[len(items) // 2:])
+        r = u.report
+        assert list(r.engines_skipped) == ["elastic2"] and "mid-update" in r.engines_skipped["elastic2"]
+        assert version(a) == "k2" and exact(a, 2) and states(sender) == {"elastic0": "ready", "elastic2": "down"}
+        c.restart()  # back at the same address, another process: written in full, the other a delta
+        r = push(sender, cfg, "k3", 3, on_engine_down="skip")
+        by = {e.engine: e for e in r.engines}
+        assert not r.engines_skipped and by["elastic0"].delta and not by["elastic2"].delta
+        assert exact(a, 3) and exact(c, 3) and states(sender) == {"elastic0": "ready", "elastic2": "ready"}
+    finally:
+        sender.close()

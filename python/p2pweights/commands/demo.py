@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from ..models.engine_layout import EngineLayout
 from ..settings import format_size, parse_size, value
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true", help="skip the byte-for-byte equality check after each step")
     p.add_argument("--verbose", action="store_true",
                    help="print every sender's update report (stage times, per engine rank) and the transports' own logs")
+    p.add_argument("--churn", action="store_true",
+                   help="the engine set changes between steps (restart, join, down, back, leave: commands/demo_churn.py) "
+                        "while one sender updates; one row per engine and step (receiver engines only)")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
@@ -73,6 +77,27 @@ def _default_transport() -> str:
     """P2PW_TRANSPORT (default ``auto``: on one host the demo's writes cross loopback, where NIXL's
     shared memory beats Mooncake's TCP, docs/transports.md)."""
     return value("P2PW_TRANSPORT")
+
+
+def _churn(args: argparse.Namespace, model: str, transport: str, why: str, overrides: dict, out: Any,
+           progress: Any) -> int:
+    """--churn (commands/demo_churn.py): receiver engines only, one in-process sender."""
+    from dataclasses import asdict
+
+    from .demo_churn import HEADER, run_churn_demo
+
+    if args.engine_kind != "receiver":
+        raise SystemExit(f"--churn: --engine-kind {args.engine_kind} is not built; the churn demo restarts and kills "
+                         f"engines as receiver processes (--engine-kind receiver)")
+    progress(f"p2pweights demo --churn: model {args.model}, {args.engines} receiver engine(s) x {args.engine} + 1 "
+             f"joining, transport {transport}{why}")
+    progress(HEADER)
+    rows = run_churn_demo(model, engines=args.engines, engine=args.engine, transport=transport,
+                          changed_fraction=args.changed_fraction, check=not args.no_check, overrides=overrides,
+                          progress=progress)
+    if args.json:
+        print(json.dumps({"churn": [asdict(r) for r in rows]}, indent=2), file=sys.stdout)
+    return 0 if all(r.equal is not False for r in rows) else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=out, flush=True)
 
+    if args.churn:
+        return _churn(args, model, transport, why, overrides, out, progress)
     changed = f", {args.changed_fraction:g} of the elements changed per step" if args.changed_fraction is not None else ""
     progress(f"p2pweights demo: model {args.model}, {args.engines} {args.engine_kind} engine(s) x {args.engine}, "
              f"{args.senders} sender(s), {args.steps} step(s){changed}, transport {transport}{why}, "

@@ -37,6 +37,7 @@ from ..planner.delta_cost import (
     predict_deltas,
 )
 from ..planner.host_path import HOST_US_PER_TENSOR, SENDER_HOST_PATH, stage_tensor_counts
+from ..planner.join_cost import predict_join, render_join
 from .plan_vllm import vllm_engines
 
 # The server args plan's cost model reads (by sglang name); any other --engine key is refused.
@@ -108,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the engines are: sglang (default; --engine takes sglang's server args) or vLLM "
                              "0.33 (--engine tp=..,dp=..,ep=..,moe_backend=..,deep_gemm=..: its layout, refused where "
                              "vLLM's post-processing rewrites the bytes; docs/vllm.md)")
+    parser.add_argument("--join", type=int, default=0, metavar="N",
+                        help="also price N more engines like the last one joining (sender.add_engines): the join "
+                             "update and a full update after it")
     parser.add_argument("--json", action="store_true", help="print the plan and cost as JSON")
 
 
@@ -130,15 +134,21 @@ def run(args: argparse.Namespace) -> int:
         rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area)
         deltas = (predict_deltas(cost, fractions, delta_unit(shape, args.dtype), rates, not_built_yet(plan, links))
                   if fractions else None)
+        join = (predict_join(args.join, trainer, engines, shape, links, args.dtype, tensors,
+                             deltas.updates[0].p2p_seconds if deltas is not None else cost.p2p_seconds,
+                             balanced=args.balanced) if args.join else None)
     except PlanError as e:
         print(f"p2pweights plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(args, shape, plan, cost, links, deltas)))
+        doc = plan_json(args, shape, plan, cost, links, deltas)
+        print(json.dumps({**doc, **({"join": join.as_json()} if join is not None else {})}))
     else:
         print(render(shape, plan, cost, links, args.dtype))
         if deltas is not None:
             print(render_deltas(deltas))
+        if join is not None:
+            print(render_join(join))
     return 0
 
 

@@ -194,10 +194,9 @@ class UpdateSession:
         #: engine -> the registration epoch its begin answered (p2pweights receivers): a sender whose
         #: publications are older re-fetches them before writing (transport/revocation.py)
         self.epochs: dict[str, int] = {}
-        #: engine -> the process identity its begin answered (engine core's ``instance``): a sender that
-        #: connected to another process at that address re-plans it before writing (sender/engine_set.py)
-        self.instances: dict[str, str] = {}
+        self.instances: dict[str, str] = {}  # engine -> the process its begin answered (sender/engine_set.py)
         self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its end answer
+        self.dropped: set[str] = set()  # engines left out of the end (drop)
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
         self.on_paused: Callable[[], None] | None = None
@@ -282,10 +281,9 @@ class UpdateSession:
         raise engines_failed("opening the weight update", self.errors)
 
     def lease_deadline(self, engine: str | None = None) -> float:
-        """Until when (``time.monotonic()`` seconds) this owner may still post writes to ``engine`` (a
-        name; default: the earliest of its engines): the send time of the last successful begin or
-        renewal + the granted lease - a margin; ``-inf`` once the engine refused a renewal, the session
-        was given up or is over; ``inf`` for an engine that keeps no lease
+        """Until when (``time.monotonic()``) this owner may still post writes to ``engine`` (default: the
+        earliest of its engines): its last begin or renewal + the granted lease - a margin; ``-inf`` once
+        it refused a renewal or the session was given up or is over; ``inf`` where no lease is kept
         (:meth:`control.lease.LeaseRenewer.deadline`; ``self.renewer.on_deadline`` hears each change)."""
         return self._renewer.deadline(engine)
 
@@ -311,6 +309,7 @@ class UpdateSession:
         self._require_open("commit")
         # a stalled engine or rank is named now, in seconds (check_in_soon: already asked)
         stalled = self._check_in.result() if self._check_in is not None else self._renewer.check_in(self.engines)
+        stalled = {n: e for n, e in stalled.items() if n not in self.dropped}
         self.errors.update(stalled)
 
         steps: dict[str, float] = {}  # verb -> the slowest engine's seconds (the verbs' log, as call_engines')
@@ -364,8 +363,24 @@ class UpdateSession:
         self._state = UpdateSessionState.COMMITTED
         self._renewer.release([e for e in self.engines if e.name in not_ended])  # torn until healed
         self._done()
-        if self.errors:
-            raise engines_failed(f"finishing weight update {self.version}", self.errors)
+        failed = {n: e for n, e in self.errors.items() if n not in self.dropped}  # dropped: the caller reports them
+        if failed:
+            raise engines_failed(f"finishing weight update {self.version}", failed)
+
+    def drop(self, names: Iterable[str], reason: str) -> None:
+        """Leave ``names`` out of the end (their writes failed; the caller commits the others): given up
+        there (torn until a complete update, as after :meth:`abort`), named in ``outcome``/``errors``."""
+        self._require_open("drop")
+        gone = [e for e in self.engines if e.name in set(names)]
+        self.engines = [e for e in self.engines if e not in gone]
+        self._renewer.release(gone)  # never raises; a dead engine's error is returned and ignored
+        for e in gone:
+            self._renewer.forget(e)
+            self.dropped.add(e.name)
+            self.outcome[e.name] = LEFT_PAUSED
+            self.errors[e.name] = EngineError(f"engine {e.name}: left out of the end of update {self.version}: {reason}",
+                                              engine=e.name)
+        logger.warning("weight update %s: %s left out of the end (%s)", self.version, [e.name for e in gone], reason)
 
     def abort(self, reason: str = "", *, written: bool = True) -> None:
         """The update failed: no end, no version bump; then ``on_failure`` (see the class doc).
@@ -456,8 +471,7 @@ class UpdateSession:
                 self.epochs[engine.name] = epoch
         instance = answer.get("instance") if isinstance(answer, dict) else None
         if isinstance(instance, str) and instance:
-            with self._lock:
-                self.instances[engine.name] = instance
+            self.instances[engine.name] = instance  # one key per engine thread: no lock needed
         if isinstance(answer, dict) and answer.get("took_over"):
             logger.warning("engine %s: took over a torn weight-update session; this update heals it", engine.name)
             with self._lock:

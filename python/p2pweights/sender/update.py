@@ -34,6 +34,7 @@ from .bulk_push import push_fused, push_many
 from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
 from .inputs import TrainerInputs, check_version_order
+from .isolate import isolate_failed_engines
 from .open_gate import OpenGate
 from .outcomes import KEPT_PAUSED, LEFT_PAUSED, NOT_CONTROLLED, ON_FAILURE, ROLLED_BACK, UNTOUCHED, control_failures
 from .pipeline import SlotPipeline
@@ -345,7 +346,7 @@ class Update:
         statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
                                              written=self._written or bool(differ),
                                              deltas=self._deltas.written() if self._deltas is not None else {}))
-        failures = all_failures(statuses)
+        failures = all_failures(statuses) if differ else isolate_failed_engines(self, all_failures(statuses))
         if failures:
             self._end_failed(statuses, "; ".join(f"{n}: {why}" for n, why in failures.items()))
             raise self._failed({**failures, **differ}, f"weight update {self.version}", self.outcome, rep)

@@ -421,7 +421,7 @@ class WeightSender:
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
                               open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
                               follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control, ranks))
-        self._update.engines_skipped = skipped
+        self._update.engines_skipped, self._update.isolate_failed = skipped, down == "skip" and control
         return self._update
 
     def _update_deltas(self, delta: bool | str, control: bool, ranks: list[PreparedRank]) -> UpdateDeltas | None:
@@ -450,6 +450,9 @@ class WeightSender:
         for e in update._engines:
             if e.name in self._members:
                 self._members[e.name].version = update.version
+        for name, why in skipped.items():  # left out mid-update (isolate.py): down until it answers again
+            if name in self._members:
+                self._members[name].state, self._members[name].reason = "down", why
 
     def _has_spec(self) -> bool:
         try:
