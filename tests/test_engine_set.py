@@ -188,3 +188,35 @@ def test_an_engine_killed_mid_update_fails_alone_under_skip_and_the_others_commi
         assert exact(a, 3) and exact(c, 3) and states(sender) == {"elastic0": "ready", "elastic2": "ready"}
     finally:
         sender.close()
+
+
+def test_an_engine_restarted_mid_update_fails_alone_by_default_and_one_killed_fails_the_update(cluster):
+    cfg, engines = cluster
+    a, c = engines["elastic0"], engines["elastic2"]
+    sender = WeightSender(cfg, transport="mooncake", engine_timeout=4.0)
+    items = [list(random_checkpoint(checkpoint_tensors(cfg), 5, changed=(FRACTION, k))) for k in (1, 2, 3, 4)]
+    try:
+        sender.connect([client(a), client(c)])
+        push(sender, cfg, "r1", 1)
+        # restarted after its begin: another process holds nothing of this update; the rest commits
+        with sender.update("r2") as u:
+            u.push_many(items[1][: len(items[1]) // 2])
+            u.pipeline.drain()
+            c.restart()
+            u.push_many(items[1][len(items[1]) // 2:])
+        r = u.report
+        assert list(r.engines_skipped) == ["elastic2"] and "restarted mid-update" in r.engines_skipped["elastic2"]
+        assert version(a) == "r2" and exact(a, 2) and version(c) == "default"
+        r = push(sender, cfg, "r3", 3)  # re-planned at its begin, written in full
+        assert exact(c, 3) and not {e.engine: e for e in r.engines}["elastic2"].delta
+        # killed after its begin and not back: the default policy fails the update, naming it
+        with pytest.raises(UpdateFailed, match="elastic2"):
+            with sender.update("r4") as u:
+                u.push_many(items[3][: len(items[3]) // 2])
+                u.pipeline.drain()
+                c.kill()
+                u.push_many(items[3][len(items[3]) // 2:])
+        assert version(a) == "r3"  # nobody was told to end: left paused, healed by the next complete update
+    finally:
+        sender.close()
+        c.restart()

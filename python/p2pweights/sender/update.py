@@ -179,8 +179,9 @@ class Update:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise self._failed(failures, f"opening weight update {self.version}", UNTOUCHED)
         if self._session is None:  # not the controller: the controller's epochs (and deltas), before the first write
+            self.begin_instances = {n: i for s in statuses for n, i in s.instances.items()}  # isolate.py reads them
             follow_epochs({n: e for s in statuses for n, e in s.epochs.items()}, self._follow_epochs, self._writer,
-                          self._ranks, None, {n: i for s in statuses for n, i in s.instances.items()})
+                          self._ranks, None, self.begin_instances)
             if self._deltas is not None:
                 self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
