@@ -17,13 +17,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 pytest.importorskip("safetensors")
 
-from replica_configs import write_config  # noqa: E402
-
 from p2pweights.errors import LayoutMismatch  # noqa: E402
 from p2pweights.models.engine_layout import EngineLayout  # noqa: E402
 from p2pweights.replica import sglang_env  # noqa: E402
 from p2pweights.replica.lora_layout import DENSE_TARGETS, LoRASetting  # noqa: E402
 from p2pweights.replica.lora_pool import LoRAPoolReplica, lora_pool_replica  # noqa: E402
+from replica_configs import write_config  # noqa: E402
 
 SETTING = LoRASetting(max_lora_rank=8, target_modules=DENSE_TARGETS, max_loras_per_batch=3)
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -135,7 +134,7 @@ def engine_buffer(manager, buffer) -> "torch.Tensor":
     return side[buffer.module][buffer.layer]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])  # 4: KV heads (2) replicated over ranks
 def test_replica_slot_bytes_equal_sglangs_own_adapter_load_on_every_rank(config_dir, tmp_path, tp):
     cfg = json.load(open(os.path.join(config_dir, "config.json")))
     adapters = {  # r < max_lora_rank; one of them fp32, cast into the bf16 pool by sglang's copy
@@ -170,6 +169,12 @@ def test_replica_slot_bytes_equal_sglangs_own_adapter_load_on_every_rank(config_
                 assert torch.equal(got, engine_bytes[region.offset:region.end]), \
                     f"tp={tp} rank {rank} adapter {name} slot {slot}: {buffer.name} differs"
                 assert got.any(), f"{buffer.name}: every module is adapted, its slot cannot be all zero"
+
+        # a replica reused for another adapter in the same slot leaves nothing of the previous one:
+        # a2 (r=2) into the slot where it put a4 (r=4) gives a2's bytes, tails zero
+        a2_elsewhere = replica.adapter_slot_bytes(*adapters["a2"], slots["a4"], name="a2")
+        a2_own = replica.adapter_slot_bytes(*adapters["a2"], slots["a2"], name="a2")
+        assert all(torch.equal(a2_elsewhere[b], a2_own[b]) for b in a2_own)
 
 
 def test_two_slots_regions_are_disjoint_and_inside_their_buffers(config_dir):

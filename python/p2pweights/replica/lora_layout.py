@@ -124,7 +124,7 @@ def buffer_name(side: str, module: str, layer: int) -> str:
 
 @dataclass(frozen=True)
 class LoRAPoolLayout:
-    """sglang's LoRA pool on one engine rank: every buffer, in (module, layer, A before B) order.
+    """sglang's LoRA pool on one engine rank: every buffer, in (module name, layer, A before B) order.
 
     Slot 0 is the base model's (sglang zeroes it and routes requests without an adapter there);
     adapters occupy slots 1.. as sglang assigns them (``uid_to_buffer_id``)."""

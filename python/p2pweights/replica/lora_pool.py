@@ -26,7 +26,6 @@ Public API::
 """
 from __future__ import annotations
 
-import threading
 import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
@@ -126,15 +125,15 @@ class LoRAPoolReplica:
         return self._manager.memory_pool
 
     def _tensors(self) -> list[tuple[AdapterBuffer, "torch.Tensor"]]:
-        """Every pool buffer with its tensor: per module (sglang's order), per layer, A then B."""
+        """Every pool buffer with its tensor: per module (by name), per layer, A then B."""
         pool = self._pool
         extra = [n for n in ("embedding_A_buffer", "lm_head_A_buffer", "new_embeddings_buffer") if getattr(pool, n)]
         if extra:
             raise UnsupportedLayout(f"LoRA pools with embedding or lm_head adapters ({', '.join(extra)}) are not "
                                     f"described yet", hint="leave embed_tokens and lm_head out of --lora-target-modules")
         out = []
-        for module, layers in pool.A_buffer.items():
-            for layer in range(len(layers)):
+        for module in sorted(pool.A_buffer):  # sglang's dict follows a set's order, which varies by process
+            for layer in range(len(pool.A_buffer[module])):
                 for side, tensors in (("A", pool.A_buffer), ("B", pool.B_buffer)):
                     t = tensors[module][layer]
                     if not t.is_contiguous():
