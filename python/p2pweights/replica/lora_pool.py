@@ -160,8 +160,9 @@ class LoRAPoolReplica:
         declared = [declared] if isinstance(declared, str) else list(declared)
         pool_modules = set(self._pool.target_modules)
         for module in modules + [m for m in declared if m not in modules and m != "all-linear"]:
-            (normalized,) = get_normalized_target_modules([module]) or {module}
-            if normalized not in pool_modules:
+            names = get_normalized_target_modules([module]) or {module}
+            normalized = next(iter(names)) if len(names) == 1 else module
+            if normalized not in pool_modules and "all" not in names:
                 refuse_module(name, module, normalized, self.setting)
         refuse_rank(name, int(adapter_config.get("r", 0)), modules or declared, self.setting)
 
