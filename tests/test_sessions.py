@@ -81,7 +81,9 @@ def _token(word: str) -> str:
 
 
 def _weight_update(url: str) -> dict:
-    return SglangEngine(url).server_info()["p2pw_weight_update"]
+    """The session's state, without the engine's process name (``instance``: tests/test_engine_set.py)."""
+    state = SglangEngine(url).server_info()["p2pw_weight_update"]
+    return {k: v for k, v in state.items() if k != "instance"}
 
 
 def _raw_health(url: str):

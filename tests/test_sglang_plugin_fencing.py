@@ -149,7 +149,9 @@ def held(engine: SglangEngine) -> dict[str, str]:
 
 
 def weight_update(seeded) -> dict:
-    return seeded.server.get_json("/server_info")["p2pw_weight_update"]
+    """The session's state, without the engine's process name (``instance``: tests/test_engine_set.py)."""
+    state = seeded.server.get_json("/server_info")["p2pw_weight_update"]
+    return {k: v for k, v in state.items() if k != "instance"}
 
 
 def publication(seeded) -> EnginePublication:

@@ -27,6 +27,7 @@ LAZY_IMPORTS = {
     "p2pweights.commands.check_layout": "start-up: the CLI parser",
     "p2pweights.commands.demo": "start-up: the CLI parser",
     "p2pweights.commands.demo_run": "start-up: the CLI parser",
+    "p2pweights.commands.demo_churn": "start-up: the CLI parser",
     "p2pweights.commands.demo_vllm": "start-up: the CLI parser",
     "p2pweights.commands.doctor": "start-up: the CLI parser; doctor must report a broken import, not die of it",
     "p2pweights.commands.serve": "start-up: the CLI parser",
