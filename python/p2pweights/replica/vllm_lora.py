@@ -333,11 +333,16 @@ class VllmLoRAReplica:
             lora.is_3d_lora_weight = False  # as a LoRARequest's default
             if manager._active_adapters or any(i is not None for i in manager.lora_index_to_id):
                 raise RuntimeError("the vLLM LoRA replica's manager holds an active adapter")  # never: see finally
-            manager.add_adapter(lora)  # vLLM packs q/k/v and gate/up and folds the scaling into B
             try:
+                manager.add_adapter(lora)  # vLLM packs q/k/v and gate/up and folds the scaling into B
                 # vLLM activates into its first free slot: make ``slot`` the only free one
                 manager.lora_index_to_id[:] = [None if i == slot else -1 for i in range(self.layout.slots)]
-                manager.activate_adapter(lora.id)
+                try:
+                    manager.activate_adapter(lora.id)
+                except (RuntimeError, ValueError) as e:  # a tensor whose shape is not the model's
+                    raise LayoutMismatch(f"vLLM cannot put LoRA adapter {name!r} into slot {slot}: "
+                                         f"{type(e).__name__}: {e}".replace("\n", " "),
+                                         hint="the adapter must be trained on this model") from e
                 if manager.lora_index_to_id[slot] != lora.id:
                     raise RuntimeError(f"vLLM activated the adapter into slot "
                                        f"{manager.lora_index_to_id.index(lora.id)}, not {slot}")
