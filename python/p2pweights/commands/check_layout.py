@@ -2,6 +2,8 @@
 
     p2pweights check-layout --model MODEL --engine tp=2,ep=2[,dp_attention=2][,<arg>=<value>...]
                             [--rank R] [--seed S] [--json] [--engine-kind sglang|vllm]
+                            [--lora R[,target,...] [--max-lora-rank N] [--max-loras-per-batch S]
+                             [--lora-target-modules M ...]]
 
 MODEL is a built-in name (qwen3-0.6b, ...), a config folder or a config.json. An --engine key
 that does not decide a rank's bytes is refused (the replica would ignore it).
@@ -15,6 +17,8 @@ draft (``speculative_algorithm=NEXTN``) is checked per role: ``--json`` has ``"r
 {...}, "draft": {...}}`` (docs/replica.md, "Roles"). Exit code 0 only when every role of every rank
 is equal. Memory: one rank's parameters plus one slot; inputs are made per tensor.
 ``--engine-kind vllm``: the same proof against vLLM 0.33's load and post-processing (docs/vllm.md).
+``--lora R[,targets]``: the replica's LoRA adapter slot bytes against the engine's own adapter load
+of a random PEFT adapter, per rank (replica/lora_check.py, docs/lora.md).
 """
 from __future__ import annotations
 
@@ -37,6 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-kind", choices=("sglang", "vllm"), default="sglang",
                         help="whose loaders to check against: sglang (default) or vllm 0.33 (--engine "
                              "tp=2,dp=2,ep=4,moe_backend=triton,deep_gemm=0; docs/vllm.md)")
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--lora", metavar="R[,TARGET...]", default=None,
+                      help="check LoRA adapter slots instead of the base weights: a random PEFT adapter of rank R "
+                           "over TARGETs (q,k,v,o,gate,up,down or q_proj,...; default all seven), loaded by the "
+                           "engine's own code from files, against the replica's slot bytes on every rank")
+    lora.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                      help="the engine's --max-lora-rank (default: the smallest of 8, 16, 32, 64, 128, 256, 320, "
+                           "512 that holds R, the ranks vLLM accepts)")
+    lora.add_argument("--max-loras-per-batch", type=int, default=None, metavar="S",
+                      help="the engine's adapter slots: sglang's --max-loras-per-batch (slot 0 is the base "
+                           "model's), vLLM's --max-loras (default 2); every adapter slot is checked")
+    lora.add_argument("--lora-target-modules", nargs="+", default=None, metavar="M",
+                      help="the engine's --lora-target-modules (default: sglang, the adapter's targets; vLLM, "
+                           "its own default, every module it supports)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +67,18 @@ def run(args: argparse.Namespace) -> int:
         from ..replica.vllm_site import ensure_vllm
 
         ensure_vllm("check-layout --engine-kind vllm")  # this Python's vLLM, else .vllm_site (or P2PW_VLLM_SITE)
+    if args.lora is not None:
+        from ..replica.lora_check import run_check_lora
+
+        return run_check_lora(args.model, args.engine, args.lora, engine_kind=args.engine_kind, rank=args.rank,
+                              seed=args.seed, max_lora_rank=args.max_lora_rank, slots=args.max_loras_per_batch,
+                              target_modules=args.lora_target_modules, as_json=args.json)
+    lora_only = [f for f, v in (("--max-lora-rank", args.max_lora_rank), ("--max-loras-per-batch",
+                 args.max_loras_per_batch), ("--lora-target-modules", args.lora_target_modules)) if v is not None]
+    if lora_only:  # the base-weight check would ignore them
+        print(f"p2pweights check-layout: error: {lora_only[0]} needs --lora R[,targets]", file=sys.stderr)
+        return 2
+    if args.engine_kind == "vllm":
         from ..replica.vllm_check import run_check_layout
         from ..replica.vllm_env import refuse_what_vllm_refuses
 
