@@ -4,7 +4,8 @@ The "engine" here is vLLM 0.33's own code as an engine rank's worker runs it
 (``LoRAModelRunnerMixin.load_lora_model`` then ``add_lora``): the rank's model built for real on
 CPU under a LoRA-enabled ``VllmConfig``, ``LRUCacheWorkerLoRAManager.create_lora_manager`` over it,
 adapters loaded from PEFT files by ``add_adapter`` (which activates them into vLLM's first free
-slot, evicting the least recently used one when all are taken). The replica
+slot, evicting the least recently used one when all are taken); replica/vllm_lora_reference.py,
+the reference ``check-layout --engine-kind vllm --lora`` uses too. The replica
 (replica/vllm_lora.py) builds its own rank over CPU stand-ins of the base parameters, from its own
 config folder, and loads from tensors; every byte of every slot region it reports must equal the
 engine's bytes at that region, on every rank.
@@ -25,36 +26,21 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from p2pweights.errors import LayoutMismatch  # noqa: E402
-from p2pweights.replica import vllm_env  # noqa: E402
-from p2pweights.replica.lora_layout import DENSE_TARGETS  # noqa: E402
+from p2pweights.replica.lora_reference import random_peft_adapter, write_peft_adapter  # noqa: E402
 from p2pweights.replica.vllm_layout import VllmLayout  # noqa: E402
 from p2pweights.replica.vllm_lora import VllmLoRAReplica, VllmLoRASetting, vllm_lora_replica  # noqa: E402
+from p2pweights.replica.vllm_lora_reference import engine_adds, engine_tensor, engine_worker, vllm_lora_on_cpu  # noqa: E402
 from replica_configs import write_config  # noqa: E402
 
 SETTING = VllmLoRASetting(max_lora_rank=8, max_loras=2)
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_lora_runs_on_this_cpu_host():
-    """Two shims for a host without an accelerator, test-only (the library leaves vLLM and torch alone):
-
-    - the Hopper stand-in platform makes vLLM's LoRA manager pick ``PunicaWrapperGPU``, whose
-      metadata needs Triton's GPU driver; ``PunicaWrapperCPU`` stands in. The punica wrapper holds
-      kernel metadata (token-to-slot mappings), never an adapter byte;
-    - the stand-in also says pinned host memory exists, so ``LoRAModel.from_lora_tensors`` calls
-      ``.pin_memory()`` on the adapter's CPU copy, which torch refuses without an accelerator.
-      Pinning only speeds up host-to-device copies; here it is the identity."""
-    vllm_env.prepare()
-    import vllm.lora.model_manager as model_manager
-    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_manager, "get_punica_wrapper", lambda *a, **k: PunicaWrapperCPU(*a, **k))
-        if not torch.cuda.is_available():
-            mp.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    """The library's two shims for check-layout --lora on a host without an accelerator, for this
+    module only: ``PunicaWrapperCPU`` for vLLM's GPU punica wrapper (kernel metadata, never an
+    adapter byte) and ``pin_memory`` as the identity (replica/vllm_lora_reference.py says why)."""
+    with vllm_lora_on_cpu():
         yield
 
 
@@ -65,72 +51,6 @@ def dirs(tmp_path_factory):
     return {"engine": write_config("qwen3", str(root / "engine")),
             "replica": write_config("qwen3", str(root / "replica")),
             "adapters": str(root / "adapters")}
-
-
-def peft_adapter(cfg: dict, *, r: int, alpha: float, seed: int, dtype=torch.bfloat16, targets=DENSE_TARGETS,
-                 **extra):
-    """A random PEFT LoRA adapter of the tiny model: (adapter_config dict, {peft name: tensor})."""
-    g = torch.Generator().manual_seed(seed)
-    hidden, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for m in targets:
-            fan_in, fan_out = dims[m]
-            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[m]}.{m}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=g).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g).to(dtype)
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets), "lora_dropout": 0.0,
-              "bias": "none", "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False,
-              "base_model_name_or_path": "tiny-qwen3", **extra}
-    return config, tensors
-
-
-def write_adapter(directory: str, config: dict, tensors: dict) -> str:
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
-    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return directory
-
-
-def engine_worker(config_dir: str, setting: VllmLoRASetting, layout: VllmLayout, rank: int, mp):
-    """vLLM's own worker-side LoRA manager of engine rank ``rank``: the rank's model built for real on
-    CPU under the engine's LoRA-enabled VllmConfig, then ``create_lora_manager`` over it."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
-
-    args = EngineArgs(model=config_dir, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
-                      max_model_len=256, tensor_parallel_size=layout.tp, enable_lora=True,
-                      max_lora_rank=setting.max_lora_rank, max_loras=setting.max_loras, max_cpu_loras=4)
-    vllm_config = args.create_engine_config()
-    # vllm_env builds a rank under the VllmConfig it holds for (config folder, layout): the engine's
-    mp.setitem(vllm_env._configs, (os.path.abspath(config_dir), layout), vllm_config)
-    model = vllm_env.build_model(config_dir, layout, rank, device="cpu")
-    with vllm_env.activate(model):
-        worker = LRUCacheWorkerLoRAManager(vllm_config, torch.device("cpu"), model.embedding_modules)
-        worker.create_lora_manager(model, vllm_config)
-    return model, worker
-
-
-def engine_adds(model, worker, name: str, lora_int_id: int, path: str) -> int:
-    """The engine's own ``add_lora`` of adapter files: the slot vLLM activated it into."""
-    from vllm.lora.request import LoRARequest
-
-    with vllm_env.activate(model):
-        assert worker.add_adapter(LoRARequest(name, lora_int_id, path))
-    return worker._adapter_manager.lora_index_to_id.index(lora_int_id)
-
-
-def engine_tensor(worker, buffer):
-    """The engine's tensor behind a replica buffer, found by vLLM's module name, not by the replica."""
-    module = worker._adapter_manager.modules[f"model.layers.{buffer.layer}.{_PARENT[buffer.module]}.{buffer.module}"]
-    stacked = module.lora_a_stacked if buffer.side == "A" else module.lora_b_stacked
-    return stacked[int(buffer.name.split(".")[3].removeprefix("s"))]
 
 
 def engine_slot_bytes(worker, layout) -> dict:
@@ -154,15 +74,14 @@ def test_every_slot_byte_equals_vllms_own_adapter_load_on_every_rank(dirs, tp):
         cfg = json.load(f)
     # r=4 bf16; r=2 fp32 with alpha/r = 1.5 (cast, then scaling folded into B in bf16); rsLoRA on
     # q, v and down only (k and the other slices stay zero)
-    a = peft_adapter(cfg, r=4, alpha=8, seed=1)
-    b = peft_adapter(cfg, r=2, alpha=3, seed=2, dtype=torch.float32)
-    c = peft_adapter(cfg, r=4, alpha=6, seed=3, targets=("q_proj", "v_proj", "down_proj"), use_rslora=True)
-    paths = {n: write_adapter(os.path.join(dirs["adapters"], n), *ad) for n, ad in (("a", a), ("b", b), ("c", c))}
+    a = random_peft_adapter(cfg, r=4, alpha=8, seed=1)
+    b = random_peft_adapter(cfg, r=2, alpha=3, seed=2, dtype=torch.float32)
+    c = random_peft_adapter(cfg, r=4, alpha=6, seed=3, targets=("q_proj", "v_proj", "down_proj"), use_rslora=True)
+    paths = {n: write_peft_adapter(os.path.join(dirs["adapters"], n), *ad) for n, ad in (("a", a), ("b", b), ("c", c))}
     layout = VllmLayout(tp=tp)
     for rank in range(tp):
         replica = vllm_lora_replica(dirs["replica"], SETTING, layout, rank)
-        with pytest.MonkeyPatch.context() as mp:
-            model, worker = engine_worker(dirs["engine"], SETTING, layout, rank, mp)
+        model, worker = engine_worker(dirs["engine"], SETTING, layout, rank)
         manager = worker._adapter_manager
         engine_linears = [t for m in manager.modules.values() if hasattr(m, "n_slices")
                           for t in (*m.lora_a_stacked, *m.lora_b_stacked)]
@@ -221,7 +140,7 @@ def test_an_adapter_above_max_lora_rank_is_refused_in_one_line_naming_adapter_mo
         cfg = json.load(f)
     replica = vllm_lora_replica(dirs["replica"], SETTING, "tp=1", 0)
     with pytest.raises(LayoutMismatch) as e:
-        replica.adapter_slot_bytes(*peft_adapter(cfg, r=16, alpha=16, seed=4), 0, name="wide")
+        replica.adapter_slot_bytes(*random_peft_adapter(cfg, r=16, alpha=16, seed=4), 0, name="wide")
     message = str(e.value)
     assert "\n" not in message
     assert "'wide'" in message and "r=16" in message and "q_proj" in message
@@ -235,6 +154,6 @@ def test_an_adapter_of_a_module_outside_the_engines_targets_is_refused(dirs):
     replica = VllmLoRAReplica.build(dirs["replica"], setting, "tp=1", 0)
     assert sorted(replica.layout.slice_modules) == ["qkv_proj"]
     with pytest.raises(LayoutMismatch) as e:
-        replica.adapter_slot_bytes(*peft_adapter(cfg, r=4, alpha=8, seed=5), 0, name="all7")
+        replica.adapter_slot_bytes(*random_peft_adapter(cfg, r=4, alpha=8, seed=5), 0, name="all7")
     message = str(e.value)
     assert "\n" not in message and "'all7'" in message and "o_proj" in message and "--lora-target-modules" in message
