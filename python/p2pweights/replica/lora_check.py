@@ -207,7 +207,8 @@ def run_check_lora(model: str, spec: str, lora: str, *, engine_kind: str = "sgla
             results.append(result)
             if not as_json:
                 if len(results) == 1:  # after the first rank's replica took the adapter: a refusal is one line
-                    print(f"{'' if engine_kind == 'vllm' else 'sglang '}{layout.describe()}: adapter r={r} on {' '.join(targets)} (seed {seed}); "
+                    kind = "" if engine_kind == "vllm" else "sglang "  # vLLM's layouts say "vllm:" themselves
+                    print(f"{kind}{layout.describe()}: adapter r={r} on {' '.join(targets)} (seed {seed}); "
                           f"engine {setting.flags()}")
                     print(f"{'rank':>4}  {'buffers':>7}  {'slot bytes':>10}  {'slots':<8}  equal")
                 verdict = "yes" if result.equal else f"NO ({result.differences}): {_one_line(result.first_difference)}"
