@@ -82,6 +82,10 @@ class EngineMember:
     def url(self) -> str:
         return self.client.base_url
 
+    @property
+    def base_url(self) -> str:  # the client's word for it (sender.engines listed clients before)
+        return self.client.base_url
+
     def as_dict(self) -> dict:
         return {"name": self.name, "url": self.url, "state": self.state, "reason": self.reason,
                 "instance": self.instance, "version": self.version, "restarts": self.restarts,

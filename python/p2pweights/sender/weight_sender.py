@@ -169,8 +169,13 @@ class WeightSender:
         if self.transport is None:  # cold auto sender: the agent for the engines' transport
             self.transport, self.transport_why = transport, why
             self._early = self._early_slots()
-        self._members.clear()
-        engine_set.apply_engine_set(self, surveys, transport, why, incremental=False)
+        before, self._members = self._members, {}
+        try:
+            engine_set.apply_engine_set(self, surveys, transport, why, incremental=False)
+        except BaseException:
+            if self._engines:  # refused before anything was touched: the set as it was
+                self._members = before
+            raise
         self._start_recorder()
         self.connect_phases.done()
 
