@@ -46,6 +46,10 @@ FIRST = "the first update after connect writes in full"
 #: take deltas. A third: where a BF16 index record stops beating the parameters' own bytes.
 DENSE_SHARE = 1 / 3
 DENSE_AFTER = 64 << 20
+#: why an engine rank that accepted deltas was written in full: host slots filled from GPU tensors
+#: (sender/gpu_staging.py) keep no base of what they wrote
+STAGED = ("host slots filled from GPU tensors keep no base: written in full (push CPU tensors, or use GPU slots: "
+          "buffer_device='cuda')")
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
 INDEX_RECORDS_ON_HOST = False
 
@@ -70,6 +74,7 @@ class _Target:
         self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
         self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
         self.area = t.publication.delta_area
+        self.written_full = ""  # why its claim was accepted yet its parameters went in full (the report says it)
 
     def manifest(self) -> Manifest:
         """The owner's word on this rank's area: the digest ends with the index records' checksums."""
@@ -252,6 +257,10 @@ class UpdateDeltas:
         if not host:
             for param, _, _ in entries:  # written without a base update: no delta against it next time
                 self.bases.arrays.pop((p.layout_key, p.rank, param), None)
+            if not isinstance(filler, HostSlotFiller):
+                for t in p.targets:
+                    if self.targets[t.name].delta:
+                        self.targets[t.name].written_full = STAGED
             # a delta target stays one: the records already in its area must be named at the end
             full = {id(t) for t in p.targets}
         slot = self.buffers.slot_array(filler.slot) if host else None
@@ -463,7 +472,7 @@ class UpdateDeltas:
 
     # -- the report ------------------------------------------------------------------------------
     def reasons(self) -> dict[str, str]:
-        return {name: ("" if x.delta else x.reason) for name, x in self.targets.items()}
+        return {name: (x.written_full if x.delta else x.reason) for name, x in self.targets.items()}
 
 
 def _full_row(t: Any, param: str, offset: int, nbytes: int) -> tuple[int, int, int, int]:
