@@ -530,3 +530,21 @@ def test_a_gpu_slot_waits_for_the_device_once_whatever_its_records(monkeypatch):
     assert len(syncs) == 1, syncs
     torch.cuda.synchronize()
     assert {r: m["records"] for r, m in d.written()["e"].items()} == {"0": 2, "1": 0} and rows
+
+
+def test_a_host_slot_filled_through_gpu_staging_writes_in_full_and_the_report_says_why():
+    """A host slot the GPU staging path fills (not a HostSlotFiller) keeps no base: an engine rank
+    that accepted the claim is written in full, and reasons() says so (it used to say nothing)."""
+    from p2pweights.sender.delta_writes import STAGED
+    from p2pweights.sender.fillers import SlotFiller
+
+    s = SenderSlot("cpu", SPECS)
+    s.filler = SlotFiller(None)
+    s.filler.slot = 0
+    s.update()
+    s.change(FRACTIONS, 3)
+    d, rows = s.update()
+    assert all(x.delta for x in d.targets.values())  # the claim was accepted...
+    assert set(d.reasons().values()) == {STAGED}  # ...and the report names why every byte went
+    full = sum(n for entries in s.entries for _, _, n in entries)
+    assert sum(n for _, n, _, _ in rows) == full
