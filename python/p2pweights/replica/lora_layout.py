@@ -122,8 +122,37 @@ def buffer_name(side: str, module: str, layer: int) -> str:
     return f"lora.{side}.{module}.L{layer}"
 
 
+class AdapterBuffers:
+    """What an engine rank's adapter buffers answer, whichever engine laid them out (sglang's pool
+    here, vLLM's stacked tensors in vllm_lora.py): a subclass has ``buffers`` and ``_missing``."""
+
+    buffers: tuple[AdapterBuffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one adapter slot spans over all buffers (padding to max_lora_rank included)."""
+        return sum(b.slot_nbytes for b in self.buffers)
+
+    def buffer(self, name: str) -> AdapterBuffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(self._missing(name))
+
+    def slot_regions(self, slot: int) -> list[AdapterSlotRegion]:
+        """Where adapter slot ``slot`` lives: one region per buffer, in :attr:`buffers` order."""
+        return [b.slot_region(slot) for b in self.buffers]
+
+    def _missing(self, name: str) -> str:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class LoRAPoolLayout:
+class LoRAPoolLayout(AdapterBuffers):
     """sglang's LoRA pool on one engine rank: every buffer, in (module name, layer, A before B) order.
 
     Slot 0 is the base model's (sglang zeroes it and routes requests without an adapter there);
@@ -139,24 +168,8 @@ class LoRAPoolLayout:
     def slots(self) -> int:
         return self.setting.max_loras_per_batch
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes one adapter slot spans over all buffers (padding to max_lora_rank included)."""
-        return sum(b.slot_nbytes for b in self.buffers)
-
-    def buffer(self, name: str) -> AdapterBuffer:
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(f"no LoRA pool buffer {name!r} on rank {self.tp_rank} (pool modules {list(self.pool_modules)})")
-
-    def slot_regions(self, slot: int) -> list[AdapterSlotRegion]:
-        """Where adapter slot ``slot`` lives: one region per buffer, in :attr:`buffers` order."""
-        return [b.slot_region(slot) for b in self.buffers]
+    def _missing(self, name: str) -> str:
+        return f"no LoRA pool buffer {name!r} on rank {self.tp_rank} (pool modules {list(self.pool_modules)})"
 
 
 # -- what the pool cannot hold ---------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import LayoutMismatch, UnsupportedLayout
 from ..models import load_config
 from . import vllm_env
-from .lora_layout import AdapterBuffer, AdapterSlotRegion, adapter_modules, refuse_rank
+from .lora_layout import AdapterBuffer, AdapterBuffers, adapter_modules, refuse_rank
 from .model_replica import config_hash
 from .sglang_env import replace_parameters
 from .vllm_layout import VllmLayout
@@ -105,7 +105,7 @@ def buffer_name(side: str, module: str, slice_index: int, layer: int) -> str:
 
 
 @dataclass(frozen=True)
-class VllmLoRALayout:
+class VllmLoRALayout(AdapterBuffers):
     """vLLM's LoRA tensors on one engine rank: every buffer, in (module name, layer, slice, A before
     B) order. Slots ``0 .. max_loras-1`` all hold adapters (``lora_index_to_id``); none is the
     base model's. ``slice_modules``: which adapter module each slice holds
@@ -122,24 +122,8 @@ class VllmLoRALayout:
     def slots(self) -> int:
         return self.setting.max_loras
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes one adapter slot spans over all buffers (padding to max_lora_rank included)."""
-        return sum(b.slot_nbytes for b in self.buffers)
-
-    def buffer(self, name: str) -> AdapterBuffer:
-        for b in self.buffers:
-            if b.name == name:
-                return b
-        raise KeyError(f"no vLLM LoRA buffer {name!r} on rank {self.tp_rank} (modules {sorted(self.slice_modules)})")
-
-    def slot_regions(self, slot: int) -> list[AdapterSlotRegion]:
-        """Where adapter slot ``slot`` lives: one region per buffer, in :attr:`buffers` order."""
-        return [b.slot_region(slot) for b in self.buffers]
+    def _missing(self, name: str) -> str:
+        return f"no vLLM LoRA buffer {name!r} on rank {self.tp_rank} (modules {sorted(self.slice_modules)})"
 
 
 def _layout_of(layout: VllmLayout | str) -> VllmLayout:
