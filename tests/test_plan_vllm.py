@@ -37,12 +37,19 @@ def test_a_vllm_engine_costs_what_the_sglang_split_with_the_same_shards_costs(ca
     ("qwen3-30b-a3b", "1x8", "dp=2", "--engines 2x4 --engine tp=4"),
     ("qwen3-30b-a3b", "1x8", "tp=4", "G = tp x dp"),
     ("qwen3-30b-a3b", "1x8", "ep=8,moe_backend=flashinfer_cutlass", "--moe-backend triton"),
-    ("deepseek-v3-fp8", "1x16", "ep=16", "VLLM_USE_DEEP_GEMM=0"),
+    ("deepseek-v3-fp8", "1x16", "ep=16,flashinfer=0", "DeepGEMM's MoE"),
     ("qwen3-30b-a3b", "1x8", "ep=3", "spans every rank"),
 ])
 def test_a_layout_the_sender_would_refuse_is_refused_naming_the_fix(capsys, model, engines, engine, says):
     code, err = plan(capsys, model, engines, engine, "vllm")
     assert code == 2 and says in err, err
+
+
+def test_an_fp8_engine_with_vllms_default_kernels_is_planned(capsys):
+    """DeepGEMM linears and FlashInfer CUTLASS experts: their post-processing is replayed on send."""
+    code, got = plan(capsys, "deepseek-v3-fp8", "2x16", "ep=16", "vllm")
+    assert code == 0, got
+    assert got["engines"][0]["layout"] == "tp=16,ep=16" and got["cost"]
 
 
 def test_an_fp8_engine_without_deep_gemm_and_with_triton_experts_is_planned(capsys):

@@ -147,11 +147,10 @@ def test_the_built_fp8_rank_uses_the_kernels_whose_post_processing_keeps_bytes(c
 
 
 @pytest.mark.parametrize("model,spec,names", [
-    ("dsv3_fp8", "tp=2", "VLLM_USE_DEEP_GEMM=0"),
-    ("dsv3_fp8", "tp=2,ep=2,deep_gemm=0", "--moe-backend triton"),
+    ("dsv3_fp8", "tp=2,ep=2,flashinfer=0", "--moe-backend triton"),
     ("qwen3_moe", "tp=2,moe_backend=flashinfer_cutlass", "--moe-backend triton"),
     ("qwen3_moe", "tp=2,ep=2,moe_backend=deep_gemm", "--moe-backend triton"),
-], ids=["deepgemm-fp8-linears", "flashinfer-fp8-ep-experts", "flashinfer-bf16-experts", "deepgemm-experts"])
+], ids=["deepgemm-fp8-ep-experts", "flashinfer-bf16-experts", "deepgemm-experts"])
 def test_a_layout_whose_post_processing_rewrites_bytes_is_refused_naming_the_fix(configs, capsys, model, spec, names):
     path = configs(model)
     layout = VllmLayout.parse(spec)

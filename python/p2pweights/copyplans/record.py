@@ -287,6 +287,11 @@ def record_group_plan(replica: "ModelReplica", group: ParameterGroup, like: Mapp
     import numpy as np
     import torch
 
+    # a replica that post-processes a group's bytes on send (vLLM's replayed kernels) says so
+    why = getattr(replica, "not_a_copy", None)
+    reason = why(group) if why is not None else None
+    if reason:
+        raise NotACopy(group.params[0], reason)
     between = between_steps if between_steps is not None else _nothing
     loaders = loaders_lock if loaders_lock is not None else contextlib.nullcontext()
 

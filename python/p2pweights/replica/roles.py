@@ -139,6 +139,15 @@ class RankRoles:
                           slot: "torch.Tensor", offset: int = 0) -> list[SlotRegion]:
         return self.load_groups([(group, offset)], hf_tensors, slot)
 
+    def not_a_copy(self, group: ParameterGroup) -> str | None:
+        """Why ``group`` cannot be a copy plan: some role's replica post-processes its bytes on send."""
+        for m in self._members[group.index]:
+            why = getattr(self.roles[m.role], "not_a_copy", None)
+            reason = why(m.group) if why is not None else None
+            if reason:
+                return reason
+        return None
+
 
 def _align(n: int) -> int:
     return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT

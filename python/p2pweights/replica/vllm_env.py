@@ -15,10 +15,12 @@ make a CPU host build, load and post-process exactly what a Hopper engine rank d
   ``initialize_model_parallel`` lays them out, while a rank's model is built, loaded or
   post-processed (:func:`activate`). Parameters stamp their TP rank at construction.
 
-The host's own answers stay: no DeepGEMM (its extension needs ``libc10_cuda.so``) and no
-FlashInfer here; layouts where an engine *with* them would pick a kernel that rewrites bytes are
-refused before building (:mod:`.vllm_layout`), and :func:`check_kernels` pins that what was built
-uses the byte-keeping kernels.
+No DeepGEMM (its extension needs ``libc10_cuda.so``) and no FlashInfer here: while a rank's vLLM
+code runs, the oracles of the two kernels whose post-processing the sender replays (DeepGEMM FP8
+linears, FlashInfer CUTLASS FP8 experts) hear the engine's answers instead
+(:mod:`.vllm_engine_kernels`, :mod:`.vllm_replay`); layouts where the engine would pick another
+kernel that rewrites bytes are refused before building (:mod:`.vllm_layout`), and
+:func:`check_kernels` pins that what was built uses byte-keeping or replayed kernels.
 """
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..errors import P2PWeightsError, UnsupportedLayout
 from ..models import load_config, resolve_model
 from .sglang_env import materialize as _materialize
+from .vllm_engine_kernels import engine_kernels
 from .vllm_layout import VllmLayout, check_refusal
 from .vllm_refusals import is_mla_prefill_refusal, mla_prefill_refusal
+from .vllm_replay import DEEPGEMM_LINEAR_KERNELS, FLASHINFER_W31_MOE_BACKENDS, replayed_transform
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +62,9 @@ _OP_NAMESPACES = ("_C", "_moe_C", "_C_cache_ops", "_C_custom_ar")
 # byte-exactness check against a real post-processed load): FP8 block linears, MoE backends.
 KEEPING_LINEAR_KERNELS = ("CutlassFp8BlockScaledMMKernel",)
 KEEPING_MOE_BACKENDS = ("TRITON",)
+# Kernels whose post-processing the sender replays (:mod:`.vllm_replay`)
+REPLAYED_LINEAR_KERNELS = DEEPGEMM_LINEAR_KERNELS
+REPLAYED_MOE_BACKENDS = FLASHINFER_W31_MOE_BACKENDS
 
 
 class _Stub(types.ModuleType):
@@ -298,7 +305,8 @@ def activate(model: "torch.nn.Module") -> Iterator[Any]:
 
     vllm_config = getattr(model, _CONFIG_ATTR)
     layout, rank = getattr(model, _LAYOUT_ATTR), getattr(model, _RANK_ATTR)
-    with _lock, _rank_groups(layout, rank, vllm_config.model_config.is_moe), set_current_vllm_config(vllm_config):
+    with _lock, _rank_groups(layout, rank, vllm_config.model_config.is_moe), set_current_vllm_config(vllm_config), \
+            engine_kernels(layout):
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         vllm_config.parallel_config.data_parallel_rank = layout.rank_of(rank)[0]
         try:
@@ -384,18 +392,21 @@ def refuse_what_vllm_refuses(model: str, spec: str) -> None:
 
 def check_kernels(model: "torch.nn.Module") -> None:
     """Every FP8 linear and every MoE layer of the built rank uses a kernel whose
-    post-processing keeps the loaded bytes; else :class:`UnsupportedLayout` naming the layer."""
+    post-processing keeps the loaded bytes, or one the sender replays; else
+    :class:`UnsupportedLayout` naming the layer."""
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None:
             continue
         kernel = getattr(method, "fp8_linear", None)
-        if kernel is not None and type(kernel).__name__ not in KEEPING_LINEAR_KERNELS:
+        if kernel is not None and type(kernel).__name__ not in KEEPING_LINEAR_KERNELS + REPLAYED_LINEAR_KERNELS:
             raise UnsupportedLayout(f"{name}: vLLM chose the FP8 linear kernel {type(kernel).__name__}, whose "
                                     "post-processing is not known to keep the checkpoint's bytes")
-        for attr in ("fp8_backend", "unquantized_backend"):
+        replayed = REPLAYED_MOE_BACKENDS if replayed_transform(module) else ()  # block FP8 experts only
+        for attr, allowed in (("fp8_backend", KEEPING_MOE_BACKENDS + replayed),
+                              ("unquantized_backend", KEEPING_MOE_BACKENDS)):
             backend = getattr(method, attr, None)
-            if backend is not None and getattr(backend, "name", str(backend)) not in KEEPING_MOE_BACKENDS:
+            if backend is not None and getattr(backend, "name", str(backend)) not in allowed:
                 raise UnsupportedLayout(f"{name}: vLLM chose the MoE backend {backend}, whose post-processing "
                                         "repacks the experts; start the engine with --moe-backend triton")
 

@@ -13,8 +13,10 @@ vLLM's ranks: engine rank = DP rank x TP + TP rank. Attention is TP-sharded insi
 experts are spread over EP = DP x TP ranks (vLLM has no separate EP size).
 
 :func:`refusal` says, before anything is built, whether vLLM's post-processing on such an engine
-would rewrite bytes a sender writes (DeepGEMM's FP8 requantization, FlashInfer MoE repacks), and
-what to start the engine with instead. It imports neither torch nor vLLM.
+would rewrite bytes a sender writes in a way the sender does not replay (most MoE repacks), and
+what to start the engine with instead. Two rewrites of vLLM's default Hopper configuration are
+replayed on send, not refused (:mod:`.vllm_replay`): DeepGEMM's E8M0 requantization of FP8 block
+linears and FlashInfer CUTLASS's w13 swap of FP8 block experts. It imports neither torch nor vLLM.
 """
 from __future__ import annotations
 
@@ -195,8 +197,10 @@ def _spec_method(value: Any) -> str:
 
 def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
     """Why a Hopper vLLM 0.33 engine of ``layout`` serving ``config`` post-processes the loaded bytes
-    into others (so one-sided writes of the loaders' bytes would be wrong, or undone), and what to
-    start the engine with instead; None when post-processing keeps every byte a sender writes.
+    into others the sender cannot produce (so one-sided writes would be wrong, or undone), and what
+    to start the engine with instead; None when post-processing keeps every byte a sender writes or
+    is replayed by the sender (DeepGEMM E8M0 of FP8 block linears, FlashInfer CUTLASS's w13 swap of
+    FP8 block experts: :mod:`.vllm_replay`).
 
     The rules follow vLLM's own kernel oracles for sm90 (vllm/model_executor/kernels/linear/__init__.py
     ``_POSSIBLE_FP8_BLOCK_KERNELS``; layers/fused_moe/oracle/fp8.py ``_get_priority_backends``;
@@ -209,20 +213,23 @@ def refusal(config: Mapping[str, Any], layout: VllmLayout) -> str | None:
     qc = config.get("quantization_config") or {}
     fp8_block = str(qc.get("quant_method", "")).lower() == "fp8" and bool(qc.get("weight_block_size"))
     moe = any(k in config for k in ("num_experts", "n_routed_experts"))
-    if layout.moe_backend in _REPACKING_MOE_BACKENDS and moe:
-        return (f"moe_backend={layout.moe_backend}: {_REPACKING_MOE_BACKENDS[layout.moe_backend]} in "
-                "process_weights_after_loading; start the engine with --moe-backend triton")
-    if fp8_block and layout.deep_gemm:
-        return ("FP8 block-quantized linears on Hopper use DeepGEMM when VLLM_USE_DEEP_GEMM=1 (vLLM's "
-                "default; DeepGEMM ships in the wheel): its process_weights_after_loading requantizes the "
-                "weights to UE8M0 scales (VLLM_USE_DEEP_GEMM_E8M0=1) and re-lays out the scales, so the "
-                "engine's bytes are not the checkpoint's; start the engine with VLLM_USE_DEEP_GEMM=0 "
-                "(and say deep_gemm=0)")
-    if fp8_block and moe and layout.expert_parallel and layout.moe_backend == "auto" and layout.flashinfer:
-        return ("FP8 block-quantized experts under expert parallelism on Hopper use FlashInfer CUTLASS "
-                "(vLLM's oracle puts it first for EP), whose process_weights_after_loading swaps the w13 "
-                "halves and repacks the scales; start the engine with --moe-backend triton (and say "
-                "moe_backend=triton), or without FlashInfer (flashinfer=0)")
+    # FP8 block experts with FlashInfer CUTLASS: the sender replays its w13 swap (replica/vllm_replay.py)
+    replayed_moe = fp8_block and layout.moe_backend == "flashinfer_cutlass" and layout.flashinfer
+    if layout.moe_backend in _REPACKING_MOE_BACKENDS and moe and not replayed_moe:
+        why = _REPACKING_MOE_BACKENDS[layout.moe_backend]
+        if layout.moe_backend == "flashinfer_cutlass":
+            why += (" (replayed on send for FP8 128x128 block experts, but flashinfer=0 says the engine has no "
+                    "FlashInfer to run it)" if fp8_block else
+                    " (p2pweights replays it on send for FP8 128x128 block experts only; these experts are not)")
+        return (f"moe_backend={layout.moe_backend}: {why} in process_weights_after_loading; start the engine "
+                "with --moe-backend triton")
+    if fp8_block and moe and layout.expert_parallel and layout.moe_backend == "auto" and layout.deep_gemm \
+            and not layout.flashinfer:
+        return ("FP8 block-quantized experts under expert parallelism on Hopper without FlashInfer use DeepGEMM's "
+                "MoE (vLLM's oracle takes it after FlashInfer): prepare_fp8_moe_layer_for_deepgemm requantizes "
+                "the experts to UE8M0 scales, which p2pweights does not replay for experts yet (it does for "
+                "linears); start the engine with --moe-backend triton (and say moe_backend=triton), or "
+                "VLLM_USE_DEEP_GEMM=0 (deep_gemm=0)")
     return None
 
 

@@ -7,10 +7,13 @@ behind the same interface as sglang's (:class:`~.model_replica.ModelReplica`: ``
     replica = vllm_replicas().get("deepseek-v3-fp8-tiny", VllmLayout.parse("tp=2,ep=2,deep_gemm=0,moe_backend=triton"), 1)
     regions = replica.load_group(replica.group_of(hf_name), {hf_name: tensor, ...}, slot)
 
-What a sender writes is what vLLM's loaders write. For the layouts the replica builds (others are
-refused: :func:`.vllm_layout.refusal`), ``process_weights_after_loading`` keeps those bytes and
-only adds derived tensors (DeepSeek MLA's ``W_UV`` / ``W_UK_T`` from ``kv_b_proj``), which are
-never written: the engine's post-processing recomputes them when an update finishes.
+What a sender writes is what the engine's parameters hold after ``process_weights_after_loading``:
+vLLM's loaders' bytes, except in the modules whose kernels rewrite them (DeepGEMM's E8M0
+requantization of FP8 block linears, FlashInfer CUTLASS's w13 swap of FP8 block experts), whose
+post-processing ``load_groups`` replays on the loaded bytes (:mod:`.vllm_replay`); other rewriting
+layouts are refused (:func:`.vllm_layout.refusal`). Derived tensors (DeepSeek MLA's ``W_UV`` /
+``W_UK_T`` from ``kv_b_proj``) are never written: the engine's post-processing recomputes them when
+an update finishes.
 ``p2pweights check-layout --engine-kind vllm`` proves both against a real post-processed load
 (:mod:`.vllm_check`).
 
@@ -22,7 +25,7 @@ names prefixed ``draft.``) into what a sender prepares.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import UnsupportedLayout
 from ..models import resolve_model
@@ -33,9 +36,12 @@ from .probe import LoaderMapping, probe_loaders
 from .roles import RankRoles, join_roles
 from .vllm_draft import build_draft_model, build_role_model, share_with_target, without_shared
 from .vllm_layout import VllmLayout
+from .vllm_replay import ModuleReplay
 
 if TYPE_CHECKING:
     import torch
+
+    from .groups import ParameterGroup, SlotRegion
 
 
 def probe_vllm_loaders(model: "torch.nn.Module", hf_specs: Mapping[str, TensorSpec]) -> LoaderMapping:
@@ -54,6 +60,7 @@ class VllmModelReplica(ModelReplica):
                  model: "torch.nn.Module | None" = None, key: ReplicaKey | None = None):
         super().__init__(config, engine, rank, mapping, model=model, key=key)
         self._config = config
+        self._replay: ModuleReplay | None = None
 
     @property
     def model(self) -> "torch.nn.Module":
@@ -61,6 +68,32 @@ class VllmModelReplica(ModelReplica):
             if self._model is None:
                 self._model = build_role_model(self._config, self.engine, self.rank, self.role)
             return self._model
+
+    @property
+    def replay(self) -> ModuleReplay:
+        """The modules whose post-processing this rank's engine applies and the sender replays."""
+        if self._replay is None:
+            self._replay = ModuleReplay(self.model)
+        return self._replay
+
+    @property
+    def replayed(self) -> dict[str, str]:
+        """Module name -> transform replayed on send (:data:`.vllm_replay.TRANSFORMS`); empty when
+        post-processing keeps every loaded byte."""
+        return dict(self.replay.transforms)
+
+    def load_groups(self, placed: "Sequence[tuple[ParameterGroup, int]]", hf_tensors: "Mapping[str, torch.Tensor]",
+                    slot: "torch.Tensor") -> "list[SlotRegion]":
+        """vLLM's loaders into the slot, then the replayed modules' post-processing over their bytes."""
+        regions = super().load_groups(placed, hf_tensors, slot)
+        if self.replay:
+            self.replay.apply(regions, slot, self.mapping.param_specs, vllm_env.activate)
+        return regions
+
+    def not_a_copy(self, group: "ParameterGroup") -> str | None:
+        """Why ``group`` must stay on the loader path (copy plans, p2pweights.copyplans): its bytes are
+        post-processed on send; None for a group of loaded bytes only."""
+        return self.replay.why_not_a_copy(group.params)
 
 
 class VllmReplicas:
