@@ -20,6 +20,7 @@ from ..deltas.weight_views import weights_device
 from ..engine.rank_area import RankDeltas
 from ..errors import LayoutMismatch
 from ..receiver.build_report import device_arch
+from ..replica.vllm_replay import replayed_already
 from ..transport import resolve_transport
 from ..transport.publication import merge_regions, params_table
 from ..transport.revocation import RevocableRegions
@@ -60,9 +61,16 @@ class ServedModels:
         load runs it: after one-sided writes, derived tensors (MLA's ``W_UV``) follow the new bytes."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        process_weights_after_loading(self.target, self.target_config, device)
+        # The modules whose post-processing the sender replayed (DeepGEMM E8M0, FlashInfer CUTLASS's w13
+        # swap: replica/vllm_replay.py) already hold post-processed bytes: run again, the swap would swap
+        # back. They run as vLLM's own weight-cache loader has them run, under weights_already_processed
+        # (kernel state rebuilt, no tensor transformed); every other module is post-processed as before.
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        with replayed_already(models):
+            process_weights_after_loading(self.target, self.target_config, device)
+            if self.draft is not None:
+                process_weights_after_loading(self.draft, self.draft_config, device)
         if self.draft is not None:
-            process_weights_after_loading(self.draft, self.draft_config, device)
             # copies vLLM derives from the target's LM head for the drafter (none unless
             # draft_lm_head_quantization); vLLM itself refreshes them only after a draft session
             from vllm.model_executor.layers.quantization.online.lm_head import refresh_quantized_lm_heads
