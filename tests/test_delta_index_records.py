@@ -532,19 +532,99 @@ def test_a_gpu_slot_waits_for_the_device_once_whatever_its_records(monkeypatch):
     assert {r: m["records"] for r, m in d.written()["e"].items()} == {"0": 2, "1": 0} and rows
 
 
-def test_a_host_slot_filled_through_gpu_staging_writes_in_full_and_the_report_says_why():
-    """A host slot the GPU staging path fills (not a HostSlotFiller) keeps no base: an engine rank
-    that accepted the claim is written in full, and reasons() says so (it used to say nothing)."""
-    from p2pweights.sender.delta_writes import STAGED
-    from p2pweights.sender.fillers import SlotFiller
+def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_holds_the_checkpoint(tmp_path):
+    """GPU tensors into host slots (StagedHostSlotFiller) through the real slot pipeline and the
+    loopback transport, into an engine rank's weights and host delta area. The staging is
+    test_sender_pipeline's CPU stand-in: a copy to the host slot lands only when its event (or a later
+    one) is synchronized, so a compare that read the slot before its copies landed would write records
+    of stale bytes. After the first update (full), each steady update waits once a slot and writes only
+    what changed (nothing when nothing did), the report names no reason, no slot reaches the writer
+    before its copies, and after every update the engine's bytes are what the loaders make of the
+    checkpoint. A delta=False update does not wait for the copies and keeps no base: the update after
+    it is written in full and says why (STAGED), the one after that takes deltas again."""
+    from p2pweights.control import SglangEngine
+    from p2pweights.deltas.area import DeltaArea
+    from p2pweights.deltas.committed import DELTA_KEY
+    from p2pweights.models.checkpoint import random_checkpoint
+    from p2pweights.replica import EngineLayout, model_replicas
+    from p2pweights.sender.buffers import TransferBuffers, slot_size
+    from p2pweights.sender.delta_bases import DeltaBases, spare_bytes
+    from p2pweights.sender.delta_writes import FIRST, STAGED, UpdateDeltas
+    from p2pweights.sender.fillers import SlotHandOver, StagedHostSlotFiller
+    from p2pweights.sender.pipeline import SlotPipeline
+    from p2pweights.sender.prepared import EngineTarget, PreparedRank
+    from p2pweights.sender.report import UpdateTimes
+    from p2pweights.sender.stager import GroupStager
+    from p2pweights.sender.transforms import GroupLoad
+    from p2pweights.transport import params_table, writable_regions
+    from p2pweights.transport.publication import EnginePublication
+    from replica_configs import write_config
+    from test_sender_pipeline import _assert_bytes_equal, _CheckedWriter, _FakeStaging, _param_memory, _reference
 
-    s = SenderSlot("cpu", SPECS)
-    s.filler = SlotFiller(None)
-    s.filler.slot = 0
-    s.update()
-    s.change(FRACTIONS, 3)
-    d, rows = s.update()
-    assert all(x.delta for x in d.targets.values())  # the claim was accepted...
-    assert set(d.reasons().values()) == {STAGED}  # ...and the report names why every byte went
-    full = sum(n for entries in s.entries for _, _, n in entries)
-    assert sum(n for _, n, _, _ in rows) == full
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                       vocab_size=4096)  # one engine rank of tp=2: about 7 MiB, several 1 MiB slots an update
+    layout = EngineLayout.parse("tp=2")
+    replica = model_replicas().get(cfg, layout, 0)
+    slot = slot_size(1 << 20, replica.largest_group_nbytes)
+    buffers = TransferBuffers(slot, 2, pin="none", spare_bytes=spare_bytes(slot))
+    transport = _native.LoopbackTransport()
+    transport.register_memory(buffers.address, buffers.total_bytes)
+    writer = _CheckedWriter(transport, buffers, transfer_timeout=10)
+    region, views = _param_memory(replica.param_specs)
+    area = DeltaArea(region.numel(), engine="fake")
+    pub = EnginePublication.from_json({"remote_instance_transfer_engine_info": ["loopback", params_table(views.items())],
+                                       "delta_area": area.published()})
+    engine = SglangEngine("http://fake:1", name="fake")
+    staging = _FakeStaging(buffers.slot_bytes)
+    writer.ready = lambda slot: all(e.host != buffers.slot_address(slot) for e in staging.stream.queued)
+    bases = DeltaBases()
+    tensors = {n: t.clone() for n, t in random_checkpoint(replica.hf_specs, 5)}
+    try:
+        transport.connect(0, "loopback")
+        writer.add_engine(0, "fake/rank0", writable_regions(pub, "fake/rank0"))
+        rank = PreparedRank(layout.key, 0, replica, GroupStager([g.hf_names for g in replica.groups], replica.hf_specs),
+                            [EngineTarget(engine, 0, 0, pub)])
+        # (changed, delta, the reason reported): full first; deltas; a delta=False update (no wait for the
+        # copies, no base kept), the update after it in full (STAGED), then deltas again
+        steps = [(None, True, FIRST), (0.01, True, ""), (0.0, True, ""), (0.01, True, ""),
+                 (0.01, False, "delta=False"), (0.01, True, STAGED), (0.01, True, "")]
+        slots = 0
+        for step, (fraction, delta, why) in enumerate(steps):
+            if fraction:
+                tensors = {n: _changed(t, fraction, 100 * step + k) for k, (n, t) in enumerate(tensors.items())}
+            if step:
+                bases.identities[engine.name] = {"epoch": 1, "token": "t"}  # the last commit's
+            times = UpdateTimes()
+            handover = SlotHandOver(writer, times)
+            filler = StagedHostSlotFiller(handover, lambda device: staging)
+            waits, landed = [], filler.landed
+            filler.landed = lambda: waits.append(1) or landed()
+            d = UpdateDeltas(bases, [rank], buffers, wanted=delta, off_reason="" if delta else "delta=False")
+            d.claim([engine])
+            d.opened({engine.name: {DELTA_KEY: {"accepted": True}}})
+            pipeline = SlotPipeline(handover, lambda inputs: filler, times)
+            pipeline.deltas = d
+            for g in replica.groups:
+                pipeline.place(GroupLoad(rank, g, {n: tensors[n] for n in g.hf_names}))
+            pipeline.drain()
+            written = writer.finish().bytes
+            assert not staging.stream.queued  # every copy landed, none after its slot went to the writer
+            full = d.full_bytes["fake/rank0"]
+            reason = d.reasons()["fake/rank0"]
+            if d.targets["fake/rank0"].delta:  # the engine applies its area at the end
+                area.apply(Manifest.parse(d.written()["fake"]["0"], "rank 0"), [(region.data_ptr(), region.numel())],
+                           [region])
+            slots = slots or times.slots  # the first update's: every slot had writes
+            assert len(waits) == (slots if delta else 0) and slots > 2, (waits, slots)  # one wait a slot, or none
+            assert reason == why, (step, reason)
+            if why:  # written in full
+                assert written == full and d.encoded == 0 and times.slots == slots
+            else:  # only what changed
+                assert d.changed == 0 if fraction == 0.0 else 0 < d.changed < 0.05 * full
+                assert written == d.encoded <= (0 if fraction == 0.0 else 0.1 * full), (written, full)
+            _assert_bytes_equal(views, _reference(replica, tensors), f"step {step} (changed {fraction}, delta {delta})")
+    finally:
+        writer.close()
+        transport.close()
+        buffers.close()
+        area.close()

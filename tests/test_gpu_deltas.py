@@ -19,8 +19,11 @@ pytestmark = [
 CHANGED = (0.01, 1)  # version 1 of seed 3's changed family: about 1% of the elements differ
 
 
-@pytest.mark.parametrize("buffer_device", ["cpu", "cuda"])
-def test_a_vram_engine_takes_deltas_from_host_slots_and_from_gpu_slots(tmp_path, buffer_device):
+@pytest.mark.parametrize("buffer_device, pushed", [("cpu", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")],
+                         ids=["host-slots", "host-slots-from-gpu-tensors", "gpu-slots"])
+def test_a_vram_engine_takes_deltas_from_host_slots_and_from_gpu_slots(tmp_path, buffer_device, pushed):
+    """Host slots fed from GPU tensors (staged: sender/fillers.py) are compared once each slot's copies
+    to the host landed, and take deltas as the others do."""
     from p2pweights.control import SglangEngine
     from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
     from p2pweights.receiver import start_engine
@@ -30,7 +33,7 @@ def test_a_vram_engine_takes_deltas_from_host_slots_and_from_gpu_slots(tmp_path,
 
     cfg = write_config("qwen3", str(tmp_path), hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=2048)
-    name = f"vram-{buffer_device}-slots"
+    name = f"vram-{buffer_device}-slots-{pushed}"
     engine = start_engine(cfg, "tp=1", transport="nixl", name=name,
                           env={"P2PW_RECEIVER_DEVICE": "cuda:0", "P2PW_DELTA_AREA": str(16 << 20)},  # a GPU area is sized
                           startup_timeout=600)
@@ -42,7 +45,7 @@ def test_a_vram_engine_takes_deltas_from_host_slots_and_from_gpu_slots(tmp_path,
             for step, changed in ((1, None), (2, CHANGED)):
                 with sender.update(f"v{step}") as u:
                     for hf, t in random_checkpoint(specs, 3, changed=changed):
-                        u.push(hf, t.cuda() if buffer_device == "cuda" else t)
+                        u.push(hf, t.cuda() if pushed == "cuda" else t)
                 reports.append(u.report.engines[0])
                 result = check_weights_equal(engine.url, hf_seed=3, changed_fraction=changed and changed[0],
                                              changed_steps=changed and changed[1])

@@ -24,6 +24,8 @@ class DeltaBases:
         # GPU slots: (layout, rank) -> (one device tensor for the rank's parameters, parameter -> offset)
         self.ranks: dict[tuple[str, int], tuple[Any, dict[str, int]]] = {}
         self.identities: dict[str, dict] = {}  # engine name -> {"epoch", "token"} of its last commit by us
+        # (layout, rank) whose bases a delta=False update dropped (staged slots): why the next is full
+        self.unkept: set[tuple[str, int]] = set()
 
     @property
     def nbytes(self) -> int:
@@ -65,3 +67,4 @@ class DeltaBases:
         self.arrays.clear()
         self.ranks.clear()
         self.identities.clear()
+        self.unkept.clear()

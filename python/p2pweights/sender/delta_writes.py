@@ -13,20 +13,22 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
    with the base and updates the base on the way (deltas/codec.py). A delta target gets the record
    (prefix + record, deltas/area.py) written from the slot's spare bytes into its delta area; a
    full target, an EMPTY record's nothing, a DENSE record or one that does not fit the spare or the
-   area gets the parameter's usual write. A parameter written without a base update (GPU or staged
-   slots) drops its base: the next update writes it in full.
+   area gets the parameter's usual write. A GPU slot's targets get index records instead (below). A
+   parameter written without a base update (a staged slot in a delta=False update) drops its base:
+   the next update writes it in full.
 4. ``manifests`` go into each delta engine's end body; ``committed`` keeps the identities the end
    answers.
 
 A group's sender 0 claims and ends for every sender: the others follow its word (``follow``,
-``follow_commit``) and hand it their manifests (``written``). Staged slots (GPU tensors into host
-slots) write in full (docs/deltas.md). A GPU slot's index records are counted as each rank's loaders
-finish and gathered when the slot closes (``slot_records``): one wait for the device per slot.
+``follow_commit``) and hand it their manifests (``written``). A GPU slot's index records are counted
+as each rank's loaders finish and gathered when the slot closes (``slot_records``): one wait for the
+device per slot. A staged slot (GPU tensors into a host slot, sender/fillers.py) is compared at its
+close too, once its last copy to the host landed: one wait per slot, then the host slot's path.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -34,10 +36,9 @@ from .. import _native, settings
 from ..deltas import index_records, kernels
 from ..deltas.area import PREFIX, Manifest, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
-from ..errors import P2PWeightsError, raise_for_status
+from ..errors import raise_for_status
 from .delta_bases import DeltaBases
 from .fillers import HostSlotFiller
-from .group import SenderStatus, all_failures
 
 FIRST = "the first update after connect writes in full"
 #: a rank whose compared bytes changed in more than DENSE_SHARE of them, once DENSE_AFTER of its bytes
@@ -46,10 +47,10 @@ FIRST = "the first update after connect writes in full"
 #: take deltas. A third: where a BF16 index record stops beating the parameters' own bytes.
 DENSE_SHARE = 1 / 3
 DENSE_AFTER = 64 << 20
-#: why an engine rank that accepted deltas was written in full: host slots filled from GPU tensors
-#: (sender/gpu_staging.py) keep no base of what they wrote
-STAGED = ("host slots filled from GPU tensors keep no base: written in full (push CPU tensors, or use GPU slots: "
-          "buffer_device='cuda')")
+#: why an engine rank that accepted deltas was written in full: in the sender's last update (delta=False)
+#: host slots filled from GPU tensors (sender/gpu_staging.py) kept no base, so their copies overlapped the loaders
+STAGED = ("the last update (delta=False) filled host slots from GPU tensors and kept no base of what they held: "
+          "those parameters are written in full, their bases kept again from this update on")
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
 INDEX_RECORDS_ON_HOST = False
 
@@ -89,6 +90,7 @@ class UpdateDeltas:
     def __init__(self, bases: DeltaBases, ranks: Sequence[Any], buffers: Any, *, wanted: bool, off_reason: str = "",
                  keep: bool = True):
         self.bases = bases
+        self.wanted = wanted  # False: delta=False (a staged slot keeps no base then: no wait for its copies)
         self.keep = keep  # keep the bases (False: this sender cannot use them; they are dropped)
         if not keep:
             bases.clear()
@@ -107,6 +109,7 @@ class UpdateDeltas:
         self._spare_array: np.ndarray | None = None
         self._spare_t: Any = None  # the open GPU slot's spare (index records)
         self._spare_used = 0
+        self._staged: list[tuple[Any, Sequence, Any]] = []  # the open staged slot's (rank, entries, filler)
         self._scratch = np.empty(0, dtype=np.uint8)
         # the open GPU slot's records, counted on the device, gathered at its close (slot_records)
         self._counted: list[tuple[Any, int, list, list, Any]] = []
@@ -185,34 +188,6 @@ class UpdateDeltas:
                 e.p2pw_apply_deltas(extra[DELTA_KEY])
         self.applied = True
 
-    def apply_for_verify(self, engines: Sequence[Any], ranks: Sequence[Any], *, owner: bool, me: int, size: int,
-                         failures: Mapping[str, str], gather: Callable[[SenderStatus], list],
-                         control: Callable[[Callable[[], Any]], Any]) -> dict[str, BaseException]:
-        """verify=True: every delta engine applies what every sender wrote before any digest is taken.
-        A sender alone applies its own (when it owns the session and its writes returned). In a group
-        every sender takes part, its writes failed or not (two gathers each): the manifests meet, the
-        owner (sender 0) applies them all unless a sender failed, and every sender learns the outcome.
-        Returns target name -> error for the engines whose apply was refused ({}: applied, or nothing
-        to apply)."""
-        every: list = []
-        failed = dict(failures)
-        if size > 1:
-            statuses = gather(SenderStatus(me, dict(failures), deltas=self.written()))
-            every = [st.deltas for st in statuses if st.sender != me]
-            failed = all_failures(statuses)
-        errors: dict[str, BaseException] = {}
-        if owner and not failed:
-            try:
-                control(lambda: self.apply_now(engines, every))
-            except P2PWeightsError as e:  # an apply refused (deltas/area.py): its engine's ranks do not verify
-                errors = {t.name: e for p in ranks for t in p.targets
-                          if t.engine.name == getattr(e, "engine", "")} or {"engines": e}
-        if size > 1:
-            statuses = gather(SenderStatus(me, {n: str(e) for n, e in errors.items()}))
-            for n, why in all_failures(statuses).items():
-                errors.setdefault(n, P2PWeightsError(why))
-        return errors
-
     def manifests(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
         """Set each delta engine's end body: what every sender wrote into each rank's area."""
         if self.applied:
@@ -242,30 +217,40 @@ class UpdateDeltas:
 
     # -- data ------------------------------------------------------------------------------------
     def new_slot(self) -> None:
-        self._slot, self._spare_used, self._counted = None, 0, []
+        self._slot, self._spare_used, self._counted, self._staged = None, 0, [], []
 
     def slot_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], filler: Any) -> list:
-        """Writer rows for one prepared rank's parameters in the open slot (see the module)."""
+        """Writer rows for one prepared rank's parameters in the open slot (see the module). A staged
+        slot's bytes reach its host slot by copies still in flight: its rows come at its close (slot_records)."""
+        # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
+        kept = self.keep and any(self.targets[t.name].area for t in p.targets)
+        if kept and not isinstance(filler, HostSlotFiller):  # staged: compared once its copies landed
+            if self.wanted:
+                self._staged.append((p, entries, filler))
+                return []
+            kept = False  # delta=False: no wait for the copies, no base (the next update writes in full)
+            self.bases.unkept.add((p.layout_key, p.rank))
+        return self._rows(p, entries, filler.slot, kept)
+
+    def _rows(self, p: Any, entries: Sequence[tuple[str, int, int]], slot_index: int, kept: bool) -> list:
         full = {id(x.t) for x in self.targets.values() if not x.delta}
         rows: list = []
-        # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
-        kept = self.keep and isinstance(filler, HostSlotFiller) and any(self.targets[t.name].area for t in p.targets)
         # a host slot writes codec records, which only a host area takes; to a GPU area, index records
         host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p)
-        if kept and not host:  # a GPU slot: index records, built on its device
-            return self._index_rows(p, entries, filler.slot)
+        if kept and self.wanted and (p.layout_key, p.rank) in self.bases.unkept:  # bases gone with a delta=False
+            self.bases.unkept.discard((p.layout_key, p.rank))
+            for x in (self.targets[t.name] for t in p.targets if self.targets[t.name].delta):
+                x.written_full = STAGED
+        if kept and not host:  # a GPU slot (or a host one with GPU areas): index records, built on its device
+            return self._index_rows(p, entries, slot_index)
         if not host:
             for param, _, _ in entries:  # written without a base update: no delta against it next time
                 self.bases.arrays.pop((p.layout_key, p.rank, param), None)
-            if not isinstance(filler, HostSlotFiller):
-                for t in p.targets:
-                    if self.targets[t.name].delta:
-                        self.targets[t.name].written_full = STAGED
             # a delta target stays one: the records already in its area must be named at the end
             full = {id(t) for t in p.targets}
-        slot = self.buffers.slot_array(filler.slot) if host else None
+        slot = self.buffers.slot_array(slot_index) if host else None
         if host:
-            self.bind(filler.slot)
+            self.bind(slot_index)
         for param, offset, nbytes in entries:
             for t in p.targets:
                 self.full_bytes[t.name] += nbytes
@@ -352,12 +337,19 @@ class UpdateDeltas:
         return rows
 
     def slot_records(self) -> list:
-        """The open GPU slot's index records, every rank's: all their counts read in one wait for the
-        device, then each gathered into the spare and given its rows, in the order counted."""
+        """The open slot's rows left for its close. A staged slot: one wait until its last copy to the
+        host landed, then each rank's rows as a host slot's. A GPU slot: its index records, every
+        rank's: all their counts read in one wait for the device, then each gathered into the spare
+        and given its rows, in the order counted."""
         import torch
 
-        counted, self._counted = self._counted, []
+        staged, self._staged = self._staged, []
+        if staged:
+            staged[-1][2].landed()  # every copy into the host slot, not only the last batch's
         rows: list = []
+        for p, entries, filler in staged:
+            rows += self._rows(p, entries, filler.slot, True)
+        counted, self._counted = self._counted, []
         heads: list[tuple[int, bytes]] = []  # (spare offset, prefix + header + table) per delta target
         for (p, unit, params, deltas, counting), total in zip(counted, index_records.read_counts(
                 [c for *_, c in counted])):

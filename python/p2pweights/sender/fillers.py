@@ -12,6 +12,7 @@ A filler decides where a slot's loaders write and how the complete slot reaches 
 - :class:`StagedHostSlotFiller` (host slots, tensors on a GPU): the loaders write a GPU staging
   buffer (gpu_staging.py) and each loader batch is copied out to the host slot by an asynchronous
   D2H; the host slot is taken at the slot's first copy and handed over once its last copy landed.
+  A delta update compares the host slot with its bases at the slot's close, after ``landed``.
 
 :class:`SlotHandOver` holds the one slot whose device work is still in flight; every filler of an
 update shares it, so that with a single slot the pending slot is handed over before a new one is
@@ -202,6 +203,14 @@ class StagedHostSlotFiller(SlotFiller):
         self._last_copy = self._staging.copy_out(host, self._copied, self._extent)
         self._copied = self._extent
         self.handover.times.loading += time.perf_counter() - t0
+
+    def landed(self) -> None:
+        """Wait until every copy queued into the host slot landed (its bytes may be read on the host
+        now: a delta compare, sender/delta_writes.py). Each copy's event marks the earlier ones done."""
+        if self._last_copy is not None:
+            t0 = time.perf_counter()
+            self._last_copy.synchronize()
+            self.handover.times.loading += time.perf_counter() - t0
 
     def close(self, rows: list) -> None:
         self._staging.advance()

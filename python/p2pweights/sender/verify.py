@@ -27,6 +27,7 @@ from ..control import protocol as p
 from ..control.engine_calls import call_engines
 from ..control.weights_digest import digest_sums, digest_text
 from ..errors import EngineError, P2PWeightsError, UpdateFailed
+from .delta_verify import apply_for_verify
 
 if TYPE_CHECKING:
     from ..control import SglangEngine
@@ -127,9 +128,10 @@ def verify_update(update: Any, rep: Any) -> dict[str, BaseException]:
     t0 = time.perf_counter()
     try:
         if update._deltas is not None:  # the digests see every sender's deltas applied (a group: all take part)
-            refused = update._deltas.apply_for_verify(
-                update._engines, update._ranks, owner=update._session is not None, me=update._group.index,
-                size=update._group.size, failures=rep.failures, gather=update._gather, control=update._control)
+            refused = apply_for_verify(
+                update._deltas, update._engines, update._ranks, owner=update._session is not None,
+                me=update._group.index, size=update._group.size, failures=rep.failures, gather=update._gather,
+                control=update._control)
             if refused:
                 return refused
         if rep.failures:
