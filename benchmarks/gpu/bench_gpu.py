@@ -15,6 +15,7 @@ Sections (each isolated: a failure is recorded and the next one runs):
   profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
   update_profile  the update section with its last step under cProfile (top functions by own time)
   detection   the change detection alone (one 256 MiB slot at 0/1/10/100% changed; kernels, torch)
+  update_wire_small  update_wire's four (transport, slots) pairs, NIXL first, on Qwen3-0.6B TP1
   delta_profile  a steady delta and a full update under torch.profiler, a delta under cProfile
               (profile_gpu_delta.py)
   connect     benchmarks/profile_connect.py: each phase of a cold, warm, new-sender and disk-cache
@@ -370,6 +371,9 @@ SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "w
             "update_wire": lambda: bench_gpu_wire.section_update_wire(),
             "update_wire_mooncake": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[:2]),
             "update_wire_nixl": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[2:]),
+            # Qwen3-0.6B (1.19 GB per update): the NIXL/UCX TCP pairs fit one device call
+            "update_wire_small": lambda: bench_gpu_wire.section_update_wire(
+                "qwen3-0.6b", "tp=1", pairs=bench_gpu_wire.PAIRS[2:] + bench_gpu_wire.PAIRS[:2]),
             "tests": section_tests, "profile": section_profile, "connect": section_connect}
 
 

@@ -21,3 +21,5 @@ if [ -n "${DEVICE_TESTS:-}" ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "device tests failed: no benchmark"; exit 1; }
 fi
 python3 benchmarks/gpu/bench_gpu.py --sections "$SECTIONS" --out "${OUT:-.}/gpu_results.json"
+# DEVICE_AFTER="cmd": run after the benchmark with the same wheel and environment (another benchmark)
+if [ -n "${DEVICE_AFTER:-}" ]; then eval "$DEVICE_AFTER"; fi

@@ -76,6 +76,23 @@ class EndWeightUpdateReq(Body):
 
 
 @dataclass
+class LoadLoRAAdapterReq(Body):
+    """sglang's load of a LoRA adapter from files (its own API: the engine picks the adapter's slot;
+    ``pinned`` keeps it there, which one-sided adapter updates need: docs/lora.md)."""
+
+    SGLANG: ClassVar[str | None] = "LoadLoRAAdapterReqInput"
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterReq(Body):
+    SGLANG: ClassVar[str | None] = "UnloadLoRAAdapterReqInput"
+    lora_name: str
+
+
+@dataclass
 class UpdateWeightVersionReq(Body):
     """sglang aborts running requests by default; p2pweights' client always sends false (the
     engine was paused before the writes)."""

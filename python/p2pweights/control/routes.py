@@ -15,9 +15,11 @@ from .bodies import (
     EndWeightUpdateReq,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoRAAdapterReq,
     PauseGenerationReq,
     RegisterTransferEngineInfoReq,
     RenewWeightUpdateReq,
+    UnloadLoRAAdapterReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightVersionReq,
     WeightsDigestReq,
@@ -76,6 +78,9 @@ ROUTES: tuple[Route, ...] = (
     Route("update_weights_from_distributed", "/update_weights_from_distributed", "POST", _P,
           UpdateWeightsFromDistributedReq),
     Route("destroy_weights_update_group", "/destroy_weights_update_group", "POST", _P, DestroyWeightsUpdateGroupReq),
+    # LoRA adapters: the engine's own load (it picks the slot) and unload (docs/lora.md)
+    Route("load_lora_adapter", "/load_lora_adapter", "POST", _P, LoadLoRAAdapterReq),
+    Route("unload_lora_adapter", "/unload_lora_adapter", "POST", _P, UnloadLoRAAdapterReq),
     # p2pweights' own (a receiver's): the session owner's lease
     Route("renew_weight_update", "/renew_weight_update", "POST", _P, RenewWeightUpdateReq, p2pw=True),
     # p2pweights' own: digests of what engine ranks hold, for update(verify=True)

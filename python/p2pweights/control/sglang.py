@@ -159,6 +159,16 @@ class SglangEngine:
         return self._json("update_weight_version",
                           body=bodies.UpdateWeightVersionReq(new_version=str(version), abort_all_requests=False))
 
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = True) -> dict:
+        """``POST /load_lora_adapter {"lora_name", "lora_path", "pinned"}``: the engine's own load of a
+        PEFT adapter from files; the engine picks its slot. ``pinned`` keeps it there, which
+        ``sender.update(step, adapter=name)`` needs (docs/lora.md)."""
+        return self._json("load_lora_adapter", body=bodies.LoadLoRAAdapterReq(str(name), str(path), bool(pinned)))
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """``POST /unload_lora_adapter {"lora_name"}``."""
+        return self._json("unload_lora_adapter", body=bodies.UnloadLoRAAdapterReq(str(name)))
+
     def weights_checker(self, action: str = "checksum", allow_quant_error: bool = False,
                         skip_tensor_list: Sequence[str] | None = None, selector: str = "all",
                         **extra: Any) -> dict:

@@ -7,17 +7,15 @@ once, through ``engine_calls.call_engines``)::
     pause_generation -> begin_weight_update -> (the one-sided writes) ->
         end_weight_update -> update_weight_version(abort_all_requests=false) -> continue_generation
 
-Engines are told to end the update and bump their version only after every write of the update
-succeeded (DESIGN invariant 3). What happens to an engine whose update failed is explained on
-``UpdateSession``. Failures are raised as one ``EnginesFailed`` (an ``UpdateFailed`` and an
-``EngineError``) naming each failed engine; ``.engine`` / ``.rank`` name the first.
+Engines end the update and bump their version only after every write succeeded (DESIGN invariant
+3); an engine whose update failed: see ``UpdateSession``. Failures are raised as one ``EnginesFailed``
+(``UpdateFailed`` and ``EngineError``) naming each failed engine; ``.engine`` / ``.rank``: the first.
 
 A session has an owner (docs/protocol.md, "Sessions: owner and lease"): every ``UpdateSession`` is
 a controller with its own owner token (``control.lease``: a secret, never logged) and label
 (``host:pid``), sent on every call; a receiver refuses other controllers' calls while the session
 is live (``SessionConflict``), and the owner renews the lease the engine granted while it writes
-(:meth:`UpdateSession.lease_deadline`: until when it may still post). The engine's side of it is
-the engine core (``engine/core.py``, ``engine/session.py``), the same on every host.
+(:meth:`UpdateSession.lease_deadline`: until when it may still post). The engine's side: the engine core.
 """
 from __future__ import annotations
 
@@ -161,7 +159,7 @@ class UpdateSession:
     continued; engines only paused are continued; engines with a resumed session stay paused.
 
     ``outcome`` maps each engine's name to what happened to it; ``errors`` to its control error.
-    """
+    ``bump_version = False``: no version call (an adapter's update: its end carries its version)."""
 
     def __init__(self, engines: SglangEngine | Iterable[SglangEngine], version: str | int, *,
                  pause_mode: str = "abort", selector: str = "all", on_failure: str | FailurePolicy = FailurePolicy.LEAVE_PAUSED,
@@ -197,6 +195,7 @@ class UpdateSession:
         self.instances: dict[str, str] = {}  # engine -> the process its begin answered (sender/engine_set.py)
         self.answers: dict[str, Any] = {}  # engine -> its begin answer, then its end answer
         self.dropped: set[str] = set()  # engines left out of the end (drop)
+        self.bump_version = True
         self.paused_at: float | None = None  # perf_counter() when pause_generation returned
         #: called (on open's thread) once pause_generation answered on every engine, before begin
         self.on_paused: Callable[[], None] | None = None
@@ -342,7 +341,8 @@ class UpdateSession:
             else:  # its answer kept: the sglang plugin's end answers its new base (deltas/committed.py)
                 step("end_weight_update", lambda: self.answers.update({e.name: e.end_weight_update()}))
                 self._renewer.forget(e)  # ended: nothing left to renew
-            step("update_weight_version", lambda: e.update_weight_version(self.version))
+            if self.bump_version:  # not for an adapter's update: its version goes with its end (engine/adapters.py)
+                step("update_weight_version", lambda: e.update_weight_version(self.version))
             step("continue_generation", lambda: e.continue_generation(self.torch_empty_cache))
 
         finished = call_engines([e for e in self.engines if e.name not in stalled], end_version_continue)

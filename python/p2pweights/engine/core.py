@@ -61,7 +61,21 @@ from ..deltas.area import Manifest
 from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
 from ..errors import EngineError, InvalidRequest, InvalidWrite, OutOfOrder, P2PWeightsError
 from . import session as sk
-from .steps import Answer, ApplyDeltas, DeltaSupport, End, EngineVerb, IsPaused, PublishedEpochs, Revoke, Verb, drive, drive_async
+from .adapters import ADAPTER_KEY, ADAPTER_VERSION_KEY, LOAD_ADAPTER, UNLOAD_ADAPTER, AdapterTargets, adapter_name
+from .steps import (
+    AdapterSlot,
+    Answer,
+    ApplyDeltas,
+    DeltaSupport,
+    End,
+    EngineVerb,
+    IsPaused,
+    PublishedEpochs,
+    Revoke,
+    Verb,
+    drive,
+    drive_async,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +91,11 @@ ENGINE_WRITES = frozenset({"update_weights_from_distributed", "update_weights_fr
 IN_SESSION = frozenset({"update_weights_from_distributed", "reset_weights"})
 #: what else rewrites or frees the weights' memory: owner rules, then the base is forgotten
 FORGETS = frozenset({RELEASE, RESUME, "collective_rpc"})
+#: the engine's own writes of a LoRA adapter's slot (adapters.py): outside any session
+ADAPTER_WRITES = frozenset({LOAD_ADAPTER, UNLOAD_ADAPTER})
 #: every verb the core decides; reads (server info, publications, digests, checks) are anyone's
-VERBS = frozenset({PAUSE, CONTINUE, VERSION, BEGIN, END, RENEW, APPLY, JOIN, LEAVE}) | ENGINE_WRITES | FORGETS
+VERBS = frozenset({PAUSE, CONTINUE, VERSION, BEGIN, END, RENEW, APPLY, JOIN, LEAVE}) | ENGINE_WRITES | FORGETS \
+    | ADAPTER_WRITES
 #: verbs that run beside the others: joining a group waits for every member; a renewal must get
 #: through while the owner's own end holds the engine
 UNSERIALIZED = frozenset({JOIN, LEAVE, RENEW})
@@ -96,6 +113,9 @@ class EngineCore:
         self.released: str | None = None  # why the weights' memory is released (a begin waits for the resume)
         self.session = sk.SessionKeeper(engine, lease, clock)
         self.base = CommittedBase(engine)
+        # LoRA adapters (adapters.py): each adapter's slot is a target with its own base and version
+        self.adapters = AdapterTargets(engine)
+        self.target: str | None = None  # the adapter of the open (or last) session; None: the base weights
         # this engine process's identity: a sender that finds another one at the same address (a
         # restart: new registrations, no base) re-plans it before writing (sender/engine_set.py)
         self.instance = secrets.token_hex(8)
@@ -108,7 +128,7 @@ class EngineCore:
 
     @engine.setter
     def engine(self, name: str) -> None:
-        self.session.engine = self.base.engine = name
+        self.session.engine = self.base.engine = self.adapters.engine = name
 
     # ---- running a verb ---------------------------------------------------------------------------
     def run(self, verb: str, headers: Any, body: Any, do: Callable[[Any], Any]) -> Answer:
@@ -152,8 +172,12 @@ class EngineCore:
             raise OutOfOrder(f"engine {self.engine}: {self.released}; call resume_memory_occupation() before "
                              f"begin_weight_update()")
         pause = bodies.begin_pause(body.pop(p.PAUSE_FIRST, None)) if isinstance(body, dict) else None
+        adapter = body.pop(ADAPTER_KEY, None) if isinstance(body, dict) else None
+        adapter = adapter_name(adapter, BEGIN) if adapter is not None else None
         takeover = self.session.lost
         if takeover:  # the lost owner's writes in flight must land nothing, before anything else happens
+            if self.target is not None:  # a lost adapter session: its slot may be half written
+                self.adapters.lost(self.target, self.session.torn or "its update session was lost")
             yield from self._revoke()
         paused = None
         if pause is not None:  # the owner's pause, folded in
@@ -163,9 +187,22 @@ class EngineCore:
         if not (yield IsPaused()):
             raise OutOfOrder(f"engine {self.engine}: generation is running; call pause_generation() before "
                                  f"begin_weight_update() (p2pweights writes land in live parameter memory)")
+        slot = None
+        if adapter is not None:  # the engine's registry decides the slot; not loaded: refused, nothing changed
+            try:
+                slot = int((yield AdapterSlot(adapter)))
+            except Exception as e:  # noqa: BLE001 - the host's refusal, in one line naming the fix
+                raise InvalidRequest(f"engine {self.engine}: LoRA adapter {adapter!r} has no slot to write: {e}",
+                                     engine=self.engine, parameter=adapter,
+                                     hint=f"load it once with the engine's load_lora_adapter (lora_name={adapter!r}, "
+                                          f"pinned=True), then update it") from e
+            body[ADAPTER_KEY] = adapter  # the host skips the base weights' hooks
         claim = body.pop(DELTA_KEY, None) if isinstance(body, dict) else None
-        support = (yield DeltaSupport()) if claim is not None else ""
-        delta = self.base.open(claim, self.session.epoch, support)  # from here the weights may change
+        # an adapter's slot is written directly (no delta area): every rank supports its deltas
+        support = (yield DeltaSupport()) if claim is not None and adapter is None else ""
+        base = self.adapters.base(adapter) if adapter is not None else self.base
+        delta = base.open(claim, self.session.epoch, support)  # from here the target's bytes may change
+        self.target = adapter
         try:
             answer = yield EngineVerb(BEGIN, body)
         except Exception as e:  # noqa: BLE001 - the engine's begin raised: an answer like any failed one
@@ -180,7 +217,8 @@ class EngineCore:
                  **({p.PAUSE_FIRST: paused.body} if paused is not None else {})}
         return answer.with_body({**(answer.body if isinstance(answer.body, dict) else {}), "lease": self.session.lease,
                                   "lease_max": self.session.max_lease, "took_over": took_over,
-                                  "epoch": self.session.epoch, "instance": self.instance, DELTA_KEY: delta, **folds})
+                                  "epoch": self.session.epoch, "instance": self.instance, DELTA_KEY: delta, **folds,
+                                  **({ADAPTER_KEY: {"name": adapter, "slot": slot}} if adapter is not None else {})})
 
     def _revoke(self, what: str = "the takeover") -> Verb:
         published = [int(e) for e in ((yield PublishedEpochs()) or ()) if isinstance(e, int)]
@@ -211,6 +249,14 @@ class EngineCore:
             raise OutOfOrder(f"engine {self.engine}: {p.NO_SESSION} is open; call begin_weight_update() first")
         # checked before anything runs: a malformed body is refused and changes nothing (the owner may retry)
         then = bodies.end_then(body.pop(p.END_THEN, None)) if isinstance(body, dict) and self.end_folds else None
+        adapter, adapter_version = self.target, body.pop(ADAPTER_VERSION_KEY, None) if isinstance(body, dict) else None
+        if adapter is not None:
+            if adapter_version is None and then is not None:
+                adapter_version = then["new_version"]
+            if not isinstance(adapter_version, (str, int)) or isinstance(adapter_version, bool):
+                raise InvalidRequest(f"{END}: the update of LoRA adapter {adapter!r} needs {ADAPTER_VERSION_KEY!r} "
+                                     f"(its new version) in the end's body")
+            body[ADAPTER_KEY] = adapter  # the host skips the base weights' post-processing
         manifests = self._manifests(body.pop(DELTA_KEY, None) if isinstance(body, dict) else None, END)
         try:
             answer = yield End(manifests, body)
@@ -219,14 +265,20 @@ class EngineCore:
         if not answer.ok:
             self.tear(f"{END} failed (HTTP {answer.status}): {_why(answer)}; the weights may be partly written")
             return answer
-        base = self.base.commit(self.session.epoch)  # what the engine holds now: a new identity
+        base = self._base().commit(self.session.epoch)  # what the engine holds now: a new identity
+        if adapter is not None:
+            self.adapters.committed(adapter, str(adapter_version))
         self.session.end()
         out = {**(answer.body if isinstance(answer.body, dict) else {}), BASE_KEY: base}
         if then is not None:  # as the owner's own next calls would: the version, then (once bumped) continue
-            steps = [(VERSION, {"new_version": then["new_version"], "abort_all_requests": False})]
+            # an adapter's version is its own (set above), not the engine's weight version
+            steps = [(VERSION, {"new_version": then["new_version"], "abort_all_requests": False})] if adapter is None \
+                else []
             if then["continue"]:
                 steps.append((CONTINUE, {"torch_empty_cache": then["torch_empty_cache"]}))
-            done = {}
+            # an adapter's version was set by the commit above: the fold says so under the version's verb
+            done = {} if adapter is None else {VERSION: {"success": True, "message": f"LoRA adapter {adapter!r} is "
+                                                                                    f"version {adapter_version}"}}
             for verb, step_body in steps:
                 done[verb] = (sub := (yield from self._sub_verb(verb, step_body))).body
                 if not sub.ok:
@@ -265,7 +317,9 @@ class EngineCore:
             raise InvalidRequest("field 'release' must be a boolean")
         if release:
             self.session.release(owner)
-            self.base.forget("the owner gave its session up")
+            self._base().forget("the owner gave its session up")
+            if self.target is not None:
+                self.adapters.lost(self.target, "the owner gave its session up")
             return Answer(p.OK, {"success": True, "message": f"session released: the weights are {p.TORN} until a "
                                                              f"complete update"})
         granted = self.session.renew(lease)
@@ -275,6 +329,8 @@ class EngineCore:
         return Answer(p.OK, {"success": True, "message": "lease renewed", "lease": granted})
 
     def _engine_verb(self, verb: str, owner: str, body: Any) -> Verb:
+        if verb == CONTINUE:  # a torn adapter is named first: it is what a complete update must heal
+            self.adapters.check_continue(verb)
         self.session.check(verb, owner)
         session_open = self.session.open
         if verb in IN_SESSION and not session_open:
@@ -286,12 +342,22 @@ class EngineCore:
         if verb == CONTINUE and session_open:
             raise OutOfOrder(f"engine {self.engine}: a weight-update session is open; call end_weight_update() "
                                  f"before continue_generation() (the weights may be partly written)")
+        adapter = None
+        if verb in ADAPTER_WRITES:  # the engine's own load or unload of an adapter's slot
+            adapter = adapter_name(body.get("lora_name") if isinstance(body, dict) else None, verb)
+            if session_open:
+                raise OutOfOrder(f"engine {self.engine}: {verb} of LoRA adapter {adapter!r} while a weight-update "
+                                 f"session is open; end it first")
         try:
             answer = yield EngineVerb(verb, body)
         except Exception as e:  # noqa: BLE001 - the engine's route raised: settled like a failed answer
             answer = _failed(verb, e)
         if verb in ENGINE_WRITES or verb in FORGETS:
             self.base.forget(f"{verb} ran after the last commit")
+        if adapter is not None and answer.ok:
+            (self.adapters.loaded if verb == LOAD_ADAPTER else self.adapters.unloaded)(adapter)
+        elif adapter is not None:  # a failed load may have written part of the slot
+            self.adapters.base(adapter).forget(f"{verb} failed after the last commit")
         if verb in ENGINE_WRITES and session_open and not answer.ok:
             self.tear(f"{verb} failed (HTTP {answer.status}): {_why(answer)}; the weights may be partly written")
         if verb == RELEASE and answer.ok:
@@ -305,16 +371,23 @@ class EngineCore:
 
     # ---- the rules a verb shares ----------------------------------------------------------------
     def tear(self, why: str) -> None:
-        """The tear rule (module docstring, 4): the base forgotten, no owner, torn until a complete update."""
-        self.base.forget(why)
+        """The tear rule (module docstring, 4): the base forgotten, no owner, torn until a complete update
+        (of an adapter: torn until a complete update of that adapter, adapters.py)."""
+        self._base().forget(why)
+        if self.target is not None:
+            self.adapters.lost(self.target, why)
         self.session.tear(why)
+
+    def _base(self) -> CommittedBase:
+        """The committed base of the open (or last) session's target."""
+        return self.adapters.base(self.target) if self.target is not None else self.base
 
     def _manifests(self, manifests: Any, verb: str) -> dict[int, dict] | None:
         """The owner's ``{"<rank>": manifest}`` checked whole (None: it names none), and the session's
         accepted deltas taken: applied once (a second apply of the same records would be refused)."""
         if manifests is None:
             return None
-        if not self.base.accepted:
+        if not self._base().accepted:
             raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they were "
                                  f"applied already)")
         if not isinstance(manifests, dict):
@@ -327,13 +400,14 @@ class EngineCore:
                 parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
             except InvalidWrite as e:
                 raise InvalidRequest(str(e)) from None
-        self.base.accepted = False
+        self._base().accepted = False
         return parsed
 
     def state(self) -> dict:
         """The session's state as ``/server_info``'s ``p2pw_weight_update`` says it (JSON-ready)."""
         state = self.session.state()
-        return {**state, "state": str(state["state"]), "instance": self.instance}
+        adapters = self.adapters.state()  # LoRA adapters updated or torn (only when there are some)
+        return {**state, "state": str(state["state"]), "instance": self.instance, **({"adapters": adapters} if adapters else {})}
 
 
 def _failed(verb: str, e: BaseException) -> Answer:

@@ -44,6 +44,15 @@ class DeltaSupport(Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterSlot(Step):
+    """The slot of the engine's LoRA pool that adapter ``name`` occupies on every rank (the engine's
+    own registry decides it; the adapter must be loaded and kept there: pinned). Result: int; raises
+    when the adapter is not loaded or the engine has no LoRA pool."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineVerb(Step):
     """The engine's own verb (begin, pause, continue, version, a write of its own, ...), with the
     ``body`` it takes. Result: :class:`Answer`; raising counts as a failed answer."""

@@ -79,6 +79,14 @@ class ReceiverHooks:
     def on_weight_version(self, new_version: str, abort_all_requests: bool) -> None:
         """The version was bumped (the server tracks it; this is for the engine's own use)."""
 
+    def adapter(self, op: str, name: str, path: str | None = None, pinned: bool = True) -> int | None:
+        """The engine's LoRA registry (docs/lora.md): ``op`` ``load`` (sglang's ``/load_lora_adapter``
+        of PEFT files at ``path``: the engine picks the slot), ``unload``, or ``slot`` (where a loaded
+        adapter is). Answers the slot (None for unload); raises when the engine has no LoRA pool or the
+        adapter is not loaded. An adapter update (begin with ``adapter``) runs neither
+        ``on_begin_update`` nor ``on_end_update``: no base weight changes."""
+        raise NotImplementedError("this engine has no LoRA adapter pool")
+
     def weights_checker(self, request: dict) -> dict:
         """``/weights_checker`` with sglang's CheckWeightsReqInput fields (defaults filled).
         Return sglang's answer: ``{"success": bool, "message": str, ["ranks"], ["per_engine_checksum"]}``."""
@@ -161,6 +169,8 @@ class LeaderHooks(ReceiverHooks):
             "p2pw_instance": self.instance,
             "p2pw_ranks_ready": sorted([0, *self.rank_urls]),
         })
+        if self.local.adapters is not None:  # sglang's LoRA server args (LoRASetting.from_server_info reads them)
+            info.update(self.local.adapters.server_args())
         if info.get("speculative_algorithm") not in (None, "", "NGRAM"):
             # as sglang resolves it for an MTP draft: the draft is the target's own checkpoint
             info["speculative_draft_model_path"] = self.local.config
@@ -316,6 +326,16 @@ class LeaderHooks(ReceiverHooks):
                     "ranks": sorted(ranks), "per_engine_checksum": sums}
         return {"success": False, "message": f"action {action!r} is not supported by this receiver "
                                              f"(p2pw_compare, checksum)"}
+
+    def adapter(self, op: str, name: str, path: str | None = None, pinned: bool = True) -> int | None:
+        """Every rank runs sglang's registry op; every rank must answer the same slot (sglang's
+        schedulers fill their pools alike), else the engine is inconsistent and that is an error."""
+        answers = self.on_all("adapter", {"op": op, "lora_name": name, "lora_path": path, "pinned": bool(pinned)})
+        slots = {r: a.get("slot") for r, a in answers.items()}
+        if len(set(slots.values())) > 1:
+            raise EngineError(f"engine {self.local.name}: the ranks put LoRA adapter {name!r} in different slots "
+                              f"({slots})", engine=self.local.name, parameter=name)
+        return next(iter(slots.values()))
 
     def weights_digest(self, names: dict[int, list[str]]) -> dict[int, dict[str, str]]:
         """Every rank digests the parameters named for it, at once (ranks not named answer {})."""

@@ -11,6 +11,7 @@ or each started as a fresh interpreter (``launch="spawn"``); see :mod:`p2pweight
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -53,8 +54,9 @@ class LocalEngine:
     def __init__(self, model: str, engine: str = "tp=1", *, transport: str | None = None, name: str = "engine0",
                  host: str = "127.0.0.1", port: int = 0, env: dict | None = None, startup_timeout: float = 120.0,
                  log_dir: str | None = None, launch: str | None = None, broadcast_receiver: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, lora: Any = None):
         self.model = os.fspath(model)
+        self.lora = lora  # a LoRASetting: sglang's adapter pool on every rank (adapter_pool.py)
         self.engine = engine
         self.world = EngineLayout.parse(engine).world_size
         self.transport, self.transport_why = resolve_transport(transport)
@@ -96,6 +98,8 @@ class LocalEngine:
             args += ["--leader", self.url, "--port", str(self.rank_ports[rank])]
         if self.broadcast_receiver is not None:
             args += ["--broadcast-receiver", self.broadcast_receiver]
+        if self.lora is not None:
+            args += ["--lora", json.dumps(dataclasses.asdict(self.lora))]
         event = self._ready_events[rank] = threading.Event()
         self.ready.pop(rank, None)
         if self.launch == "fork":

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from ..control.weights_digest import parameter_digests
 from ..deltas.area import open_rank_area
 from ..engine.rank_area import RankDeltas
+from ..errors import UnknownParameter
 from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
 from ..replica import sglang_env
@@ -24,6 +25,8 @@ from ..replica.reference import ReferenceModel, named_state, tensor_bytes
 from ..settings import value as setting
 from ..transport import params_table
 from ..transport.revocation import RevocableRegions
+from .adapter_pool import PREFIX as ADAPTER_PREFIX
+from .adapter_pool import AdapterPool
 from .build_report import device_arch
 from .draft_role import draft_role, split_names
 from .region import place_parameters
@@ -53,7 +56,7 @@ class EngineRank:
     its post-processing, the equality check and the broadcast path."""
 
     def __init__(self, config: str, engine: Any, rank: int, transport: str = "mooncake", name: str = "engine",
-                 broadcast: BroadcastReceiver | None = None):
+                 broadcast: BroadcastReceiver | None = None, lora: Any = None):
         t0 = time.perf_counter()
         self.config = os.fspath(config)
         self.engine = engine if isinstance(engine, EngineLayout) else EngineLayout.parse(str(engine))
@@ -74,12 +77,15 @@ class EngineRank:
         self.draft = draft_role(self.config, self.engine, self.rank, self.model, self.device)
         regions = [self.region] + ([self.draft.region] if self.draft is not None else [])
         self.weight_regions = [(r.address, r.nbytes) for r in regions]
+        # LoRA (lora: a LoRASetting): sglang's adapter pool in a region of its own (adapter_pool.py)
+        self.adapters = AdapterPool(self.config, self.engine, self.rank, lora, self.device) if lora else None
         # the rank's delta area (deltas/area.py), next to its weights: host memory or this GPU's
         self.deltas = RankDeltas(open_rank_area(sum(r.nbytes for r in regions), self.device, self.rank, name),
                                  self.rank, name, self.device)
         self.deltas.cover(self.weight_regions, tensors=[r.storage for r in regions])  # records go through them
         self.delta_area = self.deltas.area
-        table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else [])]
+        table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else []),
+                 *(self.adapters.published() if self.adapters is not None else [])]
         arch, version = device_arch(self.device), sglang_version() or ""
 
         area = self.delta_area.region() if self.delta_area is not None else None
@@ -92,7 +98,8 @@ class EngineRank:
         # the registrations (the delta area's too), revocable per epoch (transport/revocation.py): a
         # takeover moves them to a new endpoint
         self.registrations = RevocableRegions(
-            transport, [(r.address, r.nbytes, self.device) for r in regions] + ([area] if area else []),
+            transport, [(r.address, r.nbytes, self.device) for r in regions] + ([area] if area else [])
+            + ([(self.adapters.address, self.adapters.nbytes, self.device)] if self.adapters is not None else []),
             params_table(table), self.rank, decorate=build)
         # sglang's restore and post-processing at begin and end, skipped once proven no-ops here
         self.update_hooks = UpdateHooks([self.model] + ([self.draft.model] if self.draft is not None else []),
@@ -128,6 +135,22 @@ class EngineRank:
         return peer, table, d
 
     # -- the update session ----------------------------------------------------------------------
+    def adapter(self, body: dict) -> dict:
+        """The engine's LoRA registry on this rank: ``op`` load (``lora_name``, ``lora_path``,
+        ``pinned``), unload or slot; answers the adapter's slot."""
+        if self.adapters is None:
+            raise UnknownParameter(f"engine {self.name} rank {self.rank} was started without LoRA: no adapter pool",
+                                   engine=self.name, rank=self.rank, parameter=str(body.get("lora_name")),
+                                   hint="start it with a LoRA setting (p2pweights serve --lora R)")
+        name, op = str(body["lora_name"]), body.get("op")
+        with self._lock:
+            if op == "load":
+                return {"slot": self.adapters.load(name, str(body["lora_path"]), bool(body.get("pinned", True)))}
+            if op == "unload":
+                self.adapters.unload(name)
+                return {"slot": None}
+            return {"slot": self.adapters.slot(name)}
+
     def begin(self, selector: str = "all") -> dict:
         """sglang's begin_weight_update: restore_weights_before_loading on every model (skipped once
         proven a no-op on this rank: update_hooks.py)."""
@@ -171,9 +194,15 @@ class EngineRank:
 
     def digest(self, names: Sequence[str]) -> dict[str, str]:
         """The digest of the bytes this rank holds for each named parameter (``verify=True``)."""
-        target, draft = split_names(names)  # "draft.<name>": the draft role's
+        adapters = [n for n in names if n.startswith(ADAPTER_PREFIX)]  # "lora.<buffer>@<slot>": adapter slots
+        target, draft = split_names([n for n in names if not n.startswith(ADAPTER_PREFIX)])  # "draft.": the draft's
         with self._lock:
             digests = parameter_digests(self.model, target, engine=self.name, rank=self.rank)
+            if adapters:
+                if self.adapters is None:
+                    raise UnknownParameter(f"engine {self.name} rank {self.rank} has no LoRA pool (adapter slot "
+                                           f"{adapters[0]!r})", engine=self.name, rank=self.rank, parameter=adapters[0])
+                digests.update(self.adapters.digest(adapters, self.name))
             if draft and self.draft is not None:
                 digests.update(self.draft.digest(draft, self.name))
             elif draft:
@@ -256,6 +285,8 @@ class EngineRank:
                                 changed=None if None in changed else (float(changed[0]), int(changed[1])))
         if verb == "checksum":
             return self.checksum()
+        if verb == "adapter":
+            return self.adapter(body)
         if verb == "digest":
             return self.digest((body.get("names") or {}).get(str(self.rank), []))
         if verb == "init_group":

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 from ..baseline.broadcast import GroupReceiver
 from ..control import routes
 from ..errors import EngineError
+from ..replica.lora_layout import LoRASetting
 from ..settings import TRANSPORTS
 from ..settings import value as setting
 from ..transport import resolve_transport
@@ -82,7 +83,7 @@ def watch(check: Callable[[], bool], stop: threading.Event, interval: float = 0.
 def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str, host: str = "127.0.0.1",
                port: int = 0, leader: str | None = None, parent_pid: int | None = None,
                startup_timeout: float = 120.0, broadcast: BroadcastReceiver | None = None,
-               api_key: str | None = None, rank_ports: str | None = None) -> int:
+               api_key: str | None = None, rank_ports: str | None = None, lora: Any = None) -> int:
     """The body of one rank process: build, register, publish, serve until told to stop.
     ``broadcast``: the rank's BroadcastReceiver (None: no broadcast path); ``api_key``: the
     engine's key (default ``P2PW_API_KEY``); ``rank_ports`` (rank 0): the control ports the launcher
@@ -94,7 +95,7 @@ def serve_rank(config: str, engine: str, rank: int, *, name: str, transport: str
     if parent_pid:
         watch(lambda: os.getppid() == parent_pid, stop, why=f"the parent process {parent_pid} is gone")
 
-    er = EngineRank(config, engine, rank, transport=transport, name=name, broadcast=broadcast)
+    er = EngineRank(config, engine, rank, transport=transport, name=name, broadcast=broadcast, lora=lora)
     peer, table, extra = er.published()
     closers: list[Callable[[], None]] = []
     try:
@@ -162,6 +163,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     p.add_argument("--broadcast-receiver", default="baseline", choices=sorted(BROADCAST_RECEIVERS),
                    help="what serves sglang's broadcast routes: the broadcast baseline's GroupReceiver, or none "
                         "(default: %(default)s)")
+    p.add_argument("--lora", default=None, help="a LoRA setting as JSON (LoRASetting's fields): sglang's adapter pool "
+                                                "on every rank (receiver/adapter_pool.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"[%(asctime)s {args.name} rank {args.rank}] %(levelname)s %(name)s: %(message)s")
@@ -170,7 +173,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m p2pweights.re
     transport = resolve_transport(args.transport)[0]
     code = serve_rank(args.model, args.engine, args.rank, name=args.name, transport=transport, host=args.host,
                       port=args.port, leader=args.leader, parent_pid=args.parent_pid, broadcast=broadcast,
-                      rank_ports=args.rank_ports)
+                      rank_ports=args.rank_ports,
+                      lora=LoRASetting(**json.loads(args.lora)) if args.lora else None)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: transports' destructors can hang at exit

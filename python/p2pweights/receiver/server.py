@@ -47,6 +47,7 @@ from ..control import bodies
 from ..control import protocol as p
 from ..control.weights_digest import ALGORITHM
 from ..engine import steps
+from ..engine.adapters import ADAPTER_KEY
 from ..engine.core import EngineCore
 from ..errors import InvalidRequest
 from ..front import BackgroundServer
@@ -231,7 +232,9 @@ class ReceiverServer:
         if isinstance(step, steps.ApplyDeltas):
             return self.hooks.on_apply_deltas(step.manifests)
         if isinstance(step, steps.End):
-            return self._end(step.manifests)
+            return self._end(step.manifests, adapter=(step.body or {}).get(ADAPTER_KEY))
+        if isinstance(step, steps.AdapterSlot):
+            return self.hooks.adapter("slot", step.name)
         t0 = time.perf_counter()
         status, answer = getattr(self, "_" + step.verb)(step.body or {})
         phases.record_phase(f"{step.verb}_s", time.perf_counter() - t0)
@@ -258,7 +261,8 @@ class ReceiverServer:
             if self.updating:  # torn: the lost owner's session is still open here; the core decides
                 return p.BAD_REQUEST, {"success": False, "message": f"a weight-update session is {p.SESSION_ALREADY_OPEN}",
                                        _ALREADY_OPEN: True}
-            self.hooks.on_begin_update(req.selector)
+            if req.extra.get(ADAPTER_KEY) is None:  # an adapter's slot needs none of the weights' hooks
+                self.hooks.on_begin_update(req.selector)
             self.updating, self.update_selector = True, req.selector
         return p.OK, bodies.encode(bodies.Ack())
 
@@ -272,14 +276,29 @@ class ReceiverServer:
             return f"engine rank(s) {missing or 'none'} publish no delta area"
         return ""
 
-    def _end(self, manifests: dict[int, dict] | None) -> steps.Answer:
+    def _end(self, manifests: dict[int, dict] | None, adapter: str | None = None) -> steps.Answer:
         with self._control_lock:
-            if manifests is None:
+            if adapter is not None:
+                pass  # sglang runs nothing after an adapter's load either: the slot's bytes are what it serves
+            elif manifests is None:
                 self.hooks.on_end_update()
             else:  # applied, then post-processed: in one call to each rank where the hooks can
                 self.hooks.on_apply_deltas_then_end(manifests)
             self.updating, self.update_selector = False, None
         return steps.Answer(p.OK, bodies.encode(bodies.Ack()))
+
+    def _load_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.LoadLoRAAdapterReq, body)
+        with self._control_lock:
+            slot = self.hooks.adapter("load", req.lora_name, req.lora_path, req.pinned)
+        return p.OK, {"success": True, "error_message": None, "loaded_adapters": {req.lora_name: req.lora_path},
+                      "p2pw_slot": slot}
+
+    def _unload_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        req = bodies.decode(bodies.UnloadLoRAAdapterReq, body)
+        with self._control_lock:
+            self.hooks.adapter("unload", req.lora_name)
+        return p.OK, {"success": True, "error_message": None}
 
     def _update_weight_version(self, body: dict) -> tuple[int, dict]:
         req = bodies.decode(bodies.UpdateWeightVersionReq, body)

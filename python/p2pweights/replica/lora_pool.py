@@ -65,6 +65,7 @@ class LoRAPoolReplica:
         self.rank = rank
         self._manager = manager
         self._context = context
+        self._loaded: dict[str, Any] = {}  # engine_load's adapters: name -> sglang's LoRARef
         self.layout = self._describe()
 
     # -- building ------------------------------------------------------------------------------
@@ -202,6 +203,66 @@ class LoRAPoolReplica:
                         for desc, t in self._tensors()}
             finally:
                 manager.unload_lora_adapter(ref)  # the CPU copy only: the slot was never registered
+
+
+    # -- the engine's own registry (an engine host running this pool: receiver/adapter_pool.py) ----
+    def engine_load(self, name: str, path: str, pinned: bool = True) -> int:
+        """sglang's own ``/load_lora_adapter`` of PEFT files, then a batch asking for it
+        (``fetch_new_loras``): the slot sglang gave it. A pinned adapter is never evicted, so the slot
+        stays its own. Raises LayoutMismatch with sglang's message when sglang refuses it."""
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.lora.lora_registry import LoRARef
+
+        if name in self._loaded:
+            raise LayoutMismatch(f"LoRA adapter {name!r} is already loaded", parameter=name,
+                                 hint="unload it first (unload_lora_adapter), or update it in place")
+        ref = LoRARef(lora_id=f"p2pw-{uuid.uuid4().hex}", lora_name=name, lora_path=str(path), pinned=bool(pinned))
+        with _lock, rc.use_context(self._context), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = self._manager.load_lora_adapter(ref)
+            if not result.success:
+                raise LayoutMismatch(f"sglang refused LoRA adapter {name!r} from {path}: {result.error_message}",
+                                     parameter=name, hint=f"the engine runs {self.setting.flags()}")
+            self._manager.fetch_new_loras({ref.lora_id})
+        self._loaded[name] = ref
+        return self.engine_slot(name)
+
+    def engine_slot(self, name: str) -> int:
+        """The slot a loaded adapter occupies (KeyError naming the loaded ones when it is not)."""
+        ref = self._loaded.get(name)
+        if ref is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self._loaded) or 'none'})")
+        return int(self._pool.uid_to_buffer_id[ref.lora_id])
+
+    def engine_unload(self, name: str) -> None:
+        """sglang's own unload; the slot is zeroed (nothing of the adapter stays readable)."""
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.lora.mem_pool import EMPTY_SLOT
+
+        slot = self.engine_slot(name)
+        ref = self._loaded.pop(name)
+        with _lock, rc.use_context(self._context):
+            self._manager.unload_lora_adapter(ref)
+            for _, t in self._tensors():
+                t[slot].zero_()
+            self._pool.uid_to_buffer_id.pop(ref.lora_id, None)
+            self._pool.buffer_id_to_uid[slot] = EMPTY_SLOT
+
+    def rebind(self, view: Any) -> None:
+        """Move every pool buffer into memory the caller owns (a registered region): ``view(buffer,
+        tensor)`` answers the new tensor of the same shape and dtype; the bytes are copied."""
+        pool = self._pool
+        for desc, t in self._tensors():
+            new = view(desc, t)
+            new.copy_(t)
+            (pool.A_buffer if desc.side == "A" else pool.B_buffer)[desc.module][desc.layer] = new
+
+    def slot_tensor(self, buffer: str, slot: int) -> "torch.Tensor":
+        """Slot ``slot`` of pool buffer ``buffer`` (a view of the pool's memory)."""
+        for desc, t in self._tensors():
+            if desc.name == buffer:
+                return t[slot]
+        raise KeyError(self.layout._missing(buffer))
 
 
 _replicas: dict[tuple, LoRAPoolReplica] = {}

@@ -1,13 +1,10 @@
 """WeightSender: the trainer's API. connect(engines) once, then per training step
 ``with sender.update(version=step) as update: update.push(hf_name, tensor) ...; print(update.report)``.
-
-Each PP stage (and each data replica) runs its own sender; the senders of one trainer share its
-torch.distributed group (``group=``): sender 0 drives the engines' session, the version is bumped after
-every sender's writes (group.py). The planner's rule (``planner.assign.assign_engine_ranks``) picks the
-engine ranks it prepares and writes. An update runs the slot pipeline (update.py): a parameter group is
-staged until complete, transformed (transforms.py), loaded by the replica's own loaders into a transfer
-slot (fillers.py, pipeline.py), and full slots go to the native writer while the next one fills.
-Engines end the update and bump their version only after every write succeeded.
+Each PP stage and data replica runs its own sender; the senders of one trainer share its group
+(``group=``): sender 0 drives the session, the version is bumped after every sender's writes
+(group.py). The planner's rule picks the engine ranks it writes. An update runs the slot pipeline
+(update.py); a LoRA adapter's update is adapter_update.py's. Engines end the update and bump their
+version only after every write succeeded.
 """
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ from ..models.checkpoint import load_config
 from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
 from ..settings import Settings, sender_signature, settings
+from .adapter_update import AdapterUpdate, SenderAdapters
 from .buffers import TransferBuffers, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes
@@ -59,17 +57,14 @@ class WeightSender:
     sender_index / num_senders: this rank among the data replicas of its PP stage (default: its
     rank and size in ``group`` when pp_size is 1, else 0 of 1).
     pp_stage / pp_size: the trainer's pipeline stage; the sender pushes only that stage's tensors.
-    replicas: the ModelReplicas to take replicas from (default: the process-wide one, so every
-    sender of the process shares one replica per shard layout).
-    transforms: GroupTransforms run, in order, on every complete parameter group before its
-    loaders (default none: the loaders get the pushed tensors; an FP8 block-quantized config
-    adds quantize-on-send last, sender/quantize.py).
+    replicas: the ModelReplicas to take replicas from (default: the process-wide one, shared).
+    transforms: GroupTransforms run, in order, on every complete parameter group before its loaders
+    (an FP8 block-quantized config adds quantize-on-send last, sender/quantize.py).
     metrics: a prometheus_client registry (True: the default one) for update seconds, bytes and
     failures per engine (sender/metrics.py); without prometheus_client, nothing.
-    Every other keyword is a ``sender`` setting of p2pweights.settings.REGISTRY (its P2PW_ variable
-    without the prefix, lower case: ``nixl_api="python"``, ``copy_threads=2``), overriding the variable;
-    ``prepare=True`` (P2PW_PREPARE=1) starts the first connect's imports and transport agent on a
-    thread at construction (sender/warmup.py): construct the sender early, connect later.
+    Every other keyword is a ``sender`` setting of p2pweights.settings.REGISTRY (its P2PW_ variable,
+    lower case, no prefix: ``copy_threads=2``); ``prepare=True`` (P2PW_PREPARE=1) starts the first
+    connect's imports and agent at construction (warmup.py): construct early, connect later.
     """
 
     def __init__(self, model: Any, *, sender_index: int | None = None, num_senders: int | None = None,
@@ -120,6 +115,7 @@ class WeightSender:
         # how this sender's slots replay copy plans; a path that fails at the driver stays off for it
         self.replay_order = ReplayOrder(threads=self.settings.copy_threads, lanes=self.settings.copy_lanes)
         self.last_version: str | None = None  # of this sender's last complete update
+        self.adapters = SenderAdapters()  # LoRA adapters: configs, bases, engines' settings (adapter_update.py)
         self.owner = new_owner_id()  # the owner token (a secret) of every session this sender opens
         # prepare=True: sglang and the model's module imported, the agent made, from now on (warmup.py)
         self._warmup = Warmup(self.config) if self.settings.prepare else None
@@ -366,12 +362,12 @@ class WeightSender:
     def update(self, version: Any, *, control: bool = True, pause_mode: str = "abort",
                on_failure: str | FailurePolicy = FailurePolicy.RESUME_IF_UNWRITTEN, force: bool = False, cast: bool = False,
                check_finite: bool | None = None, verify: bool | None = None, delta: bool | str = "auto",
-               on_engine_down: str | None = None) -> Update:
+               on_engine_down: str | None = None, adapter: str | None = None,
+               adapter_config: Any = None) -> Update | AdapterUpdate:
         """An update as a context manager.
 
-        control: drive the engines' session (pause, begin; end, version, continue on success). With
-        ``group=``, sender 0 of the group drives it for all; without a group, one sender only
-        (several senders or PP stages need ``group=``, or control=False and a coordinator).
+        control: drive the engines' session (pause, begin; end, version, continue on success); with
+        ``group=``, sender 0 drives it for all (several senders need ``group=``, or control=False).
         pause_mode: sglang's ``pause_generation`` mode (abort, retract, in_place).
         on_failure: a ``control.FailurePolicy`` or its value: "resume_if_unwritten" (default: an update
         that failed before any write ends the session without a version bump and resumes the engines)
@@ -390,6 +386,8 @@ class WeightSender:
         on_engine_down: "fail" (an engine that does not answer fails the update, named) or "skip" (it is
         left out, the others commit, ``report.engines_skipped`` names it; default ``P2PW_ENGINE_DOWN``).
         Engines joined by ``add_engines(wait=False)`` and ready are attached here (engine_set.py).
+        adapter: a LoRA adapter's name: push its PEFT tensors, written into the slot each engine gave it
+        (``adapter_config``: its adapter_config.json as a dict, once; docs/lora.md).
 
         The version is checked here, before anything else; names, shapes, dtypes, tied names and
         NaN at each push; the engines are paused only at the first push that passed them.
@@ -407,11 +405,13 @@ class WeightSender:
                                   f"(or leave its with-block) before update({version!r})")
         from .join import check_engine_down, update_set
 
+        verify = self.settings.verify if verify is None else bool(verify)
+        if adapter is not None:  # an adapter is small: NaN is always checked unless turned off here
+            return self.adapters.update(self, version, adapter, adapter_config, verify=verify, delta=delta, on_failure=on_failure,
+                                        check_finite=check_finite is not False, pause_mode=pause_mode)
+        check_finite = self.settings.check_finite if check_finite is None else check_finite
         down = check_engine_down(self.settings.engine_down if on_engine_down is None else on_engine_down)
         ranks, engines, skipped = update_set(self, down if control else "fail")
-        if check_finite is None:
-            check_finite = self.settings.check_finite
-        verify = self.settings.verify if verify is None else bool(verify)
         if verify:
             check_engines_digest(engines)
         specs = {n: s for p in ranks for n, s in p.replica.hf_specs.items()}

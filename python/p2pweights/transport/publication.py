@@ -77,6 +77,10 @@ class ParamTarget:
         return self.numel * self.element_size
 
 
+#: the published names of LoRA adapter slots (receiver/adapter_pool.py), not base-weight parameters
+ADAPTER_SLOTS = "lora."
+
+
 def merge_regions(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """(addr, length) ranges -> sorted, merged where they overlap or touch; empty ranges dropped."""
     out: list[list[int]] = []
@@ -175,13 +179,15 @@ class EnginePublication:
 
     def check_params(self, expected: Mapping[str, int], engine: str = "", hint: str = "") -> None:
         """Both ways: every parameter in ``expected`` ({name: numel x element size}, the sender's
-        replica) is published with that byte count, and every published parameter is expected.
+        replica) is published with that byte count, and every published parameter is expected (but
+        LoRA adapter slots, ``lora.<buffer>@<slot>``: an adapter update checks them against the
+        engine's pool, both ways, sender/adapter_update.py).
         Raises LayoutMismatch naming the engine and each parameter that differs."""
         problems = [f"{n}: published {self.params[n].nbytes} B, the sender's replica has {nbytes} B"
                     for n, nbytes in expected.items() if n in self.params and self.params[n].nbytes != int(nbytes)]
         problems += [f"{n}: not published" for n in expected if n not in self.params]
         problems += [f"{n}: published, but the sender's replica has no such parameter"
-                     for n in self.params if n not in expected]
+                     for n in self.params if n not in expected and not n.startswith(ADAPTER_SLOTS)]
         if problems:
             shown = "; ".join(problems[:8]) + (f"; (+{len(problems) - 8} more)" if len(problems) > 8 else "")
             who = f"engine '{engine}'" if engine else "the engine"

@@ -1,0 +1,372 @@
+"""``sender.update(step, adapter="name")``: one LoRA adapter written one-sided into the slot its engine gave it.
+
+The trainer pushes the adapter's PEFT tensors (``base_model.model....q_proj.lora_A.weight``, as PEFT
+saves them) and gives ``adapter_config`` (``adapter_config.json`` as a dict: ``r``, ``lora_alpha``,
+``target_modules``) once; later updates of the same adapter reuse it. On finish, before anything is
+paused:
+
+1. every engine rank's slot bytes are produced by sglang's own adapter load run on this host
+   (``replica.lora_pool``: stacking, TP slicing, padding, the cast to the pool dtype), refusing an
+   adapter the engine's pool cannot hold (rank, modules) or a tensor that is not finite, by name;
+2. the session opens on every engine the sender writes (pause, begin with ``{"adapter": name}``):
+   each engine answers the slot its own registry gave the adapter (it must be loaded there once,
+   pinned) and whether this sender's delta claim on the adapter holds (engine/adapters.py);
+3. each rank's slot entries (``lora.{A|B}.{module}.L{layer}@{slot}`` in the rank's published table)
+   are written through the sender's pipelined writer: whole, or with the claim accepted, only the
+   4 KiB blocks that differ from the bytes this sender last committed there; the writes are fenced
+   by each engine's lease, and a takeover's new epoch is followed before any write, as for weights;
+4. ``verify``: each rank digests the slot entries it holds and they must equal what was written;
+5. the end carries the adapter's new version (the engine's weight version is untouched), and
+   generation continues. A failure after the first write leaves the engines paused, the adapter
+   marked torn by the engine until a complete update of it.
+
+docs/lora.md, "Adapter updates".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import numpy as np
+
+from ..control.update_session import UpdateSession
+from ..control.weights_digest import digest
+from ..deltas.committed import BASE_KEY, DELTA_KEY
+from ..engine.adapters import ADAPTER_KEY, ADAPTER_VERSION_KEY
+from ..errors import LayoutMismatch, NonFiniteTensor, P2PWeightsError, UpdateFailed
+from ..models import resolve_model
+from ..models.engine_layout import EngineLayout
+from .verify import _ask
+from .write_fence import fence_engine, follow_epochs
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..replica.lora_layout import LoRASetting
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 4096  # a delta's granularity: a changed block is rewritten whole
+
+
+@dataclasses.dataclass
+class AdapterReport:
+    """What one adapter update did: per engine its slot, whether it took a delta (and why not)."""
+
+    version: str
+    adapter: str
+    slots: dict[str, int]
+    delta: dict[str, bool]
+    delta_reason: dict[str, str]
+    bytes: int               # the adapter's slot bytes over every rank written
+    bytes_written: int       # of which written (a delta writes the changed blocks)
+    seconds: float           # pause to continue
+    verify_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        per = ", ".join(f"{e}: slot {s}, {'delta' if self.delta.get(e) else 'full'}" for e, s in sorted(self.slots.items()))
+        return (f"adapter {self.adapter!r} version {self.version}: {self.bytes_written:,} of {self.bytes:,} slot bytes "
+                f"written in {self.seconds:.3f} s ({per})")
+
+
+class SenderAdapters:
+    """A sender's adapters: each one's ``adapter_config``, its bases, and each engine's LoRA setting."""
+
+    def __init__(self) -> None:
+        self.configs: dict[str, dict] = {}
+        self.bases = AdapterBases()
+        self._settings: dict[str, tuple["LoRASetting", EngineLayout]] = {}
+
+    def setting(self, engine: Any) -> tuple["LoRASetting", EngineLayout]:
+        if engine.name not in self._settings:
+            self._settings[engine.name] = lora_setting_of(engine)
+        return self._settings[engine.name]
+
+    def update(self, sender: Any, version: Any, adapter: str, adapter_config: Mapping[str, Any] | None,
+               **kwargs: Any) -> "AdapterUpdate":
+        if not sender._ranks:
+            raise P2PWeightsError("connect(engines) before update()")
+        return AdapterUpdate(sender, version, adapter, adapter_config, **kwargs)
+
+
+class AdapterBases:
+    """What this sender last committed of each adapter on each engine: the engine's identity of it
+    (deltas/committed.py) and every rank's slot bytes, to compute the next delta against."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], tuple[dict, dict[int, dict[str, np.ndarray]]]] = {}
+
+    def claim(self, engine: str, adapter: str) -> dict | None:
+        held = self._held.get((engine, adapter))
+        return held[0] if held else None
+
+    def bytes_of(self, engine: str, adapter: str, rank: int) -> dict[str, np.ndarray] | None:
+        held = self._held.get((engine, adapter))
+        return held[1].get(rank) if held else None
+
+    def keep(self, engine: str, adapter: str, identity: Any, ranks: dict[int, dict[str, np.ndarray]]) -> None:
+        if isinstance(identity, dict):
+            self._held[(engine, adapter)] = (identity, ranks)
+        else:
+            self.forget(engine, adapter)
+
+    def forget(self, engine: str, adapter: str) -> None:
+        self._held.pop((engine, adapter), None)
+
+
+def changed_runs(new: np.ndarray, old: np.ndarray | None) -> list[tuple[int, int]]:
+    """(offset, length) runs of :data:`BLOCK`-byte blocks where ``new`` differs from ``old`` (all of
+    ``new`` when there is no ``old`` of its size)."""
+    n = new.size
+    if old is None or old.size != n:
+        return [(0, n)] if n else []
+    blocks = -(-n // BLOCK)
+    pad = blocks * BLOCK - n
+    a = np.concatenate([new, np.zeros(pad, np.uint8)]) if pad else new
+    b = np.concatenate([old, np.zeros(pad, np.uint8)]) if pad else old
+    differ = np.any(a.reshape(blocks, BLOCK) != b.reshape(blocks, BLOCK), axis=1)
+    runs, i = [], 0
+    idx = np.flatnonzero(differ)
+    while i < idx.size:
+        j = i
+        while j + 1 < idx.size and idx[j + 1] == idx[j] + 1:
+            j += 1
+        start, end = int(idx[i]) * BLOCK, min(n, (int(idx[j]) + 1) * BLOCK)
+        runs.append((start, end - start))
+        i = j + 1
+    return runs
+
+
+class AdapterUpdate:
+    """One adapter update (module docstring); made by ``WeightSender.update(step, adapter=...)``."""
+
+    def __init__(self, sender: Any, version: Any, adapter: str, adapter_config: Mapping[str, Any] | None, *,
+                 verify: bool, delta: bool | str, check_finite: bool, pause_mode: str, on_failure: Any):
+        if not isinstance(adapter, str) or not adapter:
+            raise ValueError(f"adapter must be the adapter's name (as loaded on the engines), got {adapter!r}")
+        configs = sender.adapters.configs
+        if adapter_config is not None:
+            configs[adapter] = dict(adapter_config)
+        if adapter not in configs:
+            raise P2PWeightsError(f"adapter {adapter!r}: no adapter_config given yet", parameter=adapter,
+                                  hint="pass adapter_config= (adapter_config.json as a dict: r, lora_alpha, "
+                                       "target_modules) to its first update")
+        self.sender, self.version, self.adapter = sender, str(version), adapter
+        self.adapter_config = configs[adapter]
+        self.verify, self.delta, self.check_finite = bool(verify), delta, bool(check_finite)
+        self.pause_mode, self.on_failure = pause_mode, on_failure
+        self.tensors: dict[str, "torch.Tensor"] = {}
+        self.report: AdapterReport | None = None
+
+    # -- the trainer's calls ----------------------------------------------------------------------
+    def push(self, name: str, tensor: "torch.Tensor") -> None:
+        """One PEFT tensor of the adapter (its PEFT name), any device; copied to host memory here."""
+        if ".lora_A." not in name and ".lora_B." not in name:
+            raise LayoutMismatch(f"adapter {self.adapter!r}: {name!r} is not a PEFT LoRA tensor name "
+                                 f"(...<module>.lora_A.weight / .lora_B.weight)", parameter=name,
+                                 hint="push the adapter's tensors as PEFT names them (get_peft_model_state_dict)")
+        t = tensor.detach()
+        if self.check_finite and t.is_floating_point() and not bool(t.isfinite().all()):
+            raise NonFiniteTensor(f"adapter {self.adapter!r}: tensor {name!r} holds NaN or Inf; nothing was "
+                                  f"paused or written", parameter=name,
+                                  hint="skip this step's adapter update (the engines keep the last one)")
+        self.tensors[name] = t.to("cpu", copy=True)
+
+    def push_many(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        for name, t in items:
+            self.push(name, t)
+
+    def __enter__(self) -> "AdapterUpdate":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+
+    # -- finishing --------------------------------------------------------------------------------
+    def finish(self) -> AdapterReport:
+        if not self.tensors:
+            raise P2PWeightsError(f"adapter {self.adapter!r}: no tensor was pushed", parameter=self.adapter)
+        sender = self.sender
+        targets = [t for p in sender._ranks for t in p.targets]
+        slot_bytes = self._slot_bytes(targets)  # sglang's own load, before anything is paused
+        engines = list({t.engine.name: t.engine for t in targets}.values())
+        bases: AdapterBases = sender.adapters.bases
+        for e in engines:
+            claim = bases.claim(e.name, self.adapter) if self.delta else None
+            e.begin_extra = {ADAPTER_KEY: self.adapter, **({DELTA_KEY: claim} if claim else {})}
+        session = UpdateSession(engines, self.version, pause_mode=self.pause_mode, owner=sender.owner,
+                                on_failure=self.on_failure)
+        session.bump_version = False
+        try:
+            session.open()
+        finally:
+            for e in engines:
+                e.begin_extra = {}
+        t0, written = session.paused_at or time.perf_counter(), False
+        try:
+            follow_epochs(session.epochs, sender._follow_epochs, sender._writer, sender._ranks, session,
+                          session.instances)
+            targets = [t for p in sender._ranks for t in p.targets]
+            for e in engines:
+                fence_engine(sender._writer, sender._ranks, e.name, session.lease_deadline(e.name))
+            session.renewer.on_deadline = lambda name, deadline: fence_engine(sender._writer, sender._ranks, name,
+                                                                              deadline)
+            slots, accepted, reasons = self._answers(session, engines)
+            written = True
+            total, sent, entries = self._write(targets, slot_bytes, slots, accepted)
+            verify_s = self._verify(targets, entries) if self.verify else 0.0
+        except BaseException as e:
+            session.abort(f"{type(e).__name__}: {e}", written=written)
+            for eng in engines:
+                bases.forget(eng.name, self.adapter)
+            raise
+        for e in engines:
+            if e.name not in session.folds:
+                e.end_extra = {ADAPTER_VERSION_KEY: self.version}
+        try:
+            session.commit()
+        finally:
+            for e in engines:
+                e.end_extra = {}
+        for e in engines:
+            ranks = {t.rank: {b: a for b, a in slot_bytes[_key(t)].items()} for t in targets if t.engine.name == e.name}
+            answer = session.answers.get(e.name)
+            bases.keep(e.name, self.adapter, answer.get(BASE_KEY) if isinstance(answer, dict) else None, ranks)
+        self.report = AdapterReport(self.version, self.adapter, slots, accepted, reasons, total, sent,
+                                    time.perf_counter() - t0, verify_s)
+        logger.info("%s", self.report)
+        return self.report
+
+    def _slot_bytes(self, targets: list) -> dict[tuple, dict[str, np.ndarray]]:
+        """Per (shard layout, rank): every pool buffer's slot bytes, by sglang's own load (slot 1: the
+        bytes of a slot do not depend on which slot it is)."""
+        from ..replica.lora_pool import lora_pool_replica  # sglang's LoRA code: only for adapters
+        from ..replica.lora_reference import sglang_lora_on_cpu
+
+        config = resolve_model(self.sender.model)
+        out: dict[tuple, dict[str, np.ndarray]] = {}
+        for t in targets:
+            key = _key(t)
+            if key in out:
+                continue
+            info = self.sender.adapters.setting(t.engine)
+            with sglang_lora_on_cpu():
+                replica = lora_pool_replica(config, info[0], info[1], t.rank)
+                got = replica.adapter_slot_bytes(self.adapter_config, self.tensors, 1, name=self.adapter)
+            out[key] = {b: v.numpy() for b, v in got.items()}
+        return out
+
+    def _answers(self, session: UpdateSession, engines: list) -> tuple[dict, dict, dict]:
+        slots, accepted, reasons = {}, {}, {}
+        for e in engines:
+            answer = session.answers.get(e.name) or {}
+            said = answer.get(ADAPTER_KEY) if isinstance(answer, dict) else None
+            if not isinstance(said, dict) or not isinstance(said.get("slot"), int):
+                raise LayoutMismatch(f"engine {e.name}: its begin did not answer the slot of adapter "
+                                     f"{self.adapter!r}: it does not run p2pweights' engine core with adapters",
+                                     engine=e.name, parameter=self.adapter)
+            slots[e.name] = said["slot"]
+            delta = answer.get(DELTA_KEY) if isinstance(answer.get(DELTA_KEY), dict) else {}
+            accepted[e.name] = bool(delta.get("accepted"))
+            reasons[e.name] = "" if accepted[e.name] else str(delta.get("reason") or "no claim: the first update")
+        return slots, accepted, reasons
+
+    def _write(self, targets: list, slot_bytes: dict, slots: dict, accepted: dict) -> tuple[int, int, dict]:
+        """Every target's slot entries, whole or their changed blocks, through the pipelined writer."""
+        writer, buffers = self.sender._writer, self.sender._buffers
+        rows_for: list[tuple[Any, int, np.ndarray, int]] = []  # (target, remote addr, bytes, writer id)
+        entries: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+        total = sent = 0
+        for t in targets:
+            slot = slots[t.engine.name]
+            base = self.sender.adapters.bases.bytes_of(t.engine.name, self.adapter, t.rank) \
+                if accepted[t.engine.name] else None
+            mine = entries.setdefault((t.engine.name, t.rank), {})
+            published = {n for n in t.publication.params if n.startswith("lora.") and n.endswith(f"@{slot}")}
+            extra = sorted(published - {f"{b}@{slot}" for b in slot_bytes[_key(t)]})
+            if extra:  # both ways: the engine's pool has buffers the sender's replica of it lacks
+                raise LayoutMismatch(f"engine {t.engine.name} rank {t.rank} publishes adapter slot entries the "
+                                     f"sender's replica of its LoRA pool lacks, first {extra[0]!r} ({len(extra)})",
+                                     engine=t.engine.name, rank=t.rank, parameter=extra[0],
+                                     hint="the engine's LoRA setting differs from its /server_info")
+            for buffer, data in slot_bytes[_key(t)].items():
+                name = f"{buffer}@{slot}"
+                where = t.publication.params.get(name)
+                if where is None or where.nbytes != data.size:
+                    raise LayoutMismatch(
+                        f"engine {t.engine.name} rank {t.rank} publishes {'no' if where is None else 'another size of'} "
+                        f"adapter slot entry {name!r} ({data.size} bytes expected)", engine=t.engine.name,
+                        rank=t.rank, parameter=name, hint="start the engine with the LoRA setting its /server_info "
+                                                          "reports (--enable-lora ...), with p2pweights' adapter pool")
+                mine[name] = data
+                total += data.size
+                for off, n in changed_runs(data, base.get(buffer) if base else None):
+                    rows_for.append((t, where.data_ptr + off, data[off:off + n], t.writer_id))
+                    sent += n
+        slot_size = buffers.slot_bytes
+        i = 0
+        while i < len(rows_for):  # pack rows into slots; a row larger than a slot goes in pieces
+            slot = writer.acquire(timeout=writer.transfer_timeout)
+            view, used, rows = buffers.slot_tensor(slot), 0, []
+            while i < len(rows_for) and used < slot_size:
+                t, remote, data, wid = rows_for[i]
+                n = min(data.size, slot_size - used)
+                view[used:used + n].copy_(_tensor(data[:n]))
+                rows.append((used, n, wid, remote))
+                used += n
+                if n < data.size:
+                    rows_for[i] = (t, remote + n, data[n:], wid)
+                else:
+                    i += 1
+            writer.submit(slot, rows)
+        writer.finish()
+        return total, sent, entries
+
+    def _verify(self, targets: list, entries: dict) -> float:
+        t0 = time.perf_counter()
+        asks: dict[str, dict[str, list[str]]] = {}
+        engines = {}
+        for (engine, rank), named in entries.items():
+            asks.setdefault(engine, {})[str(rank)] = sorted(named)
+        for t in targets:
+            engines[t.engine.name] = t.engine
+        failures: dict[str, Any] = {}
+        for name, engine in engines.items():
+            held = (_ask(engine, asks[name]).get("ranks") or {})
+            for rank_s, names in asks[name].items():
+                got = held.get(rank_s, {})
+                differ = [n for n in names if got.get(n) != digest(_tensor(entries[(name, int(rank_s))][n]))]
+                if differ:
+                    failures[f"{name}/rank{rank_s}"] = P2PWeightsError(
+                        f"{len(differ)} adapter slot entr(ies) differ from what was written, first {differ[0]!r}",
+                        engine=name, rank=int(rank_s), parameter=differ[0],
+                        hint="the engine stays paused; the next complete update of the adapter rewrites it")
+        if failures:
+            raise UpdateFailed(failures, what=f"verification of adapter {self.adapter!r} update {self.version}")
+        return time.perf_counter() - t0
+
+
+def _key(t: Any) -> tuple:
+    return (t.engine.name, t.rank)
+
+
+def _tensor(a: np.ndarray) -> "torch.Tensor":
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def lora_setting_of(engine: Any) -> tuple["LoRASetting", EngineLayout]:
+    """An engine's LoRA setting and shard layout, from its ``/server_info`` (refused, naming the fix,
+    when it was not started with LoRA)."""
+    from ..replica.lora_layout import LoRASetting  # replica/ loads at an adapter's first update
+
+    info = engine.server_info()
+    try:
+        return LoRASetting.from_server_info(info), EngineLayout.from_server_info(info)
+    except LayoutMismatch as e:
+        raise LayoutMismatch(f"engine {engine.name}: {e.message}", engine=engine.name, hint=e.hint) from None
