@@ -532,7 +532,9 @@ def test_a_gpu_slot_waits_for_the_device_once_whatever_its_records(monkeypatch):
     assert {r: m["records"] for r, m in d.written()["e"].items()} == {"0": 2, "1": 0} and rows
 
 
-def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_holds_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("records", ["runs", "index"])
+def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_holds_the_checkpoint(tmp_path, monkeypatch,
+                                                                                                 records):
     """GPU tensors into host slots (StagedHostSlotFiller) through the real slot pipeline and the
     loopback transport, into an engine rank's weights and host delta area. The staging is
     test_sender_pipeline's CPU stand-in: a copy to the host slot lands only when its event (or a later
@@ -541,12 +543,14 @@ def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_hold
     what changed (nothing when nothing did), the report names no reason, no slot reaches the writer
     before its copies, and after every update the engine's bytes are what the loaders make of the
     checkpoint. A delta=False update does not wait for the copies and keeps no base: the update after
-    it is written in full and says why (STAGED), the one after that takes deltas again."""
+    it is written in full and says why (STAGED), the one after that takes deltas again. "index": the
+    records a GPU area takes (index records, built on the host slot), as for an engine on a GPU."""
     from p2pweights.control import SglangEngine
     from p2pweights.deltas.area import DeltaArea
     from p2pweights.deltas.committed import DELTA_KEY
     from p2pweights.models.checkpoint import random_checkpoint
     from p2pweights.replica import EngineLayout, model_replicas
+    from p2pweights.sender import delta_writes
     from p2pweights.sender.buffers import TransferBuffers, slot_size
     from p2pweights.sender.delta_bases import DeltaBases, spare_bytes
     from p2pweights.sender.delta_writes import FIRST, STAGED, UpdateDeltas
@@ -561,6 +565,7 @@ def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_hold
     from replica_configs import write_config
     from test_sender_pipeline import _assert_bytes_equal, _CheckedWriter, _FakeStaging, _param_memory, _reference
 
+    monkeypatch.setattr(delta_writes, "INDEX_RECORDS_ON_HOST", records == "index")
     cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                        vocab_size=4096)  # one engine rank of tp=2: about 7 MiB, several 1 MiB slots an update
     layout = EngineLayout.parse("tp=2")
