@@ -36,7 +36,7 @@ LAZY_IMPORTS = {
     # ``import p2pweights`` reaches the sender; replica/ (sglang_env, probe, roles, ...: ~0.1 s of modules, no
     # sglang) loads only when a sender is built, connects or warms up
     "p2pweights.sender.warmup": "start-up: replica/ loads on the warm-up thread, not at `import p2pweights`",
-    "p2pweights.sender.adapter_update": "start-up: replica/ and sglang's LoRA code load at an adapter's first update",
+    "p2pweights.sender.adapter_bytes": "start-up: replica/ and sglang's LoRA code load at an adapter's first update",
     "p2pweights.sender.weight_sender": "start-up: replica/ loads at WeightSender() and connect, not at `import p2pweights`",
     "p2pweights.sglang_plugin": "every sglang process imports it: cpu_platform (torch, sglang's platforms) only on a "
                                 "host without CUDA, sessions (starlette, the session keeper) only in the HTTP process",

@@ -36,8 +36,8 @@ from ..control.weights_digest import digest
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..engine.adapters import ADAPTER_KEY, ADAPTER_VERSION_KEY
 from ..errors import LayoutMismatch, NonFiniteTensor, P2PWeightsError, UpdateFailed
-from ..models import resolve_model
 from ..models.engine_layout import EngineLayout
+from .adapter_bytes import adapter_setting, slot_bytes
 from .verify import _ask
 from .write_fence import fence_engine, follow_epochs
 
@@ -81,7 +81,7 @@ class SenderAdapters:
 
     def setting(self, engine: Any) -> tuple["LoRASetting", EngineLayout]:
         if engine.name not in self._settings:
-            self._settings[engine.name] = lora_setting_of(engine)
+            self._settings[engine.name] = adapter_setting(engine)
         return self._settings[engine.name]
 
     def update(self, sender: Any, version: Any, adapter: str, adapter_config: Mapping[str, Any] | None,
@@ -192,7 +192,7 @@ class AdapterUpdate:
             raise P2PWeightsError(f"adapter {self.adapter!r}: no tensor was pushed", parameter=self.adapter)
         sender = self.sender
         targets = [t for p in sender._ranks for t in p.targets]
-        slot_bytes = self._slot_bytes(targets)  # sglang's own load, before anything is paused
+        produced = self._slot_bytes(targets)  # the engine's own load, before anything is paused
         engines = list({t.engine.name: t.engine for t in targets}.values())
         bases: AdapterBases = sender.adapters.bases
         for e in engines:
@@ -217,7 +217,7 @@ class AdapterUpdate:
                                                                               deadline)
             slots, accepted, reasons = self._answers(session, engines)
             written = True
-            total, sent, entries = self._write(targets, slot_bytes, slots, accepted)
+            total, sent, entries = self._write(targets, produced, slots, accepted)
             verify_s = self._verify(targets, entries) if self.verify else 0.0
         except BaseException as e:
             session.abort(f"{type(e).__name__}: {e}", written=written)
@@ -233,7 +233,7 @@ class AdapterUpdate:
             for e in engines:
                 e.end_extra = {}
         for e in engines:
-            ranks = {t.rank: {b: a for b, a in slot_bytes[_key(t)].items()} for t in targets if t.engine.name == e.name}
+            ranks = {t.rank: dict(produced[_key(t)]) for t in targets if t.engine.name == e.name}
             answer = session.answers.get(e.name)
             bases.keep(e.name, self.adapter, answer.get(BASE_KEY) if isinstance(answer, dict) else None, ranks)
         self.report = AdapterReport(self.version, self.adapter, slots, accepted, reasons, total, sent,
@@ -242,22 +242,13 @@ class AdapterUpdate:
         return self.report
 
     def _slot_bytes(self, targets: list) -> dict[tuple, dict[str, np.ndarray]]:
-        """Per (shard layout, rank): every pool buffer's slot bytes, by sglang's own load (slot 1: the
-        bytes of a slot do not depend on which slot it is)."""
-        from ..replica.lora_pool import lora_pool_replica  # sglang's LoRA code: only for adapters
-        from ..replica.lora_reference import sglang_lora_on_cpu
-
-        config = resolve_model(self.sender.model)
+        """Per engine rank written: every adapter buffer's slot bytes, by the engine's own adapter load
+        run here (adapter_bytes.py), before anything is paused."""
         out: dict[tuple, dict[str, np.ndarray]] = {}
         for t in targets:
-            key = _key(t)
-            if key in out:
-                continue
-            info = self.sender.adapters.setting(t.engine)
-            with sglang_lora_on_cpu():
-                replica = lora_pool_replica(config, info[0], info[1], t.rank)
-                got = replica.adapter_slot_bytes(self.adapter_config, self.tensors, 1, name=self.adapter)
-            out[key] = {b: v.numpy() for b, v in got.items()}
+            if _key(t) not in out:
+                out[_key(t)] = slot_bytes(self.sender, t.engine, t.rank, self.adapter_config, self.tensors,
+                                          self.adapter)
         return out
 
     def _answers(self, session: UpdateSession, engines: list) -> tuple[dict, dict, dict]:
@@ -275,7 +266,7 @@ class AdapterUpdate:
             reasons[e.name] = "" if accepted[e.name] else str(delta.get("reason") or "no claim: the first update")
         return slots, accepted, reasons
 
-    def _write(self, targets: list, slot_bytes: dict, slots: dict, accepted: dict) -> tuple[int, int, dict]:
+    def _write(self, targets: list, produced: dict, slots: dict, accepted: dict) -> tuple[int, int, dict]:
         """Every target's slot entries, whole or their changed blocks, through the pipelined writer."""
         writer, buffers = self.sender._writer, self.sender._buffers
         rows_for: list[tuple[Any, int, np.ndarray, int]] = []  # (target, remote addr, bytes, writer id)
@@ -287,13 +278,13 @@ class AdapterUpdate:
                 if accepted[t.engine.name] else None
             mine = entries.setdefault((t.engine.name, t.rank), {})
             published = {n for n in t.publication.params if n.startswith("lora.") and n.endswith(f"@{slot}")}
-            extra = sorted(published - {f"{b}@{slot}" for b in slot_bytes[_key(t)]})
+            extra = sorted(published - {f"{b}@{slot}" for b in produced[_key(t)]})
             if extra:  # both ways: the engine's pool has buffers the sender's replica of it lacks
                 raise LayoutMismatch(f"engine {t.engine.name} rank {t.rank} publishes adapter slot entries the "
                                      f"sender's replica of its LoRA pool lacks, first {extra[0]!r} ({len(extra)})",
                                      engine=t.engine.name, rank=t.rank, parameter=extra[0],
                                      hint="the engine's LoRA setting differs from its /server_info")
-            for buffer, data in slot_bytes[_key(t)].items():
+            for buffer, data in produced[_key(t)].items():
                 name = f"{buffer}@{slot}"
                 where = t.publication.params.get(name)
                 if where is None or where.nbytes != data.size:
@@ -358,15 +349,3 @@ def _tensor(a: np.ndarray) -> "torch.Tensor":
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def lora_setting_of(engine: Any) -> tuple["LoRASetting", EngineLayout]:
-    """An engine's LoRA setting and shard layout, from its ``/server_info`` (refused, naming the fix,
-    when it was not started with LoRA)."""
-    from ..replica.lora_layout import LoRASetting  # replica/ loads at an adapter's first update
-
-    info = engine.server_info()
-    try:
-        return LoRASetting.from_server_info(info), EngineLayout.from_server_info(info)
-    except LayoutMismatch as e:
-        raise LayoutMismatch(f"engine {engine.name}: {e.message}", engine=engine.name, hint=e.hint) from None
