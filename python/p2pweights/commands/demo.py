@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn", action="store_true",
                    help="the engine set changes between steps (restart, join, down, back, leave: commands/demo_churn.py) "
                         "while one sender updates; one row per engine and step (receiver engines only)")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="update a LoRA adapter of rank R instead of the weights: receiver engines with sglang's LoRA "
+                        "pool load it once, then each step writes it one-sided into its slot (step 1 whole, later "
+                        "steps the changed blocks); one row per step with the bytes a merged update would move "
+                        "(commands/demo_lora.py, docs/lora.md; receiver engines only)")
     p.add_argument("--json", action="store_true", help='print {"steps": [...]} as JSON (progress goes to stderr)')
 
 
@@ -97,6 +102,28 @@ def _churn(args: argparse.Namespace, model: str, transport: str, why: str, overr
                           progress=progress)
     if args.json:
         print(json.dumps({"churn": [asdict(r) for r in rows]}, indent=2), file=sys.stdout)
+    return 0 if all(r.equal is not False for r in rows) else 1
+
+
+def _lora(args: argparse.Namespace, model: str, transport: str, why: str, out: Any, progress: Any) -> int:
+    """--lora R (commands/demo_lora.py): receiver engines only, one in-process sender."""
+    from dataclasses import asdict
+
+    from .demo_lora import HEADER, run_lora_demo
+
+    if args.engine_kind != "receiver":
+        raise SystemExit(f"--lora: --engine-kind {args.engine_kind} is not built in the demo; use --engine-kind "
+                         f"receiver (tests/test_sglang_plugin_lora.py and tests/test_vllm_adapter_update.py run the others)")
+    if args.lora < 1:
+        raise SystemExit(f"--lora: the adapter's rank must be 1 or more, got {args.lora}")
+    progress(f"p2pweights demo --lora {args.lora}: model {args.model}, {args.engines} receiver engine(s) x "
+             f"{args.engine}, {args.steps} step(s), transport {transport}{why}")
+    progress(HEADER)
+    rows = run_lora_demo(model, rank=args.lora, engines=args.engines, engine=args.engine, transport=transport,
+                         steps=args.steps, changed_fraction=args.changed_fraction, check=not args.no_check,
+                         verify=args.verify == "on", progress=progress)
+    if args.json:
+        print(json.dumps({"lora": [asdict(r) for r in rows]}, indent=2), file=sys.stdout)
     return 0 if all(r.equal is not False for r in rows) else 1
 
 
@@ -153,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.churn:
         return _churn(args, model, transport, why, overrides, out, progress)
+    if args.lora is not None:
+        return _lora(args, model, transport, why, out, progress)
     changed = f", {args.changed_fraction:g} of the elements changed per step" if args.changed_fraction is not None else ""
     progress(f"p2pweights demo: model {args.model}, {args.engines} {args.engine_kind} engine(s) x {args.engine}, "
              f"{args.senders} sender(s), {args.steps} step(s){changed}, transport {transport}{why}, "
