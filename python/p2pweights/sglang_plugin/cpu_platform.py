@@ -15,9 +15,11 @@ replicas included (they are built as a GPU rank's model; docs/sglang.md).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+from typing import Any, Iterator
 
 import torch
 from sglang.srt.platforms.cpu import CpuSRTPlatform
@@ -29,6 +31,8 @@ NAME = "p2pw_cpu"  # the entry-point name, what SGLANG_PLATFORM must say
 KV_COPY_TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 LM_HEAD_TARGET = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head"
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
+LORA_INIT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager"
+LORA_BATCH_TARGET = "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch"
 
 
 class CpuHostPlatform(CpuSRTPlatform):
@@ -112,10 +116,51 @@ def around_draft_extend_backend(original, factory, *args, **kwargs):
         return None
 
 
+_PINNING_FACTORIES = ("tensor", "zeros", "empty", "ones", "arange", "full")
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """While it runs, torch's factories ignore ``pin_memory=True`` and ``Tensor.pin_memory()`` is the
+    identity (as ``replica.lora_reference.sglang_lora_on_cpu`` does for the LoRA replica's tests)."""
+    saved = {name: getattr(torch, name) for name in _PINNING_FACTORIES}
+    pin = torch.Tensor.pin_memory
+
+    def unpinned_factory(factory: Any) -> Any:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+        return make
+
+    for name, factory in saved.items():
+        setattr(torch, name, unpinned_factory(factory))
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, factory in saved.items():
+            setattr(torch, name, factory)
+        torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
+
+
+def around_lora_pinning(original, owner, *args, **kwargs):
+    """AROUND ``ModelRunner.init_lora_manager`` and ``LoRAManager.prepare_lora_batch`` (the schedulers of
+    a server on this platform started with ``--enable-lora``): sglang's LoRA layers and its torch-native
+    LoRA backend ask for pinned host tensors, which torch refuses without an accelerator (``pin_memory=True
+    requires a CUDA or other accelerator backend``). Pinning only speeds up copies to a device and never
+    changes a byte, so it is dropped while these two calls run (:func:`unpinned`), never globally."""
+    if torch.cuda.is_available():
+        return original(owner, *args, **kwargs)
+    with unpinned():
+        return original(owner, *args, **kwargs)
+
+
 def register_scheduler_hooks() -> None:
-    """The hooks a drafting server needs on this platform, in each scheduler."""
+    """The hooks a drafting or LoRA server needs on this platform, in each scheduler."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(KV_COPY_TARGET, around_kv_copy_warmup, HookType.AROUND)
     HookRegistry.register(LM_HEAD_TARGET, around_init_lm_head, HookType.AROUND)
     HookRegistry.register(DRAFT_EXTEND_TARGET, around_draft_extend_backend, HookType.AROUND)
+    HookRegistry.register(LORA_INIT_TARGET, around_lora_pinning, HookType.AROUND)
+    HookRegistry.register(LORA_BATCH_TARGET, around_lora_pinning, HookType.AROUND)

@@ -48,6 +48,10 @@ HOOKED: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head": ("self",),
     # sglang has no draft-extend backend for torch_native: the draft keeps its own (cpu_platform.py)
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": ("self",),
+    # a runner's LoRA manager is built (its pool registered and published: lora_slots.py; no pinning on
+    # the p2pw_cpu platform: cpu_platform.py), and a batch's LoRA state prepared (no pinning there either)
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager": ("self",),
+    "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch": ("self", "forward_batch"),
     # an in-process sglang.Engine is built, and answers its own get_server_info(): refused (inprocess.py)
     "sglang.srt.entrypoints.engine.Engine.__init__": ("self", "kwargs"),
     "sglang.srt.entrypoints.engine.Engine.get_server_info": ("self",),
@@ -79,6 +83,8 @@ ONLY_IN: dict[str, frozenset[str]] = {
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup": frozenset({"scheduler"}),
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head": frozenset({"scheduler"}),
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend": frozenset({"scheduler"}),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager": frozenset({"scheduler"}),
+    "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch": frozenset({"scheduler"}),
 }
 
 
@@ -108,6 +114,7 @@ CPU_PLATFORM_ONLY = frozenset({
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head",
     "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
+    "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch",
 })
 
 
