@@ -104,3 +104,30 @@ def test_serve_refuses_bad_flags_before_starting_anything(tmp_path, args, says):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, (out, err)
     assert says in err and "ready" not in out, err
+
+
+def test_serve_enable_lora_loads_an_adapter_by_sglangs_route_and_a_sender_updates_it(tmp_path):
+    from p2pweights.replica.lora_reference import random_peft_adapter, write_peft_adapter
+
+    cfg = write_config("qwen3", str(tmp_path))
+    proc = _serve("--model", cfg, "--engine", "tp=2", "--port", "0", "--transport", "mooncake", "--enable-lora",
+                  "--max-lora-rank", "8", "--max-loras-per-batch", "3")
+    try:
+        url = _wait_ready(proc)
+        client = SglangEngine(url, name="served")
+        info = client.server_info()
+        assert info["enable_lora"] is True and info["max_lora_rank"] == 8 and info["max_loras_per_batch"] == 3
+        adapter_config, tensors = random_peft_adapter(cfg, r=4, seed=3)
+        assert client.load_lora_adapter("a", write_peft_adapter(str(tmp_path / "a"), adapter_config, tensors))["p2pw_slot"] == 1
+        with WeightSender(cfg, transport="mooncake") as sender:
+            sender.connect([client])
+            with sender.update(1, adapter="a", adapter_config=adapter_config, verify=True) as update:
+                update.push_many(tensors)
+        assert update.report.bytes_written == update.report.bytes > 0
+        assert client.server_info()["p2pw_weight_update"]["adapters"]["a"]["version"] == "1"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

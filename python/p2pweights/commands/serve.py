@@ -52,6 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds for every rank to be ready (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="where each rank's log goes (default: a new temporary folder)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="sglang's LoRA pool on every rank (sglang's flags below): adapters are loaded by "
+                        "POST /load_lora_adapter (pinned) and updated by sender.update(step, adapter=...) (docs/lora.md)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora (default: %(default)s)")
+    p.add_argument("--max-loras-per-batch", type=int, default=8,
+                   help="with --enable-lora: the pool's slots, slot 0 the base model's (default: %(default)s)")
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="with --enable-lora (default: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,9 +80,16 @@ def run(args: argparse.Namespace) -> int:
     env = {}
     if args.host not in _WILDCARDS and not setting("P2PW_HOSTNAME"):
         env["P2PW_HOSTNAME"] = args.host  # remote senders reach the transfer engines where they reach HTTP
+    lora = None
+    if args.enable_lora:
+        from ..replica.lora_layout import DENSE_TARGETS, LoRASetting
+
+        lora = LoRASetting(max_lora_rank=args.max_lora_rank, target_modules=tuple(args.lora_target_modules or
+                                                                                  DENSE_TARGETS),
+                           max_loras_per_batch=args.max_loras_per_batch, lora_backend="torch_native")
     return Serve(model, args.engine, transport=transport, host=args.host, port=args.port, api_key=api_key,
                  name=args.name, world=layout.world_size, env=env, startup_timeout=args.startup_timeout,
-                 log_dir=args.log_dir).run()
+                 log_dir=args.log_dir, lora=lora).run()
 
 
 class _Stop(Exception):
@@ -85,10 +100,11 @@ class Serve:
     """The foreground lifetime of one engine: start, announce, watch, stop on a signal."""
 
     def __init__(self, model: str, engine: str, *, transport: str, host: str, port: int, api_key: str | None,
-                 name: str, world: int, env: dict, startup_timeout: float, log_dir: str | None):
+                 name: str, world: int, env: dict, startup_timeout: float, log_dir: str | None, lora: Any = None):
         self.model, self.engine_spec, self.transport = model, engine, transport
         self.host, self.port, self.api_key, self.name, self.world = host, port, api_key, name, world
         self.env, self.startup_timeout, self.log_dir = env, startup_timeout, log_dir
+        self.lora = lora
         self.stop = threading.Event()
         self.starting = False
 
@@ -105,7 +121,7 @@ class Serve:
         port = self.port or free_port(self.host if self.host not in ("", "::") else "127.0.0.1")
         engine = LocalEngine(self.model, self.engine_spec, transport=self.transport, name=self.name, host=self.host,
                              port=port, env=self.env, startup_timeout=self.startup_timeout, log_dir=self.log_dir,
-                             api_key=self.api_key)
+                             api_key=self.api_key, lora=self.lora)
         _progress(f"p2pweights serve: starting engine {self.name}: model {self.model}, {self.engine_spec} "
                   f"({self.world} rank(s)), transport {self.transport}, on {engine.url}; rank logs in {engine.log_dir}")
         code = 0
