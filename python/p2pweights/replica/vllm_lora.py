@@ -148,6 +148,49 @@ def lora_engine_config(config: Any, layout: VllmLayout, setting: VllmLoRASetting
                                 f"{type(e).__name__}: {e}") from e
 
 
+def lora_tensors(manager: Any) -> list[tuple[AdapterBuffer, "torch.Tensor"]]:
+    """Every LoRA tensor of the decoder layers that vLLM's LoRA model manager ``manager`` wraps, with
+    its description (:func:`buffer_name`), in layout order: the replica's and an engine worker's
+    (vllm_backend/rank_lora.py) one naming."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    found: dict[tuple[str, int], str] = {}
+    out = []
+    for full in sorted(manager.modules, key=_sort_key):
+        module = manager.modules[full]
+        if type(module).__name__ in _OUTSIDE_LAYERS:
+            continue
+        if not isinstance(module, BaseLinearLayerWithLoRA):
+            raise UnsupportedLayout(f"vLLM's LoRA wrapper {type(module).__name__} of {full} is not described yet "
+                                    f"(MoE and classifier LoRA)", hint="leave it out of --lora-target-modules")
+        short, layer = full.rsplit(".", 1)[-1], _layer_of(full)
+        if found.setdefault((short, layer), full) != full:
+            raise UnsupportedLayout(f"vLLM LoRA modules {found[(short, layer)]} and {full} would share the "
+                                    f"buffer names of {short} layer {layer}")
+        for i in range(module.n_slices):
+            for side, stacked in (("A", module.lora_a_stacked), ("B", module.lora_b_stacked)):
+                t = stacked[i]
+                if not t.is_contiguous():
+                    raise UnsupportedLayout(f"vLLM LoRA tensor {side} {full} slice {i} is not contiguous")
+                desc = AdapterBuffer(name=buffer_name(side, short, i, layer), module=short, layer=layer,
+                                     side=side, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                                     nbytes=t.numel() * t.element_size())
+                out.append((desc, t))
+    return out
+
+
+def _layer_of(full: str) -> int:
+    m = _LAYER.search(full)
+    if m is None:
+        raise UnsupportedLayout(f"vLLM LoRA module {full} is outside the decoder layers: not described yet")
+    return int(m.group(1))
+
+
+def _sort_key(full: str) -> tuple:
+    m = _LAYER.search(full)
+    return (full.rsplit(".", 1)[-1], int(m.group(1)) if m else -1, full)
+
+
 class VllmLoRAReplica:
     """vLLM's LoRA model manager and LoRA tensors of one engine rank, on CPU."""
 
@@ -202,41 +245,7 @@ class VllmLoRAReplica:
 
     def _tensors(self) -> list[tuple[AdapterBuffer, "torch.Tensor"]]:
         """Every LoRA tensor of the decoder layers with its description, in layout order."""
-        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-
-        found: dict[tuple[str, int], str] = {}
-        out = []
-        for full in sorted(self._manager.modules, key=self._sort_key):
-            module = self._manager.modules[full]
-            if type(module).__name__ in _OUTSIDE_LAYERS:
-                continue
-            if not isinstance(module, BaseLinearLayerWithLoRA):
-                raise UnsupportedLayout(f"vLLM's LoRA wrapper {type(module).__name__} of {full} is not described yet "
-                                        f"(MoE and classifier LoRA)", hint="leave it out of --lora-target-modules")
-            short, layer = full.rsplit(".", 1)[-1], self._layer_of(full)
-            if found.setdefault((short, layer), full) != full:
-                raise UnsupportedLayout(f"vLLM LoRA modules {found[(short, layer)]} and {full} would share the "
-                                        f"buffer names of {short} layer {layer}")
-            for i in range(module.n_slices):
-                for side, stacked in (("A", module.lora_a_stacked), ("B", module.lora_b_stacked)):
-                    t = stacked[i]
-                    if not t.is_contiguous():
-                        raise UnsupportedLayout(f"vLLM LoRA tensor {side} {full} slice {i} is not contiguous")
-                    desc = AdapterBuffer(name=buffer_name(side, short, i, layer), module=short, layer=layer,
-                                         side=side, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                                         nbytes=t.numel() * t.element_size())
-                    out.append((desc, t))
-        return out
-
-    def _layer_of(self, full: str) -> int:
-        m = _LAYER.search(full)
-        if m is None:
-            raise UnsupportedLayout(f"vLLM LoRA module {full} is outside the decoder layers: not described yet")
-        return int(m.group(1))
-
-    def _sort_key(self, full: str) -> tuple:
-        m = _LAYER.search(full)
-        return (full.rsplit(".", 1)[-1], int(m.group(1)) if m else -1, full)
+        return lora_tensors(self._manager)
 
     def _slice_modules(self) -> dict[str, tuple[str, ...]]:
         out: dict[str, tuple[str, ...]] = {}
