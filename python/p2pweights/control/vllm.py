@@ -39,6 +39,9 @@ VERBS: dict[str, Route] = {**{v: routes.route(v) for v in SHARED}, **{r.verb: r 
     Route("end_weight_update", "/finish_weight_update", "POST", _P),
     Route("weights_checker", "/weight_checker", "POST", _P),
     Route("weight_update_state", "/p2pw_weight_update", "GET", _G),
+    # LoRA adapters: vLLM's own load (the gate pins it when asked: ``pinned``) and unload (docs/lora.md)
+    Route("load_lora_adapter", "/v1/load_lora_adapter", "POST", _P),
+    Route("unload_lora_adapter", "/v1/unload_lora_adapter", "POST", _P),
 )}}
 
 #: sglang's pause modes -> vLLM's (abort, wait, keep): requests sglang keeps (in_place, retract) vLLM keeps
@@ -128,6 +131,18 @@ class VllmEngine(SglangEngine):
 
     def update_weight_version(self, version: str | int) -> dict:
         return self._json("update_weight_version", body=VllmBody({"new_version": str(version)}))
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = True) -> dict:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path", "pinned"}``: vLLM's own load of a PEFT
+        adapter from files (vLLM picks the slot); ``pinned``: the gate then runs vLLM's ``pin_lora``, so
+        vLLM never evicts it, which ``sender.update(step, adapter=name)`` needs. Answers ``lora_int_id``
+        and, pinned, ``p2pw_slot``."""
+        return self._json("load_lora_adapter", body=VllmBody({"lora_name": str(name), "lora_path": str(path),
+                                                              "pinned": bool(pinned)}))
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` (a pinned adapter leaves its slot too)."""
+        return self._json("unload_lora_adapter", body=VllmBody({"lora_name": str(name)}))
 
     def weights_checker(self, action: str = "checksum", **extra: Any) -> dict:
         """vLLM's ``POST /weight_checker {"action"}``: ``checksum`` answers SHA-256 per parameter."""

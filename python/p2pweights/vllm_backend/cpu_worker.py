@@ -21,7 +21,12 @@ built as vLLM's proposer builds it (``initialize_model`` with the draft's model 
 head by the proposer's own ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``; the model runner
 answers ``get_draft_model`` with it, as vLLM's does.
 
+With ``--lora`` the engine runs vLLM's LoRA (``--enable-lora`` and its flags): vLLM's own
+``load_lora_model`` wraps the model before the backend is made, and the model runner's LoRA methods
+(``add_lora``, ``pin_lora``, ...) are vLLM's ``LoRAModelRunnerMixin``'s.
+
     python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R] [--spec mtp]
+        [--lora '{"max_lora_rank": 8, "max_loras": 2}']
         [--dp 2 --dp-rank D]   # a dense model's DP rank D: an independent engine of its own (its own --dist-port)
     # prints {"event": "ready", "rank": R, "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
     # the --tp workers of one engine share --dist-port (gloo's rendezvous) and start together
@@ -35,14 +40,20 @@ import sys
 from typing import Any
 
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..replica.vllm_lora import VllmLoRASetting
 from . import register
 
 
 class ModelHolder:
-    """What the worker methods the backend's RPCs run ask of a model runner."""
+    """What the worker methods the backend's RPCs run ask of a model runner. With LoRA
+    (:meth:`load_lora_model`), its LoRA methods are vLLM's ``LoRAModelRunnerMixin``'s own: ``add_lora``,
+    ``remove_lora``, ``pin_lora``, ``list_loras`` and ``reset_lora_state`` (which vLLM's
+    ``finish_weight_update`` runs after a base-weights update: every adapter is dropped from the
+    worker, as in vLLM)."""
 
     def __init__(self, model: Any, draft: Any = None):
         self.model, self.draft = model, draft
+        self.lora_config = None
 
     def get_model(self) -> Any:
         return self.model
@@ -50,16 +61,49 @@ class ModelHolder:
     def get_draft_model(self) -> Any:
         return self.draft
 
+    def load_lora_model(self, vllm_config: Any) -> None:
+        """vLLM's own ``load_lora_model``: the LoRA wrappers and their tensors over the model."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        self.lora_config = vllm_config.lora_config
+        with set_current_vllm_config(vllm_config):
+            self.model = _lora_mixin().load_lora_model(self, self.model, vllm_config, torch.device("cpu"))
+
+    def _ensure_lora_enabled(self) -> None:  # what vLLM's mixin methods call on their model runner
+        _lora_mixin()._ensure_lora_enabled(self)
+
     def reset_lora_state(self) -> None:
-        return None
+        if self.lora_config is not None:  # vLLM's own returns at once without LoRA too
+            _lora_mixin().reset_lora_state(self)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return _lora_mixin().add_lora(self, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return _lora_mixin().remove_lora(self, lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return _lora_mixin().pin_lora(self, lora_id)
+
+    def list_loras(self) -> set[int]:
+        return _lora_mixin().list_loras(self)
+
+
+def _lora_mixin() -> Any:
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    return LoRAModelRunnerMixin
 
 
 SPECS = ("", "mtp")  # --spec: none, or vLLM's MTP drafter of the target's own checkpoint
 
 
-def engine_config(config_dir: str, tp: int = 1, spec: str = "", dp: int = 1, dp_rank: int | None = None) -> Any:
+def engine_config(config_dir: str, tp: int = 1, spec: str = "", dp: int = 1, dp_rank: int | None = None,
+                  lora: Any = None) -> Any:
     """vLLM's config of a ``dp`` x ``tp``-rank engine for ``config_dir`` with the ``p2pweights``
-    backend (and vLLM's MTP drafter with ``spec="mtp"``): the API server's (``dp_rank`` None), or
+    backend (and vLLM's MTP drafter with ``spec="mtp"``; vLLM's LoRA with ``lora``, a
+    ``replica.vllm_lora.VllmLoRASetting``: ``--enable-lora`` and its flags): the API server's (``dp_rank`` None), or
     that of a worker of DP rank ``dp_rank``. vLLM runs the DP ranks of a dense model as independent
     engines (``EngineCoreProc``: ``reconfigure_for_independent_dp_rank``, keeping
     ``data_parallel_index``), and so does this; an MoE model's DP ranks share their groups in vLLM,
@@ -70,7 +114,7 @@ def engine_config(config_dir: str, tp: int = 1, spec: str = "", dp: int = 1, dp_
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
     register()  # what the vllm.general_plugins entry point runs (an installed wheel's metadata may predate it)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(lora.engine_args()) if lora is not None else {}
     if spec:
         extra["speculative_config"] = {"method": spec, "num_speculative_tokens": 1}
     if not hasattr(torch.ops._C, "convert_weight_packed"):
@@ -158,7 +202,9 @@ def build_draft(vllm_config: Any, config_dir: str, seed: int, target: Any) -> An
 
 
 def make_worker(vllm_config: Any, model: Any, rank: int = 0, draft: Any = None) -> Any:
-    """vLLM's ``CPUWorker`` of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory."""
+    """vLLM's ``CPUWorker`` of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory.
+    With LoRA (``vllm_config.lora_config``), vLLM's ``load_lora_model`` wraps the model first, as
+    ``GPUModelRunner.load_model`` does before the worker makes its backend."""
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -168,10 +214,12 @@ def make_worker(vllm_config: Any, model: Any, rank: int = 0, draft: Any = None) 
     WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=rank, rank=rank,
                         distributed_init_method="", is_driver_worker=rank == 0)
     worker.device = torch.device("cpu")
-    worker.model_runner = ModelHolder(model, draft)
+    worker.model_runner = holder = ModelHolder(model, draft)
+    if vllm_config.lora_config is not None:
+        holder.load_lora_model(vllm_config)
     worker._weight_update_active, worker._weight_update_is_draft = False, False
     worker.weight_transfer_engine = WeightTransferEngineFactory.create_engine(  # as gpu_worker.load_model
-        vllm_config.weight_transfer_config, vllm_config, worker.device, model)
+        vllm_config.weight_transfer_config, vllm_config, worker.device, holder.get_model())
     return worker
 
 
@@ -201,6 +249,13 @@ def serve(worker: Any, vllm_config: Any, authkey: bytes, out: Any, rank: int = 0
                         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def lora_setting(text: str | None) -> Any:
+    """``--lora``'s JSON as a VllmLoRASetting (None: LoRA off)."""
+    if not text:
+        return None
+    return VllmLoRASetting(**json.loads(text))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -211,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="", choices=SPECS, help="mtp: run vLLM's MTP drafter of the checkpoint too")
     ap.add_argument("--dp", type=int, default=1, help="the engine's data-parallel size (dense models)")
     ap.add_argument("--dp-rank", type=int, default=0, help="this worker's DP rank, 0 .. dp-1")
+    ap.add_argument("--lora", default=None, help="vLLM's LoRA (--enable-lora ...) as JSON: VllmLoRASetting's fields")
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         ap.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
@@ -219,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    vllm_config = engine_config(args.model, args.tp, args.spec, args.dp, args.dp_rank)
+    vllm_config = engine_config(args.model, args.tp, args.spec, args.dp, args.dp_rank, lora_setting(args.lora))
     model = build_model(vllm_config, args.model, args.seed, args.dist_port, rank=args.rank)
     draft = build_draft(vllm_config, args.model, args.seed, model) if args.spec else None
     worker = make_worker(vllm_config, model, args.rank, draft)

@@ -16,6 +16,14 @@ vLLM's RL routes (``vllm/entrypoints/rl/online/api_router.py``) and dev routes, 
 - **p2pweights' own routes**: ``GET /remote_instance_transfer_engine_info?rank=R`` (the rank's
   publication: the side channel vLLM's init route lacks), ``POST /p2pw_weights_digest``,
   ``POST /renew_weight_update``, ``POST /p2pw_apply_deltas``, ``GET /p2pw_weight_update``.
+- **LoRA adapters** (docs/lora.md): vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+  are the core's ``load_lora_adapter`` / ``unload_lora_adapter`` (owner rules, refused while a
+  session is open, the adapter's base forgotten). A load with ``"pinned": true`` (p2pweights'
+  field, taken out before vLLM's route sees the body) is followed by vLLM's own ``pin_lora``, and
+  answered as JSON with the slot (``p2pw_slot``); an unload of a pinned adapter also removes it from
+  the workers (``remove_lora``: vLLM's unload alone would leave it pinned in its slot). A begin
+  ``{"adapter": name}`` asks every worker for the slot vLLM gave it (``rank_lora.py``); an adapter
+  session runs neither vLLM's start nor its finish (no base weight changes, nothing post-processed).
 - **refused**: ``/sleep``, ``/wake_up`` and ``/scale_elastic_ep`` (they free or move the registered
   weight memory), and ``/collective_rpc`` calling the backend's own channel.
 
@@ -35,6 +43,7 @@ from ..control.http import key_matches
 from ..deltas.committed import DELTA_KEY
 from ..engine import core as ec
 from ..engine import steps
+from ..engine.adapters import ADAPTER_KEY, LOAD_ADAPTER, UNLOAD_ADAPTER
 from ..errors import EngineError, InvalidRequest, InvalidWrite
 from ..front import answer_for, asgi
 from ..front.verb_answers import respond_verb
@@ -48,6 +57,7 @@ PUBLICATION, DIGEST = routes.route("remote_instance_transfer_engine_info").path,
 STATE = "/p2pw_weight_update"
 INIT = "/init_weight_transfer_engine"
 CHECKER, RPC = "/weight_checker", "/collective_rpc"
+LOAD_LORA, UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"  # vLLM's own LoRA API
 
 #: vLLM's routes (and ours) -> the engine core's verb
 GATED: dict[str, str] = {
@@ -57,6 +67,7 @@ GATED: dict[str, str] = {
     CHECKER: "reset_weights",   # only its "reset" action (it zeroes every weight); the others read
     RPC: "collective_rpc",      # any worker method: may rewrite the weights
     routes.route(ec.RENEW).path: ec.RENEW, routes.route(ec.APPLY).path: ec.APPLY,
+    LOAD_LORA: LOAD_ADAPTER, UNLOAD_LORA: UNLOAD_ADAPTER,  # the engine's own writes of an adapter's slot
 }
 #: vLLM routes that free or move the weights' registered memory: refused outright
 REFUSED = frozenset({"/sleep", "/wake_up", "/scale_elastic_ep"})
@@ -133,6 +144,13 @@ class SessionGate:
     # ---- the core's steps, the vLLM way ---------------------------------------------------------
     async def _step(self, step: steps.Step, scope: dict, raw: bytes) -> Any:
         client = _client(scope)
+        if isinstance(step, steps.AdapterSlot):
+            return await self._adapter_slot(scope, step.name)
+        if _adapter_session(step):  # an adapter's begin or end: nothing of vLLM's runs
+            return steps.Answer(p.OK, {"success": True, "message": f"LoRA adapter {step.body[ADAPTER_KEY]!r}: its slot "
+                                                                   f"is written directly"})
+        if isinstance(step, steps.EngineVerb) and step.verb in (LOAD_ADAPTER, UNLOAD_ADAPTER):
+            return await self._lora_route(scope, step.verb, step.body if isinstance(step.body, dict) else {})
         if isinstance(step, steps.IsPaused):
             return bool(await client.is_paused())
         if isinstance(step, steps.DeltaSupport):
@@ -155,6 +173,43 @@ class SessionGate:
         if step.verb == ec.JOIN:
             await rank_calls.attach_drafts(client)  # the drafters register with the targets
         return await self._vllm(scope, None, raw)
+
+    # ---- LoRA adapters, the vLLM way --------------------------------------------------------------
+    async def _adapter_slot(self, scope: dict, name: str) -> int:
+        """The slot vLLM gave adapter ``name`` on every worker (the same on all, pinned), or raises."""
+        lora_id = _lora_id(scope, name)
+        answers = await rank_calls.call_ranks(_client(scope), "adapter_slot", {"lora_int_id": lora_id,
+                                                                              "lora_name": name})
+        slots = {int(a["rank"]): int(a["slot"]) for a in answers}
+        if len(set(slots.values())) != 1:
+            raise EngineError(f"the vLLM workers put LoRA adapter {name!r} in different slots ({slots})", parameter=name)
+        unpinned = sorted(int(a["rank"]) for a in answers if not a.get("pinned"))
+        if unpinned:
+            raise InvalidRequest(f"vLLM has not pinned it (rank(s) {unpinned}): vLLM may evict it and later copy its "
+                                 f"own copy of the adapter back over an update", parameter=name)
+        return next(iter(slots.values()))
+
+    async def _lora_route(self, scope: dict, verb: str, body: dict) -> steps.Answer:
+        """vLLM's own load or unload route, then (pinned) vLLM's ``pin_lora`` or ``remove_lora``."""
+        body = dict(body)
+        pinned = bool(body.pop("pinned", False))
+        name, client = str(body.get("lora_name")), _client(scope)
+        before = _lora_id(scope, name) if verb == UNLOAD_ADAPTER and name in _lora_requests(scope) else None
+        answer = await self._vllm(scope, body)
+        if not answer.ok:
+            return answer
+        message = answer.raw.decode("utf-8", "replace") if answer.body is None and answer.raw else answer.body
+        out: dict[str, Any] = {"success": True, "message": message}
+        if verb == LOAD_ADAPTER:
+            lora_id = _lora_id(scope, name)
+            if pinned and not await client.pin_lora(lora_id):
+                raise EngineError(f"vLLM did not pin LoRA adapter {name!r} (id {lora_id})", parameter=name)
+            out.update(lora_int_id=lora_id, pinned=pinned)
+            if pinned:
+                out["p2pw_slot"] = await self._adapter_slot(scope, name)
+        elif before is not None:  # vLLM's unload forgets the name only: the workers would keep it in its slot
+            await client.remove_lora(before)
+        return steps.Answer(p.OK, out)
 
     async def _vllm(self, scope: dict, body: Any, raw: bytes | None = None) -> steps.Answer:
         """vLLM's own answer to the request's route with ``body`` (``raw``: as it came)."""
@@ -216,6 +271,27 @@ def _object(raw: bytes) -> dict:
 
 def _client(scope: dict) -> Any:
     return scope["app"].state.engine_client
+
+
+def _adapter_session(step: Any) -> bool:
+    """The begin or end of an adapter's session (the core put ``adapter`` in its body)."""
+    if not (isinstance(step, steps.End) or (isinstance(step, steps.EngineVerb) and step.verb == ec.BEGIN)):
+        return False
+    return isinstance(step.body, dict) and step.body.get(ADAPTER_KEY) is not None
+
+
+def _lora_requests(scope: dict) -> dict:
+    """vLLM's API server registry of loaded adapters (``OpenAIServingModels.lora_requests``)."""
+    models = getattr(scope["app"].state, "openai_serving_models", None)
+    return dict(getattr(models, "lora_requests", None) or {})
+
+
+def _lora_id(scope: dict, name: str) -> int:
+    """vLLM's int id of adapter ``name``; InvalidRequest naming the loaded ones when vLLM has not loaded it."""
+    loaded = _lora_requests(scope)
+    if name not in loaded:
+        raise InvalidRequest(f"vLLM has not loaded it (loaded: {', '.join(sorted(loaded)) or 'none'})", parameter=name)
+    return int(loaded[name].lora_int_id)
 
 
 def _api_servers(scope: dict) -> int:

@@ -47,7 +47,7 @@ class ServedModels:
         self.draft, self.draft_config = draft, draft_config
 
     def named_parameters(self) -> Iterator[tuple[str, "torch.nn.Parameter"]]:
-        target = list(self.target.named_parameters())
+        target = [(base_name(n), p) for n, p in self.target.named_parameters()]
         yield from target
         if self.draft is not None:
             shared = {id(p) for _, p in target}
@@ -76,6 +76,16 @@ class ServedModels:
             from vllm.model_executor.layers.quantization.online.lm_head import refresh_quantized_lm_heads
 
             refresh_quantized_lm_heads(self.draft)
+
+
+#: vLLM's LoRA wrappers hold the wrapped layer as ``base_layer``: its parameters are the model's own
+LORA_WRAPPED = ".base_layer."
+
+
+def base_name(name: str) -> str:
+    """A parameter's name as the model without LoRA wrappers has it (what the sender's replica
+    and vLLM's checkpoint loader name it): ``...qkv_proj.base_layer.weight`` -> ``...qkv_proj.weight``."""
+    return name.replace(LORA_WRAPPED, ".")
 
 
 def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
@@ -109,11 +119,14 @@ def open_area(weight_bytes: int, nbytes: int | None, rank: int, engine: str, dev
 class RankMemory:
     """The worker's registrations (``transport``: mooncake, nixl or auto) and publication for
     ``rank``; ``deltas``: open a delta area of ``area`` bytes (None: ``P2PW_DELTA_AREA``, else an
-    eighth of the weights) beside the weights, on their device."""
+    eighth of the weights) beside the weights, on their device; ``adapters``: the rank's LoRA slots
+    (``rank_lora.AdapterSlots``), registered and published with the weights (no delta area: an
+    adapter's deltas are written in place)."""
 
     def __init__(self, model: "ServedModels | torch.nn.Module", transport: str, rank: int, engine: str = "vllm", *,
-                 deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None):
-        self.model, self.rank, self.engine = model, int(rank), engine
+                 deltas: bool = True, area: int | None = None, build: dict[str, str] | None = None,
+                 adapters: Any = None):
+        self.model, self.rank, self.engine, self.adapters = model, int(rank), engine, adapters
         self.transport = resolve_transport(transport)[0]
         self.device = weights_device(model.parameters())
         owned = owned_parameters(model.named_parameters())
@@ -132,9 +145,11 @@ class RankMemory:
             publication.device_arch = arch
             publication.delta_area = tuple(published_area) if published_area else None
 
-        regions = [(a, n, self.device) for a, n in self.regions] + ([self.area.region()] if self.area else [])
+        registered = merge_regions([*self.regions, *(adapters.regions() if adapters is not None else [])])
+        regions = [(a, n, self.device) for a, n in registered] + ([self.area.region()] if self.area else [])
+        published = {**self.table, **(params_table(adapters.published()) if adapters is not None else {})}
         try:
-            self.registrations = RevocableRegions(self.transport, regions, self.table, self.rank, decorate=decorate)
+            self.registrations = RevocableRegions(self.transport, regions, published, self.rank, decorate=decorate)
         except BaseException:
             self.deltas.close()
             raise

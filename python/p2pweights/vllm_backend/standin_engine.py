@@ -6,8 +6,10 @@ rank's ``tp`` workers in one gloo group (a dense model's DP ranks are independen
 behind vLLM's own RL and dev routers with ``--api-key`` and the gate from ``--middleware``
 (``standin_api.py``, whose client fans every RPC out to all workers, answering in vLLM's rank
 order), served by uvicorn on 127.0.0.1 in this process; ``/init_weight_transfer_engine`` registers
-every worker's memory over Mooncake (each rank its own publication). Runs where vLLM imports
-(``.vllm_site``, docs/vllm.md).
+every worker's memory over Mooncake (each rank its own publication). With ``lora`` (a
+``VllmLoRASetting``) every worker runs vLLM's LoRA and the API server vLLM's LoRA routes
+(``/v1/load_lora_adapter``); each worker registers and publishes its LoRA slots with its weights.
+Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
 
     engine = StandInVllmEngine(config_dir, log_path, "engine0", tp=2)
     try:
@@ -18,6 +20,7 @@ every worker's memory over Mooncake (each rank its own publication). Runs where 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import socket
@@ -78,13 +81,16 @@ class StandInVllmEngine:
 
     client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
 
-    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = "", dp: int = 1):
+    def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = "", dp: int = 1,
+                 lora: Any = None):
         for what, n in (("tp", tp), ("dp", dp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"stand-in vLLM engine {name}: {what} must be an integer >= 1, got {n!r}")
         if spec not in cpu_worker.SPECS:
             raise ValueError(f"stand-in vLLM engine {name}: spec must be one of {cpu_worker.SPECS}, got {spec!r}")
         self.model_dir, self.name, self.tp, self.spec, self.dp = model_dir, name, tp, spec, dp
+        self.lora = lora  # a VllmLoRASetting: vLLM's LoRA on every worker and its LoRA routes (None: off)
+        lora_args = ["--lora", json.dumps(dataclasses.asdict(lora))] if lora is not None else []
         self.api_key = secrets.token_urlsafe(24)
         self._authkey = secrets.token_bytes(16)
         self._log = open(log_path, "ab")
@@ -97,7 +103,7 @@ class StandInVllmEngine:
                 worker = subprocess.Popen(
                     [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
                      "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank), "--spec", spec,
-                     "--dp", str(dp), "--dp-rank", str(dp_rank)],
+                     "--dp", str(dp), "--dp-rank", str(dp_rank), *lora_args],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
                 self._workers.append(worker)
                 worker.stdin.write(self._authkey.hex() + "\n")
@@ -115,11 +121,12 @@ class StandInVllmEngine:
             if ready.get("rank") != rank % self.tp:
                 raise EngineError(f"{self.name}: worker rank {rank} says it is TP rank {ready.get('rank')}")
             addresses.append(tuple(ready["address"]))
-        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec, self.dp)  # vLLM's API server's
+        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec, self.dp,  # vLLM's API server's
+                                               lora=self.lora)
         self.client = StandInEngineClient(addresses, self._authkey)
         self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
         self.app = app = api_app(["--middleware", GATE, f"--api-key={self.api_key}"],  # one token: a key may start with "-"
-                                       self.client)
+                                 self.client, lora=self.lora is not None)
         app.state.vllm_config = vllm_config
         port = free_port()
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

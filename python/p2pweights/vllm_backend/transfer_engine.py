@@ -25,7 +25,11 @@ what one vLLM worker does for one-sided updates. vLLM's worker creates it after 
 - :meth:`__call__` (``verb``, ``body``): the gate's channel into the worker, through vLLM's
   ``collective_rpc("weight_transfer_engine", args=(verb, body))`` (vLLM's ``run_method`` takes the
   worker's attribute by name and calls it): ``publication``, ``revoke`` (a takeover's new epoch),
-  ``digest`` (``verify=True``, ``control.weights_digest``), ``ping``.
+  ``digest`` (``verify=True``, ``control.weights_digest``; adapter slot entries too), ``adapter_slot``
+  (the slot vLLM gave a LoRA adapter: ``rank_lora.py``), ``ping``.
+- **LoRA** (``--enable-lora``): the init registers and publishes the LoRA tensors' slots with the
+  weights (``rank_lora.AdapterSlots``); an adapter's session runs neither vLLM's start nor its finish
+  (the gate skips them: no base weight changes, nothing to post-process).
 
 This module imports vLLM: only vLLM's factory loads it (by name, from ``register()``).
 """
@@ -46,6 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..control.weights_digest import ALGORITHM, parameter_digests
 from ..deltas.committed import DELTA_KEY
 from ..errors import InvalidRequest
+from .rank_lora import AdapterSlots, lora_manager, split_adapter_names
 from .rank_memory import RankMemory, ServedModels
 
 logger = logging.getLogger(__name__)
@@ -97,6 +102,7 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.memory: RankMemory | None = None
+        self.adapters: AdapterSlots | None = None
         self._init_info: P2PWeightsInitInfo | None = None
         self.rank = worker_rank(self.parallel_config)
         self.served = ServedModels(model, self.model_config)
@@ -121,9 +127,11 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
                                  f"/shutdown_weight_transfer_engine before registering otherwise")
         import vllm
 
+        manager = lora_manager(self._default_model)  # --enable-lora: the LoRA slots, with the weights
+        self.adapters = AdapterSlots(manager, self.rank) if manager is not None else None
         self.memory = RankMemory(self.served, init_info.transport, self.rank, f"vllm pid {os.getpid()}",
                                  deltas=init_info.deltas, area=init_info.area_bytes,
-                                 build={"vllm_version": str(vllm.__version__)})
+                                 build={"vllm_version": str(vllm.__version__)}, adapters=self.adapters)
         self._init_info = init_info
         logger.info("p2pweights: rank %d registered %d bytes of weights%s in %d range(s) with %s (epoch %d)",
                     self.rank, sum(n for _, n in self.memory.regions),
@@ -165,10 +173,21 @@ class P2PWeightsEngine(WeightTransferEngine[P2PWeightsInitInfo, P2PWeightsUpdate
         if verb == "revoke":
             return {"rank": self.rank, **self._registered().revoke(int(body["epoch"]))}
         if verb == "digest":
-            names = (body.get("names") or {}).get(str(self.rank), [])
-            return {"rank": self.rank, "algorithm": ALGORITHM,
-                    "digests": parameter_digests(self.served, names, engine="vllm", rank=self.rank)}
+            names, slots = split_adapter_names((body.get("names") or {}).get(str(self.rank), []))
+            digests = parameter_digests(self.served, names, engine="vllm", rank=self.rank)
+            if slots:
+                digests.update(self._adapter_slots().digest(slots))
+            return {"rank": self.rank, "algorithm": ALGORITHM, "digests": digests}
+        if verb == "adapter_slot":  # the slot vLLM gave an adapter (the gate's steps.AdapterSlot)
+            return self._adapter_slots().slot(int(body["lora_int_id"]), str(body.get("lora_name") or ""))
         raise InvalidRequest(f"unknown p2pweights verb {verb!r}")
+
+    def _adapter_slots(self) -> AdapterSlots:
+        self._registered()
+        if self.adapters is None:
+            raise InvalidRequest(f"rank {self.rank} runs without LoRA: no adapter slots",
+                                 hint="start vLLM with --enable-lora (--max-lora-rank, --max-loras)")
+        return self.adapters
 
     def _registered(self) -> RankMemory:
         if self.memory is None:
