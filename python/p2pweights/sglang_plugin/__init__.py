@@ -13,7 +13,8 @@ weight-update sessions with owners, leases and the torn state (``sessions.py``);
 ranks' GPU architecture (``gpu_arch.py``) and puts the server's API key on the engine-info bootstrap
 server (``bootstrap_key.py``); host-memory ranks take delta updates (``delta_updates.py``,
 ``rank_deltas.py``); a takeover revokes every rank's registrations under a new epoch (``fencing.py``,
-``rank_epochs.py``); a drafting server publishes both roles in one table (``draft_roles.py``); an
+``rank_epochs.py``); a drafting server publishes both roles in one table (``draft_roles.py``); a LoRA server's ranks
+register and publish their adapter pool's slots and answer an adapter's slot (``lora_slots.py``); an
 in-process ``sglang.Engine`` (no HTTP server, so no gate) is refused: its log, its server info and its
 ranks' publications say why, and senders refuse to connect (``inprocess.py``); before registering
 any hook it checks every hooked sglang function against the ones it was written for
@@ -101,9 +102,10 @@ def register() -> None:
             fenced = fencing.live
             inprocess.register(kind)  # an in-process sglang.Engine has no gate: refused, loudly (inprocess.py)
         elif kind == "scheduler":  # before rank_deltas' hooks: inside them, the area is open (rank_epochs.py)
-            from . import rank_epochs
+            from . import lora_slots, rank_epochs
 
             rank_epochs.register()
+            lora_slots.register(kind)  # a LoRA pool registered and published; an adapter's slot (lora_slots.py)
         delta_updates.register(kind)  # delta areas published, claims answered, manifests applied in each scheduler
         live = server_info.combined(*(source for source in (live, bootstrap_key.live, digest.live, delta_updates.live,
                                                             fenced) if source is not None))

@@ -107,6 +107,14 @@ class SglangEndpoint:
     def peer(self) -> str:
         return self.session_id
 
+    def add(self, address: int, nbytes: int) -> None:
+        """More memory registered with sglang's engine, fenced with the rest (a LoRA pool: lora_slots.py)."""
+        ret = self.engine.register_memory(int(address), int(nbytes))
+        if ret != 0:
+            raise TransportError(f"Mooncake refused to register {nbytes} bytes at {address:#x} (error {ret})")
+        self.regions.append((int(address), int(nbytes)))
+        self._registered[int(address)] = int(nbytes)
+
     def publication(self, params: dict[str, Any], rank: int | None = 0) -> EnginePublication:
         table = {n: ParamTarget(*(int(x) for x in row)) for n, row in params.items()}
         return EnginePublication(transport=MOONCAKE, peer=self.session_id, params=table, rank=rank)
@@ -149,6 +157,26 @@ def adopt(transporter: Any) -> RevocableRegions | None:
                                                        protocol=envs.MOONCAKE_PROTOCOL.get() or "tcp"))
     TRANSPORTER = transporter
     return REGIONS
+
+
+def add_regions(regions: list[tuple[int, int]], device: str, engine: Any) -> None:
+    """Memory this rank allocated after it published its weights (sglang's LoRA pool: ``lora_slots.py``)
+    joins its registrations: registered with the current epoch's endpoint and with every later one
+    (a takeover revokes it with the weights). Before epoch 1 is adopted: with sglang's ``engine``,
+    recorded as its own registrations are. Raises when Mooncake refuses one."""
+    if REGIONS is None:
+        for address, nbytes in regions:
+            ret = Registrations(engine).register_memory(address, nbytes)
+            if ret != 0:
+                raise TransportError(f"Mooncake refused to register {nbytes} bytes at {address:#x} (error {ret})")
+        return
+    endpoint = REGIONS.endpoint
+    for address, nbytes in regions:
+        if isinstance(endpoint, SglangEndpoint):
+            endpoint.add(address, nbytes)
+        else:  # a later epoch's endpoint, opened by this plugin
+            endpoint.register(address, nbytes, device)
+        REGIONS.regions.append((int(address), int(nbytes), device))
 
 
 # -- the publication ----------------------------------------------------------------------------

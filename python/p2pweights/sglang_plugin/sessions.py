@@ -15,8 +15,12 @@ What this module does is map, and nothing more:
   ``reset_tensors`` is a write of the weights, the plugin's own ``p2pw_*`` actions are refused from
   outside: they are the gate's channel into the ranks);
 - the core's steps onto sglang: pause state from the tokenizer manager, sglang's own routes through
-  its app, the ranks' delta apply and revocation through the weight checker's communicator
-  (``delta_updates.py``, ``fencing.py``), sglang's "already open" answer read as its own session open.
+  its app, the ranks' delta apply, revocation and an adapter's slot through the weight checker's
+  communicator (``delta_updates.py``, ``fencing.py``, ``lora_slots.py``), sglang's "already open" answer
+  read as its own session open. An adapter session's begin and end (the core's body names the adapter)
+  run none of sglang's weight-update work (its restore before loading, its post-processing): an
+  adapter's slot needs none, as after sglang's own adapter load. A pinned ``/load_lora_adapter``
+  answers the slot the ranks placed the adapter in (``p2pw_slot``, as a receiver answers).
 
 Not covered: a server with several HTTP workers (``--tokenizer-worker-num > 1``: each would keep its
 own session; the plugin offers no sessions there, and says why), the native gRPC server, and the
@@ -30,14 +34,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..control import bodies, routes
 from ..control import protocol as p
-from ..control import routes
 from ..engine import core as ec
 from ..engine import steps
+from ..engine.adapters import ADAPTER_KEY, LOAD_ADAPTER
 from ..errors import InvalidRequest, InvalidWrite
 from ..front import answer_for, asgi
 from ..front.verb_answers import respond_verb
-from . import delta_updates, fencing, version_guard
+from . import delta_updates, fencing, lora_slots, version_guard
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +206,35 @@ class SessionGate:
             return await fencing.revoke(step.epoch, self.host.core.engine)
         if isinstance(step, steps.ApplyDeltas):
             return await _apply(step.manifests)
+        if isinstance(step, steps.AdapterSlot):
+            return await lora_slots.slot(self.host.tokenizer, step.name, self.host.core.engine)
         if isinstance(step, steps.End):
+            if _adapter(step.body):  # an adapter's slot needs none of sglang's post-processing of the weights
+                return _adapter_ack(step.manifests)
             if step.manifests is not None:  # the deltas first, then sglang's post-processing
                 await _apply(step.manifests)
             return await self._sglang(scope, ec.END, step.body)
         if step.verb == ec.RENEW:
             return steps.Answer(p.OK, {})
+        if step.verb == ec.BEGIN and _adapter(step.body):  # nor sglang's restore of the weights before loading
+            return _adapter_ack(None)
         if step.verb in CHECKER_WRITES.values():
             return await self._sglang(scope, None, None, raw)
-        return await self._sglang(scope, step.verb, step.body)
+        answer = await self._sglang(scope, step.verb, step.body)
+        if step.verb == LOAD_ADAPTER and answer.ok and isinstance(step.body, dict) and step.body.get("pinned"):
+            answer = await self._placed(answer, step.body.get("lora_name"))
+        return answer
+
+    async def _placed(self, answer: steps.Answer, name: Any) -> steps.Answer:
+        """sglang's answer to a pinned load, with the slot its ranks gave the adapter (``p2pw_slot``, as a
+        receiver answers): placed now, so the first update finds it resident; sglang's answer as it is
+        when it cannot be placed (the update's begin then says why)."""
+        try:
+            slot = await lora_slots.slot(self.host.tokenizer, str(name), self.host.core.engine)
+        except Exception as e:  # noqa: BLE001 - the load itself succeeded
+            logger.warning("p2pweights sglang plugin: LoRA adapter %r loaded but not placed: %s", name, e)
+            return answer
+        return answer.with_body({**(answer.body if isinstance(answer.body, dict) else {}), "p2pw_slot": slot})
 
     async def _sglang(self, scope: dict, verb: str | None, body: Any, raw: bytes | None = None) -> steps.Answer:
         """sglang's own route of ``verb`` (None: the request's own) with ``body`` (``raw``: as it came)."""
@@ -221,6 +246,19 @@ class SessionGate:
         text = out.decode("utf-8", "replace")
         return steps.Answer(status, asgi.decode(out), raw=out, headers=headers,
                             already_open=status == p.BAD_REQUEST and p.SESSION_ALREADY_OPEN in text)
+
+
+def _adapter(body: Any) -> bool:
+    """Whether the core's begin or end body is an adapter session's (the core put the adapter's name there)."""
+    return isinstance(body, dict) and body.get(ADAPTER_KEY) is not None
+
+
+def _adapter_ack(manifests: dict | None) -> steps.Answer:
+    """An adapter session's begin or end: sglang runs nothing after its own adapter load either (the slot's
+    bytes are what it serves), so none of its weight-update work runs (as our receiver, receiver/server.py)."""
+    if manifests is not None:
+        raise InvalidWrite("an adapter's update writes its slot directly: it takes no delta manifests")
+    return steps.Answer(p.OK, bodies.encode(bodies.Ack()))
 
 
 async def _apply(manifests: dict[int, dict]) -> None:
