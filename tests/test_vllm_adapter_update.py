@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from p2pweights.control import protocol as p
 from replica_configs import write_config  # noqa: E402
 from test_vllm_backend import STARTUP, Engine, read_json_line  # noqa: E402 (skips without vLLM)
 from test_vllm_sender import standin  # noqa: E402
@@ -222,3 +223,41 @@ def test_an_adapter_vllm_did_not_load_or_did_not_pin_is_refused_and_the_engine_r
     finally:
         sender.close()
     client.unload_lora_adapter("loose")
+
+
+def test_a_lost_adapter_session_is_taken_over_with_the_lora_slots_revoked_and_the_adapter_torn(engine):
+    import secrets
+    import time
+
+    client = engine.client_of()
+    slot = client.load_lora_adapter("lost", adapter_files(engine, "lost", seed=4))["p2pw_slot"]
+    dead, heir = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+
+    def publications() -> list:
+        from p2pweights.transport.publication import EnginePublication
+
+        return [EnginePublication.from_json(engine.call("GET", "/remote_instance_transfer_engine_info",
+                                                        params={"rank": r})[1]) for r in range(engine.tp)]
+
+    before = publications()
+    assert engine.call("POST", "/pause", owner=dead)[0] == 200
+    status, begun = engine.call("POST", "/start_weight_update", {"adapter": "lost"}, owner=dead, lease=1)
+    assert status == 200 and begun["adapter"] == {"name": "lost", "slot": slot}, begun
+    time.sleep(1.5)  # the owner stops renewing: its lease lapses
+    status, begun = engine.call("POST", "/start_weight_update", {"adapter": "lost"}, owner=heir)
+    assert status == 200 and begun["took_over"], begun
+    after = publications()
+    for old, new in zip(before, after):  # every rank's registrations, LoRA slots included, under a new endpoint
+        assert new.epoch == old.epoch + 1 and new.peer != old.peer
+        slots = [n for n in new.params if n.startswith("lora.")]
+        assert len(slots) == 28 * SETTING["max_loras"]
+        assert all(new.params[n].data_ptr == old.params[n].data_ptr for n in slots)
+        new.check_regions("vllm")  # every slot entry inside the memory registered anew
+    assert all(engine.slot_digests(r, slot) for r in range(engine.tp))  # readable through the new endpoint
+    status, answer = engine.call("POST", "/resume", owner=heir)  # the lost session's adapter may be half written
+    assert status == p.CONFLICT and answer["error"]["type"] == "TornWeights" and "lost" in answer["error"]["message"]
+    status, ended = engine.call("POST", "/finish_weight_update", {"adapter_version": "7"}, owner=heir)
+    assert status == 200, ended
+    assert engine.call("POST", "/resume", owner=heir)[0] == 200
+    assert engine.call("GET", "/p2pw_weight_update")[1]["adapters"]["lost"] == {"version": "7", "torn": None}
+    client.unload_lora_adapter("lost")
