@@ -141,7 +141,7 @@ class VllmEngine(SglangEngine):
                                                               "pinned": bool(pinned)}))
 
     def unload_lora_adapter(self, name: str) -> dict:
-        """``POST /v1/unload_lora_adapter {"lora_name"}`` (a pinned adapter leaves its slot too)."""
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` (the gate has the workers drop it too: its slot is freed)."""
         return self._json("unload_lora_adapter", body=VllmBody({"lora_name": str(name)}))
 
     def weights_checker(self, action: str = "checksum", **extra: Any) -> dict:

@@ -20,8 +20,9 @@ vLLM's RL routes (``vllm/entrypoints/rl/online/api_router.py``) and dev routes, 
   are the core's ``load_lora_adapter`` / ``unload_lora_adapter`` (owner rules, refused while a
   session is open, the adapter's base forgotten). A load with ``"pinned": true`` (p2pweights'
   field, taken out before vLLM's route sees the body) is followed by vLLM's own ``pin_lora``, and
-  answered as JSON with the slot (``p2pw_slot``); an unload of a pinned adapter also removes it from
-  the workers (``remove_lora``: vLLM's unload alone would leave it pinned in its slot). A begin
+  answered as JSON with the slot (``p2pw_slot``); an unload also removes it from the workers
+  (vLLM's ``remove_lora``: vLLM's unload forgets the name only, and would leave a pinned adapter in
+  its slot for good). A begin
   ``{"adapter": name}`` asks every worker for the slot vLLM gave it (``rank_lora.py``); an adapter
   session runs neither vLLM's start nor its finish (no base weight changes, nothing post-processed).
 - **refused**: ``/sleep``, ``/wake_up`` and ``/scale_elastic_ep`` (they free or move the registered
@@ -190,7 +191,7 @@ class SessionGate:
         return next(iter(slots.values()))
 
     async def _lora_route(self, scope: dict, verb: str, body: dict) -> steps.Answer:
-        """vLLM's own load or unload route, then (pinned) vLLM's ``pin_lora`` or ``remove_lora``."""
+        """vLLM's own load or unload route, then vLLM's ``pin_lora`` (a load asking for it) or ``remove_lora``."""
         body = dict(body)
         pinned = bool(body.pop("pinned", False))
         name, client = str(body.get("lora_name")), _client(scope)
