@@ -13,8 +13,10 @@ for byte, with sglang's own load of the same adapter files into a fresh LoRA man
 """
 from __future__ import annotations
 
+import secrets
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conftest import require_sglang
@@ -141,3 +143,51 @@ def test_a_not_loaded_or_unpinned_adapter_is_refused_before_anything_is_written(
         "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     assert status == p.OK, answer  # generation was continued
     engine.unload_lora_adapter("loose")
+
+
+def _read(peer: str, address: int, nbytes: int) -> np.ndarray | None:
+    """``nbytes`` at ``address`` of the rank behind Mooncake session ``peer`` (None: refused)."""
+    from p2pweights.transport.mooncake import new_engine
+
+    te, _ = new_engine("127.0.0.1")
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    assert te.register_memory(buf.ctypes.data, buf.nbytes, "*") == 0
+    try:
+        return buf if te.transfer_sync_read(peer, buf.ctypes.data, address, nbytes) == 0 else None
+    finally:
+        te.unregister_memory(buf.ctypes.data)
+
+
+def test_a_takeover_of_a_lost_adapter_session_revokes_the_pool_with_the_weights(served, tmp_path):
+    """Another controller's adapter session, given up (torn), is taken over by the sender's update: every
+    rank moves its registrations, the LoRA pool's included, to a new endpoint under the next epoch; the
+    old endpoint reaches no slot any more and the new one holds the update, byte-exact."""
+    engine = served.engine
+    slot = _load(served, tmp_path, "fenced", seed=8)["p2pw_slot"]
+    entry = f"lora.B.o_proj.L1@{slot}"
+    old = {r: EnginePublication.from_json(engine.transfer_engine_info(r)) for r in range(served.tp)}
+    assert all(_read(pub.peer, pub.params[entry].data_ptr, 16) is not None for pub in old.values())
+    epoch = _state(served)["epoch"]
+
+    other = {p.SESSION_OWNER_HEADER: secrets.token_urlsafe(32)}
+    for path, body in (("/pause_generation", {}), ("/begin_weight_update", {"adapter": "fenced"}),
+                       ("/renew_weight_update", {"release": True})):
+        status, answer = http.request("POST", served.url, path, body=body, headers=other, timeout=120)
+        assert p.ok(status), (path, answer)
+    assert _state(served)["adapters"]["fenced"]["torn"], _state(served)
+
+    adapter_config, tensors = random_peft_adapter(served.model_dir, r=4, seed=9)
+    with WeightSender(served.model_dir, transport="mooncake") as sender:
+        sender.connect([engine])
+        with sender.update(1, adapter="fenced", adapter_config=adapter_config, verify=True) as update:
+            update.push_many(tensors)
+    assert update.report.slots == {engine.name: slot}
+    state = _state(served)
+    assert state["state"] == "none" and state["epoch"] == epoch + 1, state
+    assert state["adapters"]["fenced"] == {"version": "1", "torn": None}
+    for rank, before in old.items():
+        now = EnginePublication.from_json(engine.transfer_engine_info(rank))
+        assert now.epoch == epoch + 1 and now.peer != before.peer and now.params == before.params
+        assert _read(before.peer, before.params[entry].data_ptr, 16) is None  # the old epoch reaches nothing
+    _assert_equals_sglangs_own_load(served, served.model_dir, served.tp, slot, adapter_config, tensors, tmp_path)
+    engine.unload_lora_adapter("fenced")
