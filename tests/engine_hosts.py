@@ -26,9 +26,10 @@ KEY = "policy-key"
 PATHS = {
     "receiver": {"pause": "/pause_generation", "continue": "/continue_generation", "begin": "/begin_weight_update",
                  "end": "/end_weight_update", "version": "/update_weight_version", "renew": "/renew_weight_update",
-                 "apply": "/p2pw_apply_deltas"},
+                 "apply": "/p2pw_apply_deltas", "load": "/load_lora_adapter", "unload": "/unload_lora_adapter"},
     "vllm": {"pause": "/pause", "continue": "/resume", "begin": "/start_weight_update", "end": "/finish_weight_update",
-             "version": "/update_weight_version", "renew": "/renew_weight_update", "apply": "/p2pw_apply_deltas"},
+             "version": "/update_weight_version", "renew": "/renew_weight_update", "apply": "/p2pw_apply_deltas",
+             "load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
 }
 PATHS["sglang"] = PATHS["receiver"]
 AREA = [1 << 20, 4096]  # where rank 0 says its delta area is (never written: the apply is the ranks')
@@ -42,6 +43,21 @@ class Ranks:
         self.fail_apply = self.fail_revoke = self.fail_pause = False
         self.applied: list[dict] = []
         self.epoch = 1
+        self.adapters: dict[str, dict] = {}  # the engine's LoRA registry: name -> {"slot", "pinned", "id"}
+
+    def load(self, name: str, pinned: bool) -> int:
+        slot = 1 + len(self.adapters)
+        self.adapters[name] = {"slot": slot, "pinned": bool(pinned), "id": 100 + slot}
+        return slot
+
+    def slot(self, name: str) -> int:
+        """Where the engine holds ``name``: refused (a rank's own words) when not loaded or not pinned."""
+        held = self.adapters.get(name)
+        if held is None:
+            raise InvalidWrite(f"rank 0: LoRA adapter {name!r} is not loaded", rank=0)
+        if not held["pinned"]:
+            raise InvalidWrite(f"rank 0: LoRA adapter {name!r} is not pinned", rank=0)
+        return held["slot"]
 
     def apply(self, manifests: dict) -> None:
         if self.fail_apply:  # what a rank raises when its area does not hold what the manifest says
@@ -118,6 +134,14 @@ class ReceiverHost(Host):
                 ranks.revoke(epoch)
                 return {0: ("127.0.0.1:2", {}, {"epoch": epoch, "delta_area": AREA})}
 
+            def adapter(self, op: str, name: str, path: str | None = None, pinned: bool = True) -> int | None:
+                if op == "load":
+                    return ranks.load(name, pinned)
+                if op == "unload":
+                    ranks.adapters.pop(name, None)
+                    return None
+                return ranks.slot(name)
+
         self.server = ReceiverServer(Hooks(), api_key=KEY, session_lease=30).start()
         self.server.register_transfer_engine_info(0, "127.0.0.1:1", {}, {"delta_area": AREA, "epoch": 1})
 
@@ -182,11 +206,12 @@ class SglangHost(_Asgi):
     def __init__(self, monkeypatch: Any, api_key: str | None = KEY, admin_api_key: str | None = None) -> None:
         super().__init__()
         from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
         from fastapi.testclient import TestClient
         from sglang.srt.utils.auth import AuthLevel, add_api_key_middleware, auth_level
 
         from p2pweights.replica import sglang_env
-        from p2pweights.sglang_plugin import delta_updates, rank_deltas, rank_epochs, sessions
+        from p2pweights.sglang_plugin import delta_updates, lora_slots, rank_deltas, rank_epochs, sessions
 
         sglang_env.prepare()  # sglang's io_struct (the ranks' requests) imports what a CPU host lacks
         ranks, app = self.ranks, FastAPI()
@@ -202,6 +227,9 @@ class SglangHost(_Asgi):
             async def check_weights_communicator(self, req: Any) -> list:
                 args = json.loads(req.skip_tensor_list[0])
                 try:
+                    if req.action == lora_slots.ACTION:
+                        answer = {"ranks": [{"rank": 0, "slot": ranks.slot(args["lora_name"])}]}
+                        return [types.SimpleNamespace(success=True, message=json.dumps(answer))]
                     if req.action == rank_deltas.ACTION:
                         ranks.apply(args["manifests"])
                     elif req.action == rank_epochs.ACTION:
@@ -230,12 +258,27 @@ class SglangHost(_Asgi):
         async def ok() -> dict:
             return {"success": True, "message": "Success"}
 
+        @auth_level(AuthLevel.ADMIN_OPTIONAL)
+        async def load(request: Any) -> Any:  # sglang's own load: its registry (the ranks' here)
+            body = await request.json()
+            ranks.load(body["lora_name"], body.get("pinned", False))
+            return JSONResponse({"success": True, "error_message": None,
+                                 "loaded_adapters": {body["lora_name"]: body["lora_path"]}})
+
+        @auth_level(AuthLevel.ADMIN_OPTIONAL)
+        async def unload(request: Any) -> Any:
+            ranks.adapters.pop((await request.json())["lora_name"], None)
+            return JSONResponse({"success": True, "error_message": None})
+
         app.add_api_route("/pause_generation", pause, methods=["POST"])
         app.add_api_route("/continue_generation", resume, methods=["POST"])
+        app.add_route("/load_lora_adapter", load, methods=["POST"])  # a Starlette route: the raw request
+        app.add_route("/unload_lora_adapter", unload, methods=["POST"])
         _engine_session_routes(app, self, "/begin_weight_update", "/end_weight_update",
                                f"a weight-update session is {p.SESSION_ALREADY_OPEN}")
         for path in set(sessions.GATED_PATHS) - {sessions.RENEW_PATH, sessions.APPLY_PATH, "/pause_generation",
-                                                 "/continue_generation", "/begin_weight_update", "/end_weight_update"}:
+                                                 "/continue_generation", "/begin_weight_update", "/end_weight_update",
+                                                 "/load_lora_adapter", "/unload_lora_adapter"}:
             app.add_api_route(path, ok, methods=["POST"])
         app.add_api_route(sessions.CHECKER_PATH, ok, methods=["POST"])
         monkeypatch.setattr(sessions, "HOST", None)  # install() sets the process's gate: restored after the test
@@ -256,6 +299,7 @@ class VllmHost(_Asgi):
     def __init__(self, monkeypatch: Any) -> None:
         super().__init__()
         from fastapi import FastAPI
+        from fastapi.responses import PlainTextResponse
         from fastapi.testclient import TestClient
 
         from p2pweights.vllm_backend import gate, rank_calls
@@ -275,12 +319,25 @@ class VllmHost(_Asgi):
                 verb, body = args
                 if verb == "publication":
                     return [{"rank": 0, "delta_area": AREA, "epoch": ranks.epoch}]
+                if verb == "adapter_slot":  # a worker's answer: vLLM's slot and whether it is pinned
+                    name = next(n for n, a in ranks.adapters.items() if a["id"] == body["lora_int_id"])
+                    held = ranks.adapters[name]
+                    return [{"rank": 0, "slot": held["slot"], "pinned": held["pinned"]}]
                 if verb == "revoke":
                     ranks.revoke(body["epoch"])
                 return [{"rank": 0}]
 
             async def update_weights(self, request: Any) -> None:
                 ranks.apply(request.update_info[DELTA_KEY])
+
+            async def pin_lora(self, lora_id: int) -> bool:
+                for held in ranks.adapters.values():
+                    if held["id"] == lora_id:
+                        held["pinned"] = True
+                return True
+
+            async def remove_lora(self, lora_id: int) -> bool:
+                return True
 
         async def pause() -> dict:
             ranks.pause()
@@ -293,8 +350,25 @@ class VllmHost(_Asgi):
         async def ok() -> dict:
             return {"status": "ok"}
 
+        async def load(request: Any) -> Any:  # vLLM's own load: its API server's registry
+            body = await request.json()
+            ranks.load(body["lora_name"], False)  # vLLM pins only when the gate asks it to (pin_lora)
+            models.lora_requests[body["lora_name"]] = types.SimpleNamespace(
+                lora_int_id=ranks.adapters[body["lora_name"]]["id"])
+            return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+        async def unload(request: Any) -> Any:
+            name = (await request.json())["lora_name"]
+            ranks.adapters.pop(name, None)
+            models.lora_requests.pop(name, None)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+        models = types.SimpleNamespace(lora_requests={})
+        app.state.openai_serving_models = models
         app.add_api_route("/pause", pause, methods=["POST"])
         app.add_api_route("/resume", resume, methods=["POST"])
+        app.add_route("/v1/load_lora_adapter", load, methods=["POST"])  # a Starlette route: the raw request
+        app.add_route("/v1/unload_lora_adapter", unload, methods=["POST"])
         _engine_session_routes(app, self, "/start_weight_update", "/finish_weight_update",
                                "a weight update is already active")
         for path in ("/update_weight_version", "/update_weights", gate.INIT, "/shutdown_weight_transfer_engine"):

@@ -261,3 +261,58 @@ def test_the_engine_names_its_process_in_its_state_and_begins_and_a_restart_is_a
         assert again.state()["instance"] != instance
     finally:
         again.close()
+
+
+# ---- LoRA adapters: one adapter's slot as a target of its own (engine/adapters.py) ------------------------
+
+
+def _load(host, name: str, pinned: bool = True) -> tuple[int, dict]:
+    return host.call("load", {"lora_name": name, "lora_path": f"/adapters/{name}", "pinned": pinned}, None)
+
+
+def test_an_adapter_session_answers_the_engines_slot_and_sets_the_adapters_own_version(host):
+    who = owner()
+    status, loaded = _load(host, "a")
+    assert status == p.OK and loaded["p2pw_slot"] == 1, loaded
+    host.call("pause", {}, who)
+    status, begun = host.call("begin", {"adapter": "a"}, who)
+    assert status == p.OK and begun["adapter"] == {"name": "a", "slot": 1}, begun
+    status, said = host.call("load", {"lora_name": "b", "lora_path": "/adapters/b", "pinned": True}, who)
+    assert status == p.BAD_REQUEST and "end it first" in str(said), said  # the engine's own load waits
+    status, said = host.call("end", {}, who)
+    assert status == p.BAD_REQUEST and "adapter_version" in str(said), said  # refused: nothing changed
+    status, ended = host.call("end", {"adapter_version": "3"}, who)
+    assert status == p.OK and set(ended[BASE_KEY]) == {"epoch", "token"}, ended
+    assert host.state()["adapters"] == {"a": {"version": "3", "torn": None}}
+
+
+def test_an_adapter_not_loaded_or_not_pinned_is_refused_at_the_begin_and_nothing_changes(host):
+    who = owner()
+    base = committed(host, who)
+    _load(host, "loose", pinned=False)  # the engine may evict it and give its slot away
+    for name in ("missing", "loose"):
+        host.call("pause", {}, who)
+        status, said = host.call("begin", {"adapter": name}, who)
+        assert status == p.BAD_REQUEST and "load_lora_adapter" in str(said), (name, said)
+        assert host.state()["state"] == "none"
+    host.call("pause", {}, who)
+    status, begun = host.call("begin", {DELTA_KEY: base}, who)  # the weights' claim still holds
+    assert status == p.OK and begun[DELTA_KEY]["accepted"], begun
+
+
+def test_a_torn_adapter_keeps_the_engine_paused_until_a_complete_update_of_it(host):
+    who = owner()
+    _load(host, "a")
+    host.call("pause", {}, who)
+    assert host.call("begin", {"adapter": "a"}, who)[0] == p.OK
+    assert host.call("renew", {"release": True}, who)[0] == p.OK  # given up after its writes began
+    assert host.state()["adapters"]["a"]["torn"]
+    committed(host, owner())  # a complete update of the weights heals the session, not the adapter
+    status, said = host.call("continue", {}, who)
+    assert status == p.CONFLICT and "'a'" in str(said), said
+    heir = owner()
+    host.call("pause", {}, heir)
+    assert host.call("begin", {"adapter": "a"}, heir)[0] == p.OK
+    assert host.call("end", {"adapter_version": "2"}, heir)[0] == p.OK
+    assert host.call("continue", {}, heir)[0] == p.OK
+    assert host.state()["adapters"]["a"] == {"version": "2", "torn": None}
