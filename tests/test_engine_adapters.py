@@ -154,3 +154,17 @@ def test_an_adapter_session_given_up_or_unloaded():
         host.call(CONTINUE, {}, other)
     assert host.call("unload_lora_adapter", {"lora_name": "a"}, other).ok  # nothing of it can be served now
     assert host.call(CONTINUE, {}, other).ok
+
+
+def test_an_adapter_update_from_one_of_several_senders_is_refused_naming_the_fix(tmp_path):
+    from p2pweights.errors import SenderGroupError
+    from p2pweights.sender import WeightSender
+    from replica_configs import write_config
+
+    sender = WeightSender(write_config("qwen3", str(tmp_path)), sender_index=1, num_senders=2, transport="mooncake")
+    sender._ranks, sender._engines = [object()], [object()]  # as if connected: refused before any engine is asked
+    with pytest.raises(SenderGroupError, match="one sender") as refused:
+        sender.update(1, adapter="a", adapter_config={"r": 4})
+    assert "without group=" in str(refused.value)
+    sender._ranks, sender._engines = [], []
+    sender.close()

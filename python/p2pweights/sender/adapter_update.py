@@ -35,7 +35,7 @@ from ..control.update_session import UpdateSession
 from ..control.weights_digest import digest
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..engine.adapters import ADAPTER_KEY, ADAPTER_VERSION_KEY
-from ..errors import LayoutMismatch, NonFiniteTensor, P2PWeightsError, UpdateFailed
+from ..errors import LayoutMismatch, NonFiniteTensor, P2PWeightsError, SenderGroupError, UpdateFailed
 from ..models.engine_layout import EngineLayout
 from .adapter_bytes import adapter_setting, slot_bytes
 from .verify import _ask
@@ -88,6 +88,13 @@ class SenderAdapters:
                **kwargs: Any) -> "AdapterUpdate":
         if not sender._ranks:
             raise P2PWeightsError("connect(engines) before update()")
+        if sender.num_senders * sender.pp_size > 1:  # each would write only its share, in its own session
+            raise SenderGroupError(
+                f"adapter {adapter!r}: an adapter update runs from one sender, which writes every engine rank (this "
+                f"one is sender {sender.sender_index} of {sender.num_senders}, PP stage {sender.pp_stage} of "
+                f"{sender.pp_size})", parameter=adapter,
+                hint="gather the adapter's tensors on one trainer rank and update it there with a WeightSender "
+                     "made without group= (an adapter is small: docs/lora.md)")
         return AdapterUpdate(sender, version, adapter, adapter_config, **kwargs)
 
 
