@@ -54,6 +54,13 @@ LAYOUT_ARGS: dict[str, Any] = {
     "speculative_algorithm": None,
 }
 
+# The engine's GPU architecture, when it changes a rank's bytes: not a server arg (sglang reads it from
+# the GPU). Absent (None) or sm90: a Hopper engine, the replica's default; sm100: a Blackwell engine,
+# whose FP8 post-processing the replica replays (replica/sglang_ue8m0.py). In a layout's args only
+# when it is sm100, so every other layout keeps its args, hash and cache key.
+DEVICE_ARGS: dict[str, Any] = {"gpu_arch": None}
+_GPU_ARCHS = {"sm90": None, "sm100": "sm100"}
+
 # Server args a replica cannot reproduce: (arg, value that is fine, why). Anything else rejects.
 _REJECTED_UNLESS: tuple[tuple[str, Any, str], ...] = (
     ("ep_num_redundant_experts", 0, "redundant experts place extra expert copies by load"),
@@ -85,7 +92,7 @@ _FUSED = "fused_shared_experts"
 
 #: server args the replica (check-layout, demo, the receiver) honours: the byte-deciding ones, the
 #: ones it checks and rejects, and the deprecated DP-attention spelling it normalizes
-REPLICA_KEYS = frozenset(LAYOUT_ARGS) | SPECULATIVE_KEYS | {name for name, _, _ in _REJECTED_UNLESS} | {
+REPLICA_KEYS = frozenset(LAYOUT_ARGS) | frozenset(DEVICE_ARGS) | SPECULATIVE_KEYS | {name for name, _, _ in _REJECTED_UNLESS} | {
     "max_ep_size", "enable_dp_attention", "dp_size"}
 
 
@@ -141,7 +148,10 @@ class EngineLayout:
                 raise LayoutSpecError(f"{_SHORT.get(name, name)}={given[name]!r} is not a whole number")
         values = {name: given.get(name, default) for name, default in LAYOUT_ARGS.items()}
         values["json_model_override_args"] = _canonical_json(values["json_model_override_args"])
-        extra = {k: v for k, v in given.items() if k not in LAYOUT_ARGS}
+        arch = _gpu_arch(given.get("gpu_arch"))
+        if arch is not None:
+            values["gpu_arch"] = arch
+        extra = {k: v for k, v in given.items() if k not in LAYOUT_ARGS and k not in DEVICE_ARGS}
         layout = cls(args=tuple(sorted(values.items())), extra=extra)
         layout.check_supported()
         if extra:
@@ -213,6 +223,11 @@ class EngineLayout:
         return None
 
     @property
+    def gpu_arch(self) -> str | None:
+        """``sm100`` for a layout of a Blackwell engine; None for the replica's default (Hopper)."""
+        return self._values.get("gpu_arch")
+
+    @property
     def world_size(self) -> int:
         """Engine ranks in one engine (its WORLD): tp × pp."""
         return self.tp_size * self.pp_size
@@ -224,7 +239,7 @@ class EngineLayout:
 
     def server_args(self) -> dict[str, Any]:
         """Keyword arguments for sglang's ``ServerArgs`` (only the byte-deciding ones)."""
-        return {k: v for k, v in self.args if v != LAYOUT_ARGS[k]}
+        return {k: v for k, v in self.args if k in LAYOUT_ARGS and v != LAYOUT_ARGS[k]}
 
     def describe(self) -> str:
         """``tp=8,ep=8,dp_attention=8,...``: the non-default args, short names first."""
@@ -232,7 +247,8 @@ class EngineLayout:
         first = ["tp_size", "pp_size", "ep_size", "attn_dp_size"]
         args = {"tp_size": self.tp_size, **self.server_args()}
         names = [n for n in first if n in args] + [n for n in args if n not in first]
-        return ",".join(f"{short.get(n, n)}={args[n]}" for n in names)
+        arch = [f"gpu_arch={self.gpu_arch}"] if self.gpu_arch else []
+        return ",".join([f"{short.get(n, n)}={args[n]}" for n in names] + arch)
 
     # -- rejections ---------------------------------------------------------------------------
     def check_supported(self) -> None:
@@ -257,6 +273,11 @@ class EngineLayout:
             )
         check_parallelism(merged)  # pp, moe_dp, attn_cp, dcp: layout_refusals.py says what sglang does and why
         check_speculative(merged)  # an engine running a draft is never treated as target-only
+        if merged.get("gpu_arch") and merged.get("speculative_algorithm") not in (None, "", "none", "None", "null"):
+            raise UnsupportedLayout(
+                f"engine gpu_arch={merged['gpu_arch']} with speculative_algorithm={merged['speculative_algorithm']!r} "
+                "is not supported yet: the draft role's Blackwell post-processing is not replayed",
+                parameter="gpu_arch", hint="serve the draft on Hopper (sm90), or without --speculative-algorithm")
         tp = int(merged["tp_size"])
         if tp < 1:
             raise LayoutSpecError(f"tp={tp}; an engine needs at least one GPU")
@@ -337,6 +358,19 @@ def _normalize_dp_attention(args: dict[str, Any]) -> dict[str, Any]:
     args.pop("dp_size", None)
     args.pop("enable_dp_attention", None)
     return args
+
+
+def _gpu_arch(value: Any) -> str | None:
+    """``gpu_arch`` of a layout: None for absent or Hopper, ``sm100`` for Blackwell (``sm_100a``,
+    ``10.0``, ``100`` too); anything else is refused (the replica reproduces those two)."""
+    if value in (None, "", "none", "None", "null"):
+        return None
+    text = str(value).strip().lower().replace("_", "").rstrip("af")
+    text = {"9.0": "sm90", "90": "sm90", "10.0": "sm100", "100": "sm100"}.get(text, text)
+    if text not in _GPU_ARCHS:
+        raise UnsupportedLayout(f"engine gpu_arch={value!r} is not supported: the replica reproduces Hopper (sm90) "
+                                "and Blackwell (sm100) engines", parameter="gpu_arch")
+    return _GPU_ARCHS[text]
 
 
 def _canonical_json(value: Any) -> str:

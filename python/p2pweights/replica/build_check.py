@@ -113,8 +113,13 @@ def fp8_refusal(arch: str, device: str | None = None, scale_fmt: str | None = No
     major = _arch_major(arch)
     if major is not None and major >= 10:
         fmt = " (the checkpoint's scale_fmt is ue8m0)" if scale_fmt == "ue8m0" else ""
-        return ("on Blackwell/SM12x DeepGEMM's post-processing requantizes the block scales to UE8M0 and "
-                f"repacks them{fmt} (requant_block_scale_ue8m0_for_deepgemm), a layout the checkpoint does not have")
+        why = ("on Blackwell/SM12x DeepGEMM's post-processing requantizes the block scales to UE8M0 and "
+               f"repacks them{fmt} (requant_block_scale_ue8m0_for_deepgemm), a layout the checkpoint does not have")
+        if arch == "sm100":  # replayed by the replica (check-layout --engine ...,gpu_arch=sm100), not at connect yet
+            why += ("; the replica replays it for sm100 (check-layout with gpu_arch=sm100), but connect does not build "
+                    "that replica yet, and the packed int32 scales lie MN-major in memory while the sglang plugin's "
+                    "weight checksums hash them in logical order")
+        return why
     if major is not None and major < 9:
         return ("below Hopper sglang has no block-FP8 tensor-core path and repacks the FP8 weights for Marlin, "
                 "another layout than the checkpoint's")

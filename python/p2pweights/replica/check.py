@@ -9,7 +9,11 @@ whole checkpoint. For an FP8 block-quantized config both paths read the same FP8
 seeded random BF16 trainer tensors quantized with the sender's formula (``RandomCheckpoint``); the
 result counts the parameters checked per dtype, so the FP8 weights and their float32 scales are
 seen to be compared. Parameters only post-processing sets (FP8 attention ``k_scale``/``v_scale``)
-are not written by any group and are listed, not compared.
+are not written by any group and are listed, not compared. For a Blackwell layout
+(``gpu_arch=sm100``) the replica's slot holds the post-processed bytes sglang's engine keeps
+(``sglang_ue8m0.py``), so the reference is post-processed too (``end_weight_update``'s
+``postprocess_weights``, under that engine's answers) and each parameter is compared as its bytes lie
+in memory (DeepGEMM's packed scales are MN-major).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
 from . import reference
 from .model_replica import ModelReplica, ModelReplicas
+from .sglang_ue8m0 import memory_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +111,8 @@ def check_rank(config: Any, engine: EngineLayout, rank: int, *, seed: int = 0,
     t0 = time.perf_counter()
     specs = checkpoint_tensors(config)
     replica = (replicas or ModelReplicas(cache_dir="")).get(config, engine, rank, hf_specs=specs)
-    model = reference.reference_model(config, engine, rank, seed=seed)  # the receiver's equality check's, too
+    # the receiver's equality check's, too; a Blackwell engine's slot bytes are post-processed ones
+    model = reference.reference_model(config, engine, rank, seed=seed, post_process=engine.gpu_arch is not None)
     result = compare_with_reference(replica, model, seed=seed, config=config)
     result.seconds = time.perf_counter() - t0
     return result
@@ -135,7 +141,7 @@ def compare_with_reference(replica: ModelReplica, reference: "torch.nn.Module", 
                 result.mismatches.append(f"{region.param_name}: the engine rank holds no such parameter")
                 continue
             got = slot[region.offset:region.offset + region.nbytes]
-            want_bytes = want.detach().contiguous().view(-1).view(torch.uint8)
+            want_bytes = memory_bytes(want)  # as the engine publishes it: numel x size bytes from its address
             result.params_checked += 1
             result.bytes_checked += region.nbytes
             dtype = str(want.dtype).removeprefix("torch.")

@@ -10,17 +10,29 @@ an H100/H200 engine holds after loading an FP8 checkpoint (docs/replica.md, "FP8
   (:func:`post_load_as_on_hopper`). ``process_weights_after_loading`` keeps the bytes on Hopper (no
   DeepGEMM UE8M0 requantization there) and on this host alike; the attention ``k_scale``/``v_scale``
   it sets are never written by a sender (``probe.py``: ``LoaderMapping.derived``).
+
+A layout that names a Blackwell engine (``gpu_arch=sm100``) is built, loaded and post-processed
+under that engine's answers instead (:func:`engine_answers`, scoped to those calls), and its
+post-processing, which rewrites the bytes, is replayed on send (``sglang_ue8m0.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import types
 from typing import Any, Iterator
 
 from ..errors import UnsupportedLayout
 from ..models import load_config
 from ..models.engine_layout import EngineLayout
 from ..models.quant import quant_scheme
+
+#: engine architectures whose FP8 post-processing the replica reproduces by replaying it
+#: (sglang_ue8m0.py); the default replica is a Hopper engine's
+BLACKWELL_ARCHS = ("sm100",)
+_FLAGS = ("ENABLE_JIT_DEEPGEMM", "DEEPGEMM_SCALE_UE8M0", "DEEPGEMM_BLACKWELL")
+_DEEP_GEMM = ("deep_gemm", "deep_gemm.utils", "deep_gemm.utils.layout")
 
 
 def post_load_as_on_hopper() -> None:
@@ -107,3 +119,69 @@ def block_shard_checks(engine: EngineLayout, rank: int) -> Iterator[None]:
     finally:
         Fp8LinearMethod.create_weights, Fp8MoEMethod.create_weights = linear, moe
         Fp8Config.get_quant_method = pick
+
+
+def is_blackwell(engine: Any) -> bool:
+    """Whether ``engine`` (an EngineLayout) names a Blackwell engine (``gpu_arch=sm100``)."""
+    return engine is not None and engine.get("gpu_arch") in BLACKWELL_ARCHS
+
+
+def _deep_gemm_stand_in() -> dict[str, types.ModuleType]:
+    """DeepGEMM's Python surface that sglang's UE8M0 path touches: ``utils.align``,
+    ``utils.get_tma_aligned_size`` (DeepGEMM's own arithmetic) and ``utils.layout.
+    get_mn_major_tma_aligned_packed_ue8m0_tensor`` as DeepGEMM's torch reference (sglang's copy)."""
+    from sglang.srt.layers.quantization import fp8_utils
+
+    root, utils, layout = (types.ModuleType(n) for n in _DEEP_GEMM)
+
+    def align(x: int, y: int) -> int:
+        return (x + y - 1) // y * y
+
+    def get_tma_aligned_size(x: int, element_size: int) -> int:
+        assert 16 % element_size == 0
+        return align(x, 16 // element_size)
+
+    utils.align, utils.get_tma_aligned_size = align, get_tma_aligned_size
+    layout.get_mn_major_tma_aligned_packed_ue8m0_tensor = fp8_utils._get_mn_major_tma_aligned_packed_ue8m0_tensor_torch_impl
+    root.utils, utils.layout = utils, layout
+    root.__p2pw_stand_in__ = True  # type: ignore[attr-defined]
+    return dict(zip(_DEEP_GEMM, (root, utils, layout)))
+
+
+@contextlib.contextmanager
+def engine_answers(engine: Any) -> Iterator[None]:
+    """While the block runs, sglang answers as on an sm100 engine with DeepGEMM and UE8M0 scales
+    (nothing changes for any other layout): ``deep_gemm_wrapper``'s ``ENABLE_JIT_DEEPGEMM``,
+    ``DEEPGEMM_SCALE_UE8M0``, ``DEEPGEMM_BLACKWELL`` (in the three modules holding them), the
+    platform's ``is_sm100`` / ``is_blackwell`` (sglang's own ``override_platform``) and DeepGEMM's
+    Python surface (:func:`_deep_gemm_stand_in`). The caller holds sglang_env's lock."""
+    if not is_blackwell(engine):
+        yield
+        return
+    import sglang.srt.layers.deep_gemm_wrapper as wrapper
+    import sglang.srt.layers.deep_gemm_wrapper.configurer as configurer
+    import sglang.srt.layers.deep_gemm_wrapper.entrypoint as entrypoint
+    from sglang.srt.runtime_context import override_platform
+
+    saved_flags = [(m, n, getattr(m, n)) for m in (configurer, entrypoint, wrapper) for n in _FLAGS]
+    modules = _deep_gemm_stand_in() if "deep_gemm" not in sys.modules else {}
+    try:
+        for module, name, _ in saved_flags:
+            setattr(module, name, True)
+        sys.modules.update(modules)
+        with override_platform(is_sm100=True, is_blackwell=True, is_sm90=False):
+            yield
+    finally:
+        for module, name, value in saved_flags:
+            setattr(module, name, value)
+        for name in modules:
+            sys.modules.pop(name, None)
+
+
+def moe_runner_flags() -> None:
+    """In the current runtime context, the MoE runner and A2A flags as sglang's scheduler seeds them
+    (``initialize_moe_config``, from the server args): on a Blackwell engine they decide whether
+    ``Fp8MoEMethod`` requantizes the experts (``is_deepgemm_moe_runner_backend_enabled``)."""
+    from sglang.srt.layers.moe.utils import initialize_moe_config
+
+    initialize_moe_config()

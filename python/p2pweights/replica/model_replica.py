@@ -8,6 +8,7 @@ the model: only meta parameters, the slot, and the group's HF inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from . import sglang_env
 from .draft_model import build_role_model
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion, build_groups
 from .probe import LoaderMapping, probe_loaders
+from .sglang_ue8m0 import Ue8m0Replay, load_post_processed
 
 if TYPE_CHECKING:
     import torch
@@ -340,6 +342,41 @@ def _tensor_attrs(module: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(module).items() if _is_plain_tensor(v)}
 
 
+class BlackwellModelReplica(ModelReplica):
+    """A Blackwell engine rank's replica (``gpu_arch=sm100``): its groups are laid out by the
+    engine's post-processed shapes (packed int32 scales), and its loads replay sglang's FP8
+    post-processing on the loaded bytes (:mod:`.sglang_ue8m0`)."""
+
+    def __init__(self, config: Any, engine: EngineLayout, rank: int, mapping: LoaderMapping,
+                 model: "torch.nn.Module | None" = None, key: ReplicaKey | None = None):
+        self.loading = ModelReplica(config, engine, rank, mapping, model=model, key=key)  # the loaders' shapes
+        self.replay = Ue8m0Replay(self.loading.model, engine)
+        published = dataclasses.replace(mapping, param_specs={n: self.replay.specs.get(n, s)
+                                                              for n, s in mapping.param_specs.items()})
+        super().__init__(config, engine, rank, published, model=self.loading.model, key=key)
+
+    @property
+    def model(self) -> "torch.nn.Module":
+        return self.loading.model
+
+    @property
+    def replayed(self) -> dict[str, str]:
+        """Module name -> the transforms replayed on send (``sglang_ue8m0.TRANSFORMS``)."""
+        return dict(self.replay.transforms)
+
+    def not_a_copy(self, group: ParameterGroup) -> str | None:
+        return self.replay.why_not_a_copy(group.params)
+
+    def load_groups(self, placed: Sequence[tuple[ParameterGroup, int]], hf_tensors: Mapping[str, "torch.Tensor"],
+                    slot: "torch.Tensor") -> list[SlotRegion]:
+        return load_post_processed(self.loading, self.replay, placed, hf_tensors, slot)
+
+
+def replica_class(engine: EngineLayout) -> type:
+    """:class:`ModelReplica`, or for a Blackwell layout :class:`BlackwellModelReplica`."""
+    return ModelReplica if engine.gpu_arch is None else BlackwellModelReplica
+
+
 class ModelReplicas:
     """The process's replicas, one per (model config, shard layout, engine rank).
 
@@ -407,7 +444,7 @@ class ModelReplicas:
         t1 = time.perf_counter()
         mapping = probe_loaders(model, hf_specs if hf_specs is not None else checkpoint_tensors(config))
         t2 = time.perf_counter()
-        replica = ModelReplica(config, engine, rank, mapping, model=model, key=key)
+        replica = replica_class(engine)(config, engine, rank, mapping, model=model, key=key)
         self.last_timings = {"sglang_import_s": t0 - t_import, "build_s": t1 - t0, "probe_s": t2 - t1,
                              "groups_s": time.perf_counter() - t2}
         for k, v in self.last_timings.items():
@@ -432,7 +469,7 @@ class ModelReplicas:
         except (OSError, ValueError, KeyError):
             return None  # a damaged cache entry is rebuilt, never trusted
         self.disk_hits += 1
-        replica = ModelReplica(config, engine, rank, mapping, key=key)
+        replica = replica_class(engine)(config, engine, rank, mapping, key=key)
         self.seconds["disk_s"] = self.seconds.get("disk_s", 0.0) + time.perf_counter() - t0
         return replica
 

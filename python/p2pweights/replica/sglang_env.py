@@ -45,6 +45,7 @@ _prepared = False
 _lock = threading.RLock()
 _CONTEXT_ATTR = "_p2pw_runtime_context"
 _SERVER_ARGS_ATTR = "_p2pw_server_args"
+_LAYOUT_ATTR = "_p2pw_engine_layout"
 
 
 # -- making sglang importable on a CPU host --------------------------------------------------------
@@ -346,12 +347,15 @@ def build_model(config: Any, engine: EngineLayout, rank: int, device: str = "met
         try:
             context = rank_context(server_args, rank)
             with rc.use_context(context):
+                if engine.gpu_arch is not None:  # its MoE runner decides whether experts are requantized
+                    fp8_engine.moe_runner_flags()
                 model_config = ModelConfig.from_server_args(server_args)
                 _register_architecture(list(model_config.hf_config.architectures or []))
                 load_config = LoadConfig()
                 quant_config = _get_quantization_config(model_config, load_config)
                 target = torch.device("meta") if device == "meta" else torch.device(device)
-                with set_default_torch_dtype(model_config.dtype), target:
+                # a Blackwell layout: sglang picks its kernels as on that engine (ServerArgs stay this host's)
+                with set_default_torch_dtype(model_config.dtype), target, fp8_engine.engine_answers(engine):
                     model = _initialize_model(model_config, load_config, quant_config)
         except UnsupportedLayout:
             raise
@@ -361,17 +365,20 @@ def build_model(config: Any, engine: EngineLayout, rank: int, device: str = "met
             ) from e
     setattr(model, _CONTEXT_ATTR, context)
     setattr(model, _SERVER_ARGS_ATTR, server_args)
+    setattr(model, _LAYOUT_ATTR, engine)
     return model.eval()
 
 
 @contextlib.contextmanager
 def activate(model: "torch.nn.Module") -> Iterator[Any]:
-    """Make ``model``'s runtime context current (its loaders read ranks from it). Not thread-safe
+    """Make ``model``'s runtime context current (its loaders read ranks from it), and, for a
+    Blackwell layout, that engine's answers (``fp8_engine.engine_answers``). Not thread-safe
     against other contexts: sglang's context is process-global, so this holds a lock."""
     from sglang.srt import runtime_context as rc
 
     context = getattr(model, _CONTEXT_ATTR)
-    with _lock, rc.use_context(context), warnings.catch_warnings():
+    with _lock, rc.use_context(context), warnings.catch_warnings(), \
+            fp8_engine.engine_answers(getattr(model, _LAYOUT_ATTR, None)):
         warnings.simplefilter("ignore")
         yield context
 
