@@ -369,10 +369,8 @@ class WeightSender:
         control: drive the engines' session (pause, begin; end, version, continue on success); with
         ``group=``, sender 0 drives it for all (several senders need ``group=``, or control=False).
         pause_mode: sglang's ``pause_generation`` mode (abort, retract, in_place).
-        on_failure: a ``control.FailurePolicy`` or its value: "resume_if_unwritten" (default: an update
-        that failed before any write ends the session without a version bump and resumes the engines)
-        or "leave_paused" (always leave them paused, session open). After a write they stay paused either way, until the next
-        complete update.
+        on_failure: a ``control.FailurePolicy`` or its value: "resume_if_unwritten" (default: a failure before
+        any write ends the session, no bump, engines resumed) or "leave_paused"; after a write, paused either way.
         force: set ``version`` even if it does not come after this sender's last one and the
         engines' current one (numerically when both are numbers, else it must differ).
         cast: cast pushed tensors of another float dtype to the checkpoint's dtype.
@@ -394,6 +392,10 @@ class WeightSender:
         """
         if not self._engines:
             raise P2PWeightsError("connect(engines) before update()")
+        if adapter is not None:  # an adapter is small: NaN is always checked unless turned off here
+            return self.adapters.update(self, version, adapter, adapter_config, delta=delta, on_failure=on_failure,
+                                        verify=self.settings.verify if verify is None else bool(verify),
+                                        check_finite=check_finite is not False, pause_mode=pause_mode)
         if control and self.group.size == 1 and self.num_senders * self.pp_size > 1:
             raise SenderGroupError(
                 f"{self.num_senders} sender(s) x {self.pp_size} PP stage(s) with control=True and no group: each "
@@ -406,9 +408,6 @@ class WeightSender:
         from .join import check_engine_down, update_set
 
         verify = self.settings.verify if verify is None else bool(verify)
-        if adapter is not None:  # an adapter is small: NaN is always checked unless turned off here
-            return self.adapters.update(self, version, adapter, adapter_config, verify=verify, delta=delta, on_failure=on_failure,
-                                        check_finite=check_finite is not False, pause_mode=pause_mode)
         check_finite = self.settings.check_finite if check_finite is None else check_finite
         down = check_engine_down(self.settings.engine_down if on_engine_down is None else on_engine_down)
         ranks, engines, skipped = update_set(self, down if control else "fail")
