@@ -127,6 +127,8 @@ def _every_verb(engine: SglangEngine) -> None:
     engine.update_weights_from_distributed(["model.norm.weight"], ["bfloat16"], [[64]], group_name="g",
                                            weight_version="3")
     engine.destroy_weights_update_group("g")
+    engine.load_lora_adapter("a", "/adapters/a", pinned=True)
+    engine.unload_lora_adapter("a")
 
 
 def test_protocol_routes_are_sglangs_routes(sglang_routes, bootstrap_routes):
@@ -148,7 +150,7 @@ def test_protocol_bodies_are_sglangs_structs(io_structs):
     """Each request body has exactly its sglang struct's fields (BaseReq's rid aside), with the same
     defaults and the same required fields."""
     bodies = {r.body for r in routes.ROUTES if r.body is not None and r.body.SGLANG}
-    assert len(bodies) == 10
+    assert len(bodies) == 12  # LoadLoRAAdapterReq, UnloadLoRAAdapterReq: issue 38
     for cls in bodies:
         sglang = {k: v for k, v in io_structs(cls.SGLANG).items() if k not in ("rid", "http_worker_ipc")}
         ours = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("extra")}

@@ -191,3 +191,24 @@ def test_a_takeover_of_a_lost_adapter_session_revokes_the_pool_with_the_weights(
         assert _read(before.peer, before.params[entry].data_ptr, 16) is None  # the old epoch reaches nothing
     _assert_equals_sglangs_own_load(served, served.model_dir, served.tp, slot, adapter_config, tensors, tmp_path)
     engine.unload_lora_adapter("fenced")
+
+
+def test_a_base_weights_update_on_a_lora_server_is_verified_and_leaves_the_adapter_alone(served, tmp_path):
+    """sglang wraps the LoRA target layers after the rank published its weights (their parameters become
+    ``...base_layer.weight`` in the model): the digest still answers the published names, and a base update
+    touches no adapter slot."""
+    engine = served.engine
+    slot = _load(served, tmp_path, "kept", seed=12)["p2pw_slot"]
+    adapter_config, tensors = random_peft_adapter(served.model_dir, r=4, seed=13)
+    with WeightSender(served.model_dir, transport="mooncake") as sender:
+        sender.connect([engine])
+        with sender.update(1, adapter="kept", adapter_config=adapter_config) as update:
+            update.push_many(tensors)
+        with sender.update("base-11", verify=True) as update:
+            for name, t in random_checkpoint(checkpoint_tensors(served.model_dir), 11):
+                update.push(name, t)
+        assert update.report.engines and {e.state for e in update.report.engines} == {"ok"}, update.report
+    assert engine.weight_version() == "base-11"
+    assert _state(served)["adapters"]["kept"] == {"version": "1", "torn": None}
+    _assert_equals_sglangs_own_load(served, served.model_dir, served.tp, slot, adapter_config, tensors, tmp_path)
+    engine.unload_lora_adapter("kept")

@@ -10,7 +10,7 @@ import torch
 
 from engine_proxy import PosingAs
 from p2pweights.control import SglangEngine
-from p2pweights.control.weights_digest import ROW_WORDS, digest
+from p2pweights.control.weights_digest import ROW_WORDS, digest, parameter_digests
 from p2pweights.errors import EngineError, UpdateFailed
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import ReceiverServer, check_weights_equal, start_engines
@@ -55,6 +55,20 @@ def test_the_digest_sums_wrap_like_the_words_they_add():
     within[[3, 9]] = within[[9, 3]]
     across[[3, k + 3]] = across[[k + 3, 3]]
     assert digest(within) != d and digest(across) != d
+
+
+def test_a_parameter_laid_out_mn_major_is_digested_as_its_bytes_lie_in_memory():
+    """A parameter stored as a permutation of its dimensions (sglang's Blackwell packed UE8M0 scales:
+    int32, strides (1, N)) is digested in memory order, the bytes a sender writes from its address,
+    never a logical-order copy; a view with holes keeps its logical order."""
+    storage = torch.arange(6 * 4, dtype=torch.int32).reshape(6, 4)
+    mn_major = storage.t()  # shape (4, 6), strides (1, 4): the memory is `storage`
+    model = torch.nn.Module()
+    model.scale = torch.nn.Parameter(mn_major, requires_grad=False)
+    assert not model.scale.is_contiguous()
+    got = parameter_digests(model, ["scale"])["scale"]
+    assert got == digest(storage.reshape(-1).view(torch.uint8))
+    assert got != digest(mn_major.contiguous().reshape(-1).view(torch.uint8))
 
 
 # ---- real engines ---------------------------------------------------------------------------------------

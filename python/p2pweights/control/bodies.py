@@ -84,12 +84,14 @@ class LoadLoRAAdapterReq(Body):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    lora_id: str | None = None  # sglang's tokenizer manager fills it; a client sends none
 
 
 @dataclass
 class UnloadLoRAAdapterReq(Body):
     SGLANG: ClassVar[str | None] = "UnloadLoRAAdapterReqInput"
     lora_name: str
+    lora_id: str | None = None
 
 
 @dataclass

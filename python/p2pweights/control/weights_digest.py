@@ -11,6 +11,11 @@ byte changes ``S`` (by ``d * 2**(8k)``, ``0 < |d| < 256``, ``k < 8``: never 0 mo
 vectorized passes (about 3 GB/s on one CPU core), integer sums are exact and order-free, so a
 sender's GPU and a rank's CPU agree. It detects corruption, not an adversary: it is not a
 cryptographic hash (docs/security.md).
+
+A parameter is digested as its bytes lie in memory from its address (:func:`in_memory_order`), the
+bytes its rank publishes and a sender writes: for a contiguous tensor its logical order, for a dense
+permutation of dimensions (sglang's Blackwell UE8M0 scales, int32 packed MN-major: strides ``(1, N)``)
+the permuted order, never a logical-order copy (``docs/replica.md``, "Blackwell (sm100)").
 """
 from __future__ import annotations
 
@@ -52,6 +57,17 @@ def digest_sums(data: "torch.Tensor") -> "torch.Tensor":
     return torch.stack([rows.sum(), (rows * row_w).sum(), (cols * col_w).sum()])
 
 
+def in_memory_order(t: "torch.Tensor") -> "torch.Tensor":
+    """``t`` as its bytes lie in memory: itself when contiguous; for a dense permutation of its
+    dimensions the permuted (contiguous) view, whose flat bytes are the ``numel x size`` bytes from
+    its address; anything else (a view with holes) as it is (its logical order)."""
+    if t.is_contiguous():
+        return t
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
+    permuted = t.permute(order)
+    return permuted if permuted.is_contiguous() else t
+
+
 def digest_text(sums: Iterable[int]) -> str:
     """``[S, R, C]`` (as Python ints, signed or not) -> 48 hex digits."""
     return "".join(f"{int(x) & _MASK:016x}" for x in sums)
@@ -76,5 +92,6 @@ def parameter_digests(model: "torch.nn.Module", names: Iterable[str], *, engine:
                                f"({len(missing)} unknown)", engine=engine or None, rank=rank, parameter=missing[0])
     if not names:
         return {}
-    sums = torch.stack([digest_sums(params[n]) for n in names]).cpu().tolist()  # one sync per rank
+    # as the bytes lie in memory (what the sender digested in its slot), one sync per rank
+    sums = torch.stack([digest_sums(in_memory_order(params[n])) for n in names]).cpu().tolist()
     return {n: digest_text(pair) for n, pair in zip(names, sums)}

@@ -290,14 +290,20 @@ class ReceiverServer:
     def _load_lora_adapter(self, body: dict) -> tuple[int, dict]:
         req = bodies.decode(bodies.LoadLoRAAdapterReq, body)
         with self._control_lock:
-            slot = self.hooks.adapter("load", req.lora_name, req.lora_path, req.pinned)
+            try:
+                slot = self.hooks.adapter("load", req.lora_name, req.lora_path, req.pinned)
+            except NotImplementedError as e:  # sglang answers 400 too when LoRA is not enabled
+                return _no_pool(e)
         return p.OK, {"success": True, "error_message": None, "loaded_adapters": {req.lora_name: req.lora_path},
                       "p2pw_slot": slot}
 
     def _unload_lora_adapter(self, body: dict) -> tuple[int, dict]:
         req = bodies.decode(bodies.UnloadLoRAAdapterReq, body)
         with self._control_lock:
-            self.hooks.adapter("unload", req.lora_name)
+            try:
+                self.hooks.adapter("unload", req.lora_name)
+            except NotImplementedError as e:
+                return _no_pool(e)
         return p.OK, {"success": True, "error_message": None}
 
     def _update_weight_version(self, body: dict) -> tuple[int, dict]:
@@ -375,3 +381,8 @@ class ReceiverServer:
         info = dict(self.hooks.model_info())
         info["weight_version"] = self.weight_version
         return info
+
+
+def _no_pool(e: NotImplementedError) -> tuple[int, dict]:
+    return p.BAD_REQUEST, {"success": False, "error_message": f"{e}: start the engine with a LoRA setting "
+                           "(start_engine(..., lora=LoRASetting(...)), serve --enable-lora); docs/lora.md"}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ..control.weights_digest import in_memory_order
 from ..errors import LayoutMismatch, UnsupportedLayout
 from ..models.checkpoint import TensorSpec
 from .groups import SLOT_ALIGNMENT, ParameterGroup, SlotRegion
@@ -59,13 +60,10 @@ def memory_bytes(t: "torch.Tensor") -> "torch.Tensor":
     address would not be its elements)."""
     import torch
 
-    t = t.detach()
+    t = in_memory_order(t.detach())  # the verify digest's order too (control/weights_digest.py)
     if not t.is_contiguous():
-        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-        t = t.permute(order)
-        if not t.is_contiguous():
-            raise LayoutMismatch(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} does not fill its "
-                                 "memory: its bytes are not numel x size from its address")
+        raise LayoutMismatch(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} does not fill its "
+                             "memory: its bytes are not numel x size from its address")
     return t.reshape(-1).view(torch.uint8)
 
 

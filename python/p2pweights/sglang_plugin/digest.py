@@ -127,12 +127,13 @@ def rank_answer(manager: Any, recv_req: Any) -> dict[str, Any]:
         if not isinstance(args, dict) or not isinstance(args.get("names"), dict):
             raise InvalidRequest(f"the {ACTION} action takes its names as one JSON element of skip_tensor_list")
         model, draft = _models(manager)
+        lora = lora_slots.lora_manager_of(manager)  # its wrapping renamed the target layers' parameters
         names, engine = args["names"].get(str(rank), []), str(args.get("engine", ""))
         slots = [n for n in names if n.startswith(lora_slots.PREFIX)]  # "lora.<buffer>@<slot>": adapter slots
-        digests = rank_digests(model, draft, [n for n in names if not n.startswith(lora_slots.PREFIX)], engine=engine,
-                               rank=rank)
+        digests = rank_digests(lora_slots.published_names(model, lora), draft,
+                               [n for n in names if not n.startswith(lora_slots.PREFIX)], engine=engine, rank=rank)
         if slots:
-            digests.update(lora_slots.slot_digests(lora_slots.lora_manager_of(manager), slots, engine=engine, rank=rank))
+            digests.update(lora_slots.slot_digests(lora, slots, engine=engine, rank=rank))
         return {"where": where, "digests": digests}
     except Exception as e:  # noqa: BLE001 - reported to the caller; this rank must still join the gather
         if not isinstance(e, (InvalidRequest, UnknownParameter)):

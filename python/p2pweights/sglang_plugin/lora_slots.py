@@ -16,7 +16,9 @@ receiver's ranks give (``receiver/adapter_pool.py``, ``receiver/rank.py``).
   that is not loaded, or loaded unpinned (sglang may evict it and give its slot to another adapter),
   places a pinned one as a batch would (``LoRAManager.fetch_new_loras``) and answers its slot; the ranks
   all-gather their answers and must agree.
-- **Digests** of slot entries (``verify=True``): :func:`slot_digests`, called by ``digest.py``.
+- **Digests** of slot entries (``verify=True``): :func:`slot_digests`, called by ``digest.py``; and of
+  the base weights under the names the rank published them by, which LoRA's wrapping of the target
+  layers changed in the model (:class:`PublishedNames`).
 """
 from __future__ import annotations
 
@@ -177,6 +179,24 @@ def slot_digests(lora_manager: Any, names: Iterable[str], *, engine: str, rank: 
                                    rank=rank, parameter=name)
         out[name] = digest(buffers[buffer][int(slot)])
     return out
+
+
+class PublishedNames:
+    """A rank's model with its parameters named as its weights table names them: sglang's
+    ``--enable-lora`` wraps every target layer after the rank published its weights, so the layer's
+    parameters become ``...qkv_proj.base_layer.weight``; the table (and every sender) keeps
+    ``...qkv_proj.weight``, the same memory."""
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, Any]]:
+        return ((n.replace(".base_layer.", "."), q) for n, q in self._model.named_parameters(*args, **kwargs))
+
+
+def published_names(model: Any, lora_manager: Any) -> Any:
+    """``model`` as its table names it (:class:`PublishedNames` where LoRA wrapped its layers)."""
+    return PublishedNames(model) if lora_manager is not None else model
 
 
 # -- in the HTTP process -----------------------------------------------------------------------------

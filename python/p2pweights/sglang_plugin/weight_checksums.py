@@ -35,7 +35,11 @@ RankChecksums = Mapping[int, Mapping[str, str]]  # engine tp rank -> parameter n
 
 
 def tensor_checksum(t: "torch.Tensor") -> str:
-    """What sglang's checksum says of a CPU tensor: SHA-256 of its bytes, the first 8 bytes in hex."""
+    """What sglang's checksum says of a CPU tensor: SHA-256 of its bytes, the first 8 bytes in hex.
+    In logical order, as sglang's ``tensor_hash`` takes them (``.contiguous()``), also for a tensor
+    laid out otherwise in memory (Blackwell's MN-major packed UE8M0 scales): this is sglang's
+    checksum, compared with sglang's own. What ``update(verify=True)`` compares is another digest,
+    of the bytes as they lie in memory (``control/weights_digest.py``: what a sender writes)."""
     import torch
 
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()[:16]
