@@ -15,6 +15,8 @@ Sections (each isolated: a failure is recorded and the next one runs):
   profile     cProfile of one GPU-slot fill (Qwen3-4B TP2 rank 0): where the loaders' CPU time goes
   update_profile  the update section with its last step under cProfile (top functions by own time)
   detection   the change detection alone (one 256 MiB slot at 0/1/10/100% changed; kernels, torch)
+  floor       item 6's floor: a device-to-device copy (one GiB, torch) and our pipelined NIXL writer
+              VRAM -> VRAM at the sender's default 512 MiB slots and at 64 MiB, 4 GiB, every byte checked
   update_wire_small  update_wire's four (transport, slots) pairs, NIXL first, on Qwen3-0.6B TP1
   delta_profile  a steady delta and a full update under torch.profiler, a delta under cProfile
               (profile_gpu_delta.py)
@@ -79,6 +81,23 @@ def section_bandwidth() -> list[dict]:
     pageable = torch.empty(GiB, dtype=torch.uint8)
     d2h = timed(lambda: pageable.copy_(dev), repeat=3)
     rows.append({"path": "D2H pageable", "bytes": GiB, "seconds": d2h, "gbps": gbps(GiB, d2h), "ok": True})
+    return rows
+
+
+def section_floor() -> list[dict]:
+    """What a steady full update on one GPU cannot beat: each byte is copied into a slot on the device
+    and written out of it by NIXL (cuda_ipc on one GPU). The D2D copy rate bounds the first; the
+    pipelined writer with the copy in its loop (``writes``) both at once."""
+    import torch
+
+    n = GiB
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    sec = timed(lambda: b.copy_(a))
+    rows = [{"path": "D2D copy (torch, 1 GiB)", "bytes": n, "seconds": sec, "gbps": gbps(n, sec),
+             "ok": bool(torch.equal(a[:1 << 20], b[:1 << 20]))}]
+    for slot in (512 << 20, 64 << 20):
+        rows += [r for r in section_writes(4 * GiB, slot, transports=("nixl",), devices=("cuda",))]
     return rows
 
 
@@ -202,7 +221,8 @@ def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) 
     return [{"wall_s": wall}] + top_functions(prof, top)
 
 
-def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
+def section_writes(size: int = GiB, slot: int = 64 << 20, transports=("nixl", "mooncake"),
+                   devices=("cuda", "cpu")) -> list[dict]:
 
     from p2pweights.sender.buffers import TransferBuffers
     from p2pweights.sender.writer import PipelinedWriter
@@ -213,14 +233,14 @@ def section_writes(size: int = GiB, slot: int = 64 << 20) -> list[dict]:
     from vram_peer import pattern
 
     rows = []
-    for transport in ("nixl", "mooncake"):
+    for transport in transports:
         try:
             peer = subprocess.Popen([sys.executable, os.path.join(HERE, "vram_peer.py"), "--transport", transport,
                                      "--size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             pub = EnginePublication.from_json(peer.stdout.readline())
             remote = pub.params["region"].data_ptr
             tr = make_sender_transport(transport)
-            for device in ("cuda", "cpu"):
+            for device in devices:
                 with TransferBuffers(slot, 2, device=device) as b:
                     tr.register_memory(b.address, b.total_bytes, b.location)
                     tr.connect(0, pub.descriptor)
@@ -361,7 +381,7 @@ def section_connect(model: str = "qwen3-4b", spec: str = "tp=2") -> list[dict]:
     return profile_connect.rows(result)
 
 
-SECTIONS = {"bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
+SECTIONS = {"floor": section_floor, "bandwidth": section_bandwidth, "production": section_production, "writes": section_writes,
             "update": section_update, "update_host_slots": lambda: section_update(buffer_device="cpu", steps=2),
             "update_profile": lambda: section_update(profile=True),
             "update_fp8": section_update_fp8, "update_delta": lambda: bench_gpu_delta.section_update_delta(),
