@@ -98,6 +98,8 @@ def section_floor() -> list[dict]:
              "ok": bool(torch.equal(a[:1 << 20], b[:1 << 20]))}]
     for slot in (512 << 20, 64 << 20):
         rows += [r for r in section_writes(4 * GiB, slot, transports=("nixl",), devices=("cuda",))]
+    for piece in (16 << 20, 4 << 20, 1 << 20):  # Qwen3-4B TP2: ~700 writes of ~11 MiB per update
+        rows += [r for r in section_writes(4 * GiB, 512 << 20, transports=("nixl",), devices=("cuda",), piece=piece)]
     return rows
 
 
@@ -222,7 +224,9 @@ def section_profile(model: str = "qwen3-4b", spec: str = "tp=2", top: int = 30) 
 
 
 def section_writes(size: int = GiB, slot: int = 64 << 20, transports=("nixl", "mooncake"),
-                   devices=("cuda", "cpu")) -> list[dict]:
+                   devices=("cuda", "cpu"), piece: int | None = None) -> list[dict]:
+    """``piece``: each slot written as writes of that many bytes (an update's slot holds many
+    parameters, each its own write), else one write per slot."""
 
     from p2pweights.sender.buffers import TransferBuffers
     from p2pweights.sender.writer import PipelinedWriter
@@ -254,7 +258,8 @@ def section_writes(size: int = GiB, slot: int = 64 << 20, transports=("nixl", "m
                         for c in range(size // slot):
                             s = w.acquire()
                             slots[s].copy_(src[c * slot:(c + 1) * slot], non_blocking=False)
-                            w.submit(s, [(0, slot, 0, remote + c * slot)])
+                            step = piece or slot
+                            w.submit(s, [(o, step, 0, remote + c * slot + o) for o in range(0, slot, step)])
                         w.finish()
                         return time.perf_counter() - t0
 
@@ -270,7 +275,8 @@ def section_writes(size: int = GiB, slot: int = 64 << 20, transports=("nixl", "m
                     tr.disconnect(0)
                     tr.deregister_memory(b.address)
                 rows.append({"transport": transport, "path": f"{'VRAM' if device == 'cuda' else 'pinned DRAM'} -> VRAM",
-                             "bytes": size, "slot": slot, "seconds": sec, "gbps": gbps(size, sec), "wrong_bytes": wrong})
+                             "bytes": size, "slot": slot, "writes_per_slot": slot // (piece or slot),
+                             "seconds": sec, "gbps": gbps(size, sec), "wrong_bytes": wrong})
             tr.close()
             peer.stdin.write("exit\n")
             peer.stdin.flush()
