@@ -30,6 +30,7 @@ BF16 = {**_COMMON, **CONFIGS["qwen3"]}
 FP8 = {**_COMMON, **CONFIGS["deepseek_v3"],
        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}}
 FP8_UE8M0 = {**FP8, "quantization_config": {**FP8["quantization_config"], "scale_fmt": "ue8m0"}}
+FP8_B64 = {**FP8, "quantization_config": {**FP8["quantization_config"], "weight_block_size": [64, 64]}}
 #: what sglang 0.5.23's /server_info says of an FP8 engine on Hopper (the keys connect reads)
 FP8_HOPPER = {"version": MINE, "device": "cuda", "tp_size": 2, "moe_runner_backend": "auto",
               "moe_a2a_backend": "none", "fp8_gemm_runner_backend": "auto",
@@ -121,7 +122,7 @@ def test_fp8_on_hopper_is_accepted_from_an_override_or_the_receivers_report():
 
 
 @pytest.mark.parametrize("config, arch, device, words", [
-    (FP8, "sm100", "cuda", "requantizes the block scales to UE8M0"),
+    (FP8_B64, "sm100", "cuda", r"requantizes the block scales to UE8M0.*weight_block_size \[64, 64\]"),
     (FP8_UE8M0, "sm100", "cuda", "scale_fmt is ue8m0"),
     (FP8, "sm120", "cuda", "Blackwell/SM12x"),
     (FP8, "sm80", "cuda", "Marlin"),
@@ -349,9 +350,10 @@ def test_a_rank_publishing_another_sglang_version_is_refused_at_connect(model, e
 
 
 def test_an_fp8_checkpoint_into_a_blackwell_engine_is_refused_at_connect(engine):
+    # sm100 takes 128x128 blocks with float32 scales (replayed: tests/test_sm100_updates.py), no other
     with _serve(engine, {"p2pw_device_archs": {"0": "sm100", "1": "sm100"}}) as server:
-        with pytest.raises(EngineMismatch, match="runs on sm100.*UE8M0") as info:
-            _connect(FP8, [SglangEngine(server.url, name="b200")])
+        with pytest.raises(EngineMismatch, match=r"runs on sm100.*UE8M0.*weight_block_size \[64, 64\]") as info:
+            _connect(FP8_B64, [SglangEngine(server.url, name="b200")])
     assert info.value.engine == "b200"
     # an sglang server reports no architecture: told by the client, and refused the same way
     with _serve(engine, {"p2pw_device_archs": {}}) as server:

@@ -126,8 +126,10 @@ def test_the_sender_takes_the_plugins_architecture_when_given_none():
     identity = engine_identity("e0", {**FP8_ENGINE, **plugin(gpu_arch="sm90")}, FP8)
     assert (identity.arch, identity.arch_source) == ("sm90", PLUGIN_ARCH)
     assert engine_identity("e0", {**FP8_ENGINE, **plugin(gpu_arch="sm90")}, FP8, gpu_arch="9.0").arch == "sm90"
-    with pytest.raises(EngineMismatch, match=r"runs on sm100 \(/server_info p2pw_plugin.gpu_arch\)"):
-        engine_identity("e0", {**FP8_ENGINE, **plugin(gpu_arch="sm100")}, FP8)  # Blackwell: refused for FP8
+    blackwell = engine_identity("e0", {**FP8_ENGINE, **plugin(gpu_arch="sm100")}, FP8)  # replayed on send
+    assert (blackwell.arch, blackwell.layout_arch()) == ("sm100", "sm100")
+    with pytest.raises(EngineMismatch, match=r"runs on sm120 \(/server_info p2pw_plugin.gpu_arch\)"):
+        engine_identity("e0", {**FP8_ENGINE, **plugin(gpu_arch="sm120")}, FP8)  # SM12x: refused for FP8
     with pytest.raises(EngineMismatch, match="does not report its GPU architecture"):
         engine_identity("e0", {**FP8_ENGINE, **plugin(protocol=2, gpu_arch="sm90")}, FP8)
 

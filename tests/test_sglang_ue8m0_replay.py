@@ -4,7 +4,7 @@ and ue8m0_pack (``transform_scale_ue8m0``: scales per row, packed to int32 MN-ma
 torch reference of its CUDA kernel). check-layout byte-exact against sglang's own load +
 post-processing on this CPU; the engine's finish not requantizing again (its ``format_ue8m0`` gate)
 while the requantization itself is not idempotent; replayed groups never copy plans; Hopper layouts
-unchanged; connect still refusing sm100."""
+unchanged; connect taking sm100 for 128x128 float32-scale checkpoints only."""
 from __future__ import annotations
 
 import json
@@ -184,10 +184,13 @@ def test_the_answers_are_scoped_to_blackwell_models():
     assert not deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0 and "deep_gemm" not in sys.modules
 
 
-def test_connect_still_refuses_an_fp8_blackwell_engine_naming_what_is_missing():
+def test_connect_takes_an_fp8_blackwell_engine_of_128x128_blocks_and_refuses_ue8m0_checkpoints():
     info = {"version": replica_environment().sglang_version, "device": "cuda",
             "p2pw_device_archs": {"0": "sm100"}, "disable_shared_experts_fusion": False,
             "enforce_shared_experts_fusion": False, "moe_runner_backend": "deep_gemm", "moe_a2a_backend": "none",
             "fp8_gemm_runner_backend": "auto"}
-    with pytest.raises(EngineMismatch, match="UE8M0"):
-        engine_identity("e0", info, load_config(TINY))
+    config = load_config(TINY)
+    assert engine_identity("e0", info, config).layout_arch() == "sm100"  # connect builds a gpu_arch=sm100 layout
+    ue8m0 = {**config, "quantization_config": {**config["quantization_config"], "scale_fmt": "ue8m0"}}
+    with pytest.raises(EngineMismatch, match="UE8M0.*scale_fmt 'ue8m0'"):
+        engine_identity("e0", info, ue8m0)

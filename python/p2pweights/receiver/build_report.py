@@ -6,7 +6,9 @@ weights table, and the engine's ``/server_info`` reports ``version`` (as sglang'
 
 A rank on the CPU holds a GPU rank's layout in host memory and runs sglang's CUDA-path
 post-processing without DeepGEMM: it says ``cpu``, which a sender tells apart from sglang's own CPU
-engine (``device: cpu``, AMX repacking) by the ``device`` the engine reports (``cuda``).
+engine (``device: cpu``, AMX repacking) by the ``device`` the engine reports (``cuda``). A rank on
+the CPU whose layout names ``gpu_arch=sm100`` holds a Blackwell rank's post-processed layout
+(``EngineRank``: sglang's UE8M0 post-processing applied) and says ``sm100``.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ from typing import Any, Mapping
 from ..models.sglang_version import sglang_version
 
 
-def device_arch(device: str) -> str:
-    """``cpu``; ``sm90`` for a CUDA device of compute capability 9.0; ``gfx942`` on ROCm."""
+def device_arch(device: str, layout_arch: str | None = None) -> str:
+    """``cpu``; ``sm90`` for a CUDA device of compute capability 9.0; ``gfx942`` on ROCm.
+    ``layout_arch``: the architecture the rank's layout names (``EngineLayout.gpu_arch``, ``sm100``):
+    a rank on the CPU holds that GPU rank's post-processed layout (``EngineRank``), and says so."""
     if not str(device).startswith("cuda"):
-        return "cpu"
+        return layout_arch or "cpu"
     import torch
 
     index = torch.device(device).index or 0

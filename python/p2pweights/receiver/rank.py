@@ -22,6 +22,7 @@ from ..models.engine_layout import EngineLayout
 from ..models.sglang_version import sglang_version
 from ..replica import sglang_env
 from ..replica.reference import ReferenceModel, named_state, tensor_bytes
+from ..replica.sglang_ue8m0 import post_process_as_loaded
 from ..settings import value as setting
 from ..transport import params_table
 from ..transport.revocation import RevocableRegions
@@ -71,6 +72,8 @@ class EngineRank:
 
             torch.cuda.set_device(torch.device(self.device))
         self.model = sglang_env.build_model(self.config, self.engine, self.rank, device="meta")
+        if self.engine.gpu_arch is not None:  # a Blackwell rank: its parameters as sglang's post-processing left them
+            post_process_as_loaded(self.model, self.engine)
         self.region = place_parameters(self.model, device=self.device)
         # speculative decoding: sglang's draft model too, its own parameters in a region of their own
         # and published as "draft.<name>"; its embedding and head are the target's (draft_role.py)
@@ -86,7 +89,7 @@ class EngineRank:
         self.delta_area = self.deltas.area
         table = [*self.model.named_parameters(), *(self.draft.published() if self.draft is not None else []),
                  *(self.adapters.published() if self.adapters is not None else [])]
-        arch, version = device_arch(self.device), sglang_version() or ""
+        arch, version = device_arch(self.device, self.engine.gpu_arch), sglang_version() or ""
 
         area = self.delta_area.region() if self.delta_area is not None else None
 
@@ -226,6 +229,10 @@ class EngineRank:
 
     def init_group(self, request: dict) -> None:
         name = request["group_name"]
+        if self.engine.gpu_arch is not None:  # before joining: no collective waits on a rank that cannot load
+            raise RuntimeError(f"engine {self.name} rank {self.rank} holds an {self.engine.gpu_arch} rank's "
+                               "post-processed layout (packed UE8M0 scales), which sglang's loaders cannot load "
+                               "again: the broadcast path is not supported there; write it with a WeightSender")
         if name in self._groups:
             raise RuntimeError(f"group {name!r} already exists on rank {self.rank}")
         self._group_devices[name] = self.device if request["backend"] == "nccl" else "cpu"

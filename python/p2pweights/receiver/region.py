@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..control.weights_digest import in_memory_order
 from ..replica import sglang_env
 
 if TYPE_CHECKING:
@@ -52,7 +53,15 @@ def place_parameters(model: "torch.nn.Module", alignment: int = PARAM_ALIGNMENT,
 
     def view(name: str, old: "torch.nn.Parameter") -> "torch.Tensor":
         off, n = offsets[name]
-        return region[off:off + n].view(old.dtype).view(old.shape)
+        flat = region[off:off + n].view(old.dtype)
+        if old.is_contiguous():
+            return flat.view(old.shape)
+        # a dense permutation of dimensions (Blackwell's MN-major packed scales): its strides, and its
+        # numel x size bytes from its address in memory order, as the engine holds it
+        if not in_memory_order(old).is_contiguous():
+            raise ValueError(f"parameter {name} of shape {tuple(old.shape)} and strides {old.stride()} does not "
+                             "fill its memory: it cannot be published as numel x size bytes from its address")
+        return flat.as_strided(old.shape, old.stride())
 
     sglang_env.replace_parameters(model, view)
     sglang_env.materialize(model, "cpu")  # what is left on the meta device: buffers, tensor attributes

@@ -13,8 +13,11 @@ each rank's publication):
 - **GPU architecture**: any for BF16 layouts (post-processing keeps them). FP8 block-quantized
   layouts only where post-processing keeps the checkpoint's bytes: Hopper (``sm90``), and a
   p2pweights receiver holding a GPU rank's layout in host memory (arch ``cpu``, ``device`` cuda:
-  sglang's CUDA path without DeepGEMM). Refused, with the reason: Blackwell and SM12x (DeepGEMM
-  requantizes the block scales to UE8M0 and repacks them, ``scale_fmt: ue8m0`` or not), Ampere/Ada
+  sglang's CUDA path without DeepGEMM); and Blackwell ``sm100`` for 128x128 blocks with float32
+  scales, whose UE8M0 post-processing the replica replays (:meth:`EngineIdentity.layout_arch`: connect
+  then builds the layout with ``gpu_arch=sm100``, ``sender/engine_kinds.py``). Refused, with the
+  reason: other Blackwell checkpoints (other blocks, ``scale_fmt: ue8m0``) and SM12x (DeepGEMM
+  requantizes the block scales to UE8M0 and repacks them), Ampere/Ada
   (no Hopper FP8 path: Marlin repacks), ROCm (weights and scales converted to e4m3fnuz), sglang's
   CPU engine (AMX repack) and other devices. The architecture comes from, in order: the engine
   client's ``gpu_arch`` (an explicit override, for sglang servers without the p2pweights plugin,
@@ -43,6 +46,10 @@ from ..models.sglang_version import sglang_version
 
 #: architectures whose post-processing keeps an FP8 block-quantized checkpoint's bytes
 FP8_ARCHS = ("sm90", "cpu")
+#: architectures whose FP8 post-processing the replica replays on send (sglang's Blackwell UE8M0
+#: requantization and DeepGEMM scale packing: replica/sglang_ue8m0.py), for 128x128 blocks with
+#: float32 scales; the layout connect builds then names ``gpu_arch`` (:func:`layout_arch`)
+REPLAYED_ARCHS = ("sm100",)
 #: server args an FP8 engine must report (resolved per architecture by sglang, never assumed)
 FP8_RESOLVED_FLAGS = ("disable_shared_experts_fusion", "enforce_shared_experts_fusion", "moe_runner_backend",
                       "moe_a2a_backend", "fp8_gemm_runner_backend")
@@ -99,8 +106,10 @@ def _version(value: Any) -> str | None:
     return text or None
 
 
-def fp8_refusal(arch: str, device: str | None = None, scale_fmt: str | None = None) -> str | None:
-    """Why an FP8 block-quantized layout cannot be written into an engine rank of ``arch`` (None: it can)."""
+def fp8_refusal(arch: str, device: str | None = None, scale_fmt: str | None = None,
+                block: Any = (128, 128)) -> str | None:
+    """Why an FP8 block-quantized layout cannot be written into an engine rank of ``arch`` (None: it
+    can). ``block``: the checkpoint's ``weight_block_size``."""
     if device not in (None, "", "cuda"):
         if device == "cpu":
             return "sglang's CPU engine repacks FP8 weights for AMX (_amx_process_weight_after_loading)"
@@ -111,14 +120,15 @@ def fp8_refusal(arch: str, device: str | None = None, scale_fmt: str | None = No
         return ("on ROCm sglang converts FP8 weights and their scales to float8_e4m3fnuz "
                 "(normalize_e4m3fn_to_e4m3fnuz), so they are no longer the checkpoint's bytes")
     major = _arch_major(arch)
+    if arch in REPLAYED_ARCHS and scale_fmt != "ue8m0" and tuple(block or ()) == (128, 128):
+        return None  # the replica replays sglang's UE8M0 post-processing (gpu_arch=sm100 layouts)
     if major is not None and major >= 10:
         fmt = " (the checkpoint's scale_fmt is ue8m0)" if scale_fmt == "ue8m0" else ""
         why = ("on Blackwell/SM12x DeepGEMM's post-processing requantizes the block scales to UE8M0 and "
                f"repacks them{fmt} (requant_block_scale_ue8m0_for_deepgemm), a layout the checkpoint does not have")
-        if arch == "sm100":  # replayed by the replica (check-layout --engine ...,gpu_arch=sm100), not at connect yet
-            why += ("; the replica replays it for sm100 (check-layout with gpu_arch=sm100), but connect does not build "
-                    "that replica yet, and the packed int32 scales lie MN-major in memory while the sglang plugin's "
-                    "weight checksums hash them in logical order")
+        if arch in REPLAYED_ARCHS:
+            why += ("; the replica replays it for sm100 only for 128x128 blocks with float32 scales (the layouts "
+                    f"proven byte-exact), not weight_block_size {list(block or ())} with scale_fmt {scale_fmt!r}")
         return why
     if major is not None and major < 9:
         return ("below Hopper sglang has no block-FP8 tensor-core path and repacks the FP8 weights for Marlin, "
@@ -138,6 +148,13 @@ class EngineIdentity:
     fp8: bool = False
     scale_fmt: str | None = None
     env: ReplicaEnvironment = field(default_factory=replica_environment)
+    block: tuple[int, ...] = (128, 128)
+
+    def layout_arch(self) -> str | None:
+        """The ``gpu_arch`` the engine's layout names (``models/engine_layout.py``): ``sm100`` for an FP8
+        engine on an architecture whose post-processing the replica replays, else None (the replica's
+        Hopper default; BF16 layouts are written the same on every architecture)."""
+        return self.arch if self.fp8 and self.arch in REPLAYED_ARCHS else None
 
     def check_rank(self, rank: int, published_arch: Any = None, published_version: Any = None) -> None:
         """A rank's publication (``device_arch``, ``sglang_version``) against the engine's identity."""
@@ -161,16 +178,24 @@ class EngineIdentity:
                 f"refusing to connect", engine=self.engine, rank=rank, parameter="device_arch",
                 hint="correct the gpu_arch given for this engine" if "gpu_arch" in self.arch_source else None)
         if self.fp8:
-            why = fp8_refusal(arch, self.device, self.scale_fmt)
+            why = fp8_refusal(arch, self.device, self.scale_fmt, self.block)
             if why:
                 raise EngineMismatch(_fp8_message(self.engine, arch, f"rank {rank}'s publication", why),
                                      engine=self.engine, rank=rank, parameter="device_arch",
-                                     hint="serve FP8 rollouts on Hopper (sm90), or a BF16 checkpoint elsewhere")
+                                     hint=_fp8_hint(arch))
+
+
+def _fp8_hint(arch: str) -> str:
+    if arch in REPLAYED_ARCHS:
+        return (f"on {arch} serve an FP8 checkpoint of weight_block_size [128, 128] with float32 scales (no "
+                "scale_fmt), or serve this one on Hopper (sm90)")
+    return "serve FP8 rollouts on Hopper (sm90), or a BF16 checkpoint elsewhere"
 
 
 def _fp8_message(engine: str, arch: str, source: str, why: str) -> str:
     return (f"engine {engine} runs on {arch} ({source}) and serves an FP8 block-quantized checkpoint: {why}; "
-            f"the sender's replica reproduces FP8 layouts only on {', '.join(FP8_ARCHS)}")
+            f"the sender's replica reproduces FP8 layouts only on {', '.join(FP8_ARCHS)} (and "
+            f"{', '.join(REPLAYED_ARCHS)} by replaying its post-processing, 128x128 blocks with float32 scales)")
 
 
 def engine_identity(engine: str, server_info: Mapping[str, Any], config: Mapping[str, Any], *,
@@ -201,7 +226,8 @@ def engine_identity(engine: str, server_info: Mapping[str, Any], config: Mapping
     device = str(device) if device not in (None, "") else None
     arch, source = _reported_arch(engine, server_info, gpu_arch)
     identity = EngineIdentity(engine, version, device, arch, source, fp8,
-                              scheme.scale_fmt if scheme is not None else None, env)
+                              scheme.scale_fmt if scheme is not None else None, env,
+                              tuple(scheme.block) if scheme is not None else (128, 128))
     if not fp8:
         return identity
     missing = [k for k in FP8_RESOLVED_FLAGS if k not in server_info]
@@ -216,10 +242,10 @@ def engine_identity(engine: str, server_info: Mapping[str, Any], config: Mapping
             f"engine {engine} serves an FP8 checkpoint but does not report its GPU architecture, and the "
             f"sender's replica reproduces FP8 post-processing only on {', '.join(FP8_ARCHS)}: refusing to connect",
             engine=engine, parameter="gpu_arch", hint=ARCH_HINT)
-    why = fp8_refusal(arch, device, identity.scale_fmt)
+    why = fp8_refusal(arch, device, identity.scale_fmt, identity.block)
     if why:
         raise EngineMismatch(_fp8_message(engine, arch, source, why), engine=engine, parameter="gpu_arch",
-                             hint="serve FP8 rollouts on Hopper (sm90), or a BF16 checkpoint elsewhere")
+                             hint=_fp8_hint(arch))
     runner, a2a = str(server_info["moe_runner_backend"]), str(server_info["moe_a2a_backend"])
     if runner not in FP8_MOE_RUNNERS:
         raise EngineMismatch(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ..models import load_config
 from ..models.checkpoint import changed_version, checkpoint_tensors, random_checkpoint
 from ..models.quant import quant_scheme
-from . import sglang_env
+from . import fp8_engine, sglang_env
 
 if TYPE_CHECKING:
     import torch
@@ -39,10 +39,18 @@ def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_
     engine's checkpoint, quantized from seeded BF16 tensors). ``post_process``: also run what an update
     session runs around a loader (restore before, ``postprocess_weights`` after). ``model``: reload
     this reference (built by an earlier call) instead of building a new one. ``changed=(fraction,
-    steps)``: that version of the seed's changed family (``models.checkpoint``)."""
+    steps)``: that version of the seed's changed family (``models.checkpoint``).
+
+    A Blackwell layout (``gpu_arch=sm100``) post-processed is built anew every time (its requantized
+    weights and packed int32 scales cannot be loaded again), and then runs the update session's hooks
+    (``run_update_session_hooks``): what an sm100 engine holds once an update's ``end_weight_update``
+    ran over those bytes -- the same parameters (its ``format_ue8m0`` gate), and DeepSeek's derived
+    ``w_kc``/``w_vc`` recomputed by ``post_load_weights`` from the requantized ``kv_b_proj`` (after
+    sglang's own first load they come from the checkpoint's bytes, before requantization)."""
     import torch
 
-    if model is None:
+    blackwell = post_process and fp8_engine.is_blackwell(engine)
+    if model is None or blackwell:  # post-processed sm100 parameters (packed int32 scales) take no second load
         model = sglang_env.materialize(sglang_env.build_model(config, engine, rank, device="meta"), "cpu")
     from sglang.srt.model_loader.loader import DefaultModelLoader  # importable once build_model prepared sglang
 
@@ -55,6 +63,8 @@ def reference_model(config: Any, engine: Any, rank: int, *, seed: int = 0, post_
                                              changed=changed))  # + post_load_weights
         if post_process:
             DefaultModelLoader.postprocess_weights(model, cpu)
+    if blackwell:  # the update session's end over those bytes: derived tensors from the requantized weights
+        sglang_env.run_update_session_hooks(model)
     return model
 
 

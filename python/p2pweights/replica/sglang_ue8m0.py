@@ -193,3 +193,18 @@ def load_post_processed(loading: Any, replay: Ue8m0Replay, placed: Sequence[tupl
                 dst.copy_(raw)
     replay.apply(loaded, out)
     return regions
+
+
+def post_process_as_loaded(model: "torch.nn.Module", engine: Any) -> Ue8m0Replay:
+    """A Blackwell rank's model (built on the meta device) as an sm100 engine holds it after its
+    first load: each module :class:`Ue8m0Replay` replays post-processed in place by its own
+    ``process_weights_after_loading`` (the same call the replay and check-layout's reference make),
+    so its scale is the int32 packed MN-major parameter marked ``format_ue8m0`` and its shapes are
+    those the replica publishes. What a receiver rank emulating sm100 does before placing its
+    parameters (``receiver/rank.py``); the bytes a sender writes there stay, as on the engine."""
+    replay = Ue8m0Replay(model, engine)
+    with activate(model):
+        for name in replay.transforms:
+            module = model.get_submodule(name)
+            module.quant_method.process_weights_after_loading(module)
+    return replay

@@ -35,8 +35,11 @@ def layout_and_identity(client: Any, info: Mapping[str, Any], config: Mapping[st
     if is_vllm(client):
         layout = vllm_layout(client, info)
         return layout, VllmIdentity.judge(client.name, info, config, layout)
-    return (EngineLayout.from_server_info(info),
-            engine_identity(client.name, info, config, gpu_arch=getattr(client, "gpu_arch", None)))
+    identity = engine_identity(client.name, info, config, gpu_arch=getattr(client, "gpu_arch", None))
+    # the layout names the architecture the identity judged, never one /server_info states by itself: an
+    # FP8 engine on sm100 gets a Blackwell layout (its replica replays sglang's UE8M0 post-processing,
+    # replica/sglang_ue8m0.py), every other engine the Hopper default
+    return EngineLayout.from_server_info({**info, "gpu_arch": identity.layout_arch()}), identity
 
 
 def rank_replica_of(replicas: Any, model: Any, layout: Any, rank: int) -> Any:
