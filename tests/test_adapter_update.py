@@ -189,3 +189,30 @@ def test_an_adapter_the_engine_did_not_load_or_cannot_hold_is_refused_before_any
                 update.push_many(bad)
         assert client.server_info()["p2pw_weight_update"]["state"] == "none"
     client.unload_lora_adapter("wide")
+
+
+def test_adapter_config_is_taken_as_peft_gives_it_a_dict_a_lora_config_or_a_path(tmp_path):
+    """What a trainer holds: PEFT's LoraConfig (to_dict(), target_modules a set), the file or its
+    folder, or the dict; anything else, or one without r / target_modules, refused by name."""
+    import json
+
+    from p2pweights.sender.adapter_update import adapter_config_dict
+
+    want = {"r": 8, "lora_alpha": 16, "target_modules": ["k_proj", "q_proj"], "peft_type": "LORA"}
+
+    class LoraConfigLike:  # PEFT's LoraConfig: a dataclass with to_dict(), target_modules a set
+        def to_dict(self):
+            return {**want, "target_modules": {"q_proj", "k_proj"}}
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(want))
+    assert adapter_config_dict(want, "a") == want
+    assert adapter_config_dict(LoraConfigLike(), "a") == want
+    assert adapter_config_dict(tmp_path, "a") == want
+    assert adapter_config_dict(str(tmp_path / "adapter_config.json"), "a") == want
+    with pytest.raises(P2PWeightsError, match="not a dict, PEFT's LoraConfig or a path") as e:
+        adapter_config_dict(8, "a")
+    assert e.value.parameter == "adapter_config"
+    with pytest.raises(P2PWeightsError, match="has no r"):
+        adapter_config_dict({"target_modules": ["q_proj"]}, "a")
+    with pytest.raises(P2PWeightsError, match="cannot read adapter_config"):
+        adapter_config_dict(tmp_path / "missing", "a")

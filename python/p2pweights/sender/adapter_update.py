@@ -1,9 +1,9 @@
 """``sender.update(step, adapter="name")``: one LoRA adapter written one-sided into the slot its engine gave it.
 
 The trainer pushes the adapter's PEFT tensors (``base_model.model....q_proj.lora_A.weight``, as PEFT
-saves them) and gives ``adapter_config`` (``adapter_config.json`` as a dict: ``r``, ``lora_alpha``,
-``target_modules``) once; later updates of the same adapter reuse it. On finish, before anything is
-paused:
+saves them) and gives ``adapter_config`` (PEFT's ``LoraConfig``, ``adapter_config.json``'s path, or
+it as a dict: ``r``, ``lora_alpha``, ``target_modules``) once; later updates of the same adapter reuse
+it. On finish, before anything is paused:
 
 1. every engine rank's slot bytes are produced by sglang's own adapter load run on this host
    (``replica.lora_pool``: stacking, TP slicing, padding, the cast to the pool dtype), refusing an
@@ -123,6 +123,34 @@ class AdapterBases:
         self._held.pop((engine, adapter), None)
 
 
+def adapter_config_dict(config: Any, adapter: str) -> dict:
+    """``adapter_config.json`` as a dict from what a trainer holds: the dict itself, PEFT's
+    ``LoraConfig`` (``peft_model.peft_config["default"]``: its ``to_dict()``, ``target_modules`` a
+    set), or the path of the file or of the adapter's folder. Sets become sorted lists (JSON)."""
+    import json
+    import os
+
+    if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "adapter_config.json") if os.path.isdir(config) else os.fspath(config)
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise P2PWeightsError(f"adapter {adapter!r}: cannot read adapter_config from {path}: {e}",
+                                  parameter="adapter_config") from None
+    elif not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise P2PWeightsError(f"adapter {adapter!r}: adapter_config is a {type(config).__name__}, not a dict, "
+                              f"PEFT's LoraConfig or a path", parameter="adapter_config",
+                              hint="pass peft_model.peft_config[name], its adapter_config.json, or that as a dict")
+    out = {str(k): (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in config.items()}
+    if "r" not in out or "target_modules" not in out:
+        raise P2PWeightsError(f"adapter {adapter!r}: adapter_config has no {'r' if 'r' not in out else 'target_modules'}",
+                              parameter="adapter_config", hint="pass the adapter's full adapter_config.json")
+    return out
+
+
 def changed_runs(new: np.ndarray, old: np.ndarray | None) -> list[tuple[int, int]]:
     """(offset, length) runs of :data:`BLOCK`-byte blocks where ``new`` differs from ``old`` (all of
     ``new`` when there is no ``old`` of its size)."""
@@ -155,11 +183,11 @@ class AdapterUpdate:
             raise ValueError(f"adapter must be the adapter's name (as loaded on the engines), got {adapter!r}")
         configs = sender.adapters.configs
         if adapter_config is not None:
-            configs[adapter] = dict(adapter_config)
+            configs[adapter] = adapter_config_dict(adapter_config, adapter)
         if adapter not in configs:
             raise P2PWeightsError(f"adapter {adapter!r}: no adapter_config given yet", parameter=adapter,
-                                  hint="pass adapter_config= (adapter_config.json as a dict: r, lora_alpha, "
-                                       "target_modules) to its first update")
+                                  hint="pass adapter_config= (PEFT's LoraConfig, adapter_config.json's path or "
+                                       "its dict: r, lora_alpha, target_modules) to its first update")
         self.sender, self.version, self.adapter = sender, str(version), adapter
         self.adapter_config = configs[adapter]
         self.verify, self.delta, self.check_finite = bool(verify), delta, bool(check_finite)

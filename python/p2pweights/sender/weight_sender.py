@@ -385,7 +385,7 @@ class WeightSender:
         left out, the others commit, ``report.engines_skipped`` names it; default ``P2PW_ENGINE_DOWN``).
         Engines joined by ``add_engines(wait=False)`` and ready are attached here (engine_set.py).
         adapter: a LoRA adapter's name: push its PEFT tensors, written into the slot each engine gave it
-        (``adapter_config``: its adapter_config.json as a dict, once; docs/lora.md).
+        (``adapter_config``: PEFT's LoraConfig, its adapter_config.json or that dict, once; docs/lora.md).
 
         The version is checked here, before anything else; names, shapes, dtypes, tied names and
         NaN at each push; the engines are paused only at the first push that passed them.
