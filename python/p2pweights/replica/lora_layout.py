@@ -22,6 +22,15 @@ from ..errors import LayoutMismatch
 
 #: sglang's ``--lora-target-modules`` for the dense projections of a Llama/Qwen-style decoder layer
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: sglang's and vLLM's LoRA wrappers hold the wrapped layer as ``base_layer``: its parameters are the model's own
+LORA_WRAPPED = ".base_layer."
+
+
+def base_name(name: str) -> str:
+    """A parameter's name as the model without LoRA wrappers has it (what a rank publishes, the
+    sender's replica and the checkpoint loaders name it): ``...qkv_proj.base_layer.weight`` ->
+    ``...qkv_proj.weight``."""
+    return name.replace(LORA_WRAPPED, ".")
 
 
 @dataclass(frozen=True)

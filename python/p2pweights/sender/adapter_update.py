@@ -25,7 +25,9 @@ docs/lora.md, "Adapter updates".
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -127,9 +129,6 @@ def adapter_config_dict(config: Any, adapter: str) -> dict:
     """``adapter_config.json`` as a dict from what a trainer holds: the dict itself, PEFT's
     ``LoraConfig`` (``peft_model.peft_config["default"]``: its ``to_dict()``, ``target_modules`` a
     set), or the path of the file or of the adapter's folder. Sets become sorted lists (JSON)."""
-    import json
-    import os
-
     if isinstance(config, (str, os.PathLike)):
         path = os.path.join(config, "adapter_config.json") if os.path.isdir(config) else os.fspath(config)
         try:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from ..control.error_answers import error_payload
 from ..control.weights_digest import digest
 from ..errors import EngineError, InvalidRequest, LayoutMismatch, UnknownParameter
-from ..replica.lora_layout import buffer_name
+from ..replica.lora_layout import base_name, buffer_name
 from ..transport.publication import ADAPTER_SLOTS, merge_regions
 from . import rank_deltas, rank_epochs
 from .rank_gather import every_tp_rank, output_of
@@ -191,7 +191,7 @@ class PublishedNames:
         self._model = model
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, Any]]:
-        return ((n.replace(".base_layer.", "."), q) for n, q in self._model.named_parameters(*args, **kwargs))
+        return ((base_name(n), q) for n, q in self._model.named_parameters(*args, **kwargs))
 
 
 def published_names(model: Any, lora_manager: Any) -> Any:

@@ -20,6 +20,7 @@ from ..deltas.weight_views import weights_device
 from ..engine.rank_area import RankDeltas
 from ..errors import LayoutMismatch
 from ..receiver.build_report import device_arch
+from ..replica.lora_layout import base_name
 from ..replica.vllm_replay import replayed_already
 from ..transport import resolve_transport
 from ..transport.publication import merge_regions, params_table
@@ -76,16 +77,6 @@ class ServedModels:
             from vllm.model_executor.layers.quantization.online.lm_head import refresh_quantized_lm_heads
 
             refresh_quantized_lm_heads(self.draft)
-
-
-#: vLLM's LoRA wrappers hold the wrapped layer as ``base_layer``: its parameters are the model's own
-LORA_WRAPPED = ".base_layer."
-
-
-def base_name(name: str) -> str:
-    """A parameter's name as the model without LoRA wrappers has it (what the sender's replica
-    and vLLM's checkpoint loader name it): ``...qkv_proj.base_layer.weight`` -> ``...qkv_proj.weight``."""
-    return name.replace(LORA_WRAPPED, ".")
 
 
 def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
