@@ -44,7 +44,7 @@ def run_churn_demo(model: str, *, engines: int = 2, engine: str = "tp=2", transp
                    progress: Callable[[str], None] = print) -> list[ChurnRow]:
     from ..control import SglangEngine
     from ..models.checkpoint import checkpoint_tensors, random_checkpoint
-    from ..receiver import LocalEngine, check_weights_equal
+    from ..receiver import LocalEngine, check_weights_equal, start_together
     from ..sender import WeightSender
 
     if engines < 2:
@@ -57,10 +57,7 @@ def run_churn_demo(model: str, *, engines: int = 2, engine: str = "tp=2", transp
     rows: list[ChurnRow] = []
     sender = None
     try:
-        for e in running:
-            e.start(wait=False)
-        for e in running:
-            e.wait_ready()
+        start_together(running)
         progress(f"engines up in {time.perf_counter() - t0:.1f} s")
         specs = checkpoint_tensors(model)
         sender = WeightSender(model, transport=transport, **(overrides or {}))

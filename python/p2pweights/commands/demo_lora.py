@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..control import SglangEngine
 from ..control.weights_digest import digest
 from ..models.engine_layout import EngineLayout
-from ..receiver import LocalEngine
+from ..receiver import LocalEngine, start_together
 from ..replica.lora_layout import DENSE_TARGETS, LoRASetting, buffer_name
 from ..replica.lora_reference import (
     engine_loads,
@@ -94,10 +94,7 @@ def run_lora_demo(model: str, *, rank: int, engines: int = 2, engine: str = "tp=
     running = [LocalEngine(model, engine, name=f"engine{i}", transport=transport, lora=setting) for i in range(engines)]
     rows: list[LoRARow] = []
     try:
-        for e in running:
-            e.start(wait=False)
-        for e in running:
-            e.wait_ready()
+        start_together(running)
         clients = [SglangEngine(e.url, name=e.name) for e in running]
         config, tensors = random_peft_adapter(model, r=int(rank), seed=0)
         loaded = write_peft_adapter(os.path.join(workdir, "loaded"), config, tensors)

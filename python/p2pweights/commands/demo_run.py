@@ -386,25 +386,24 @@ def run_demo(model: str, *, engines: int = 2, engine: str = "tp=2", senders: int
              overrides: dict | None = None, progress: Callable[[str], None] = print,
              verbose: bool = False, verify: str = "off", changed_fraction: float | None = None) -> list[StepResult]:
     """``changed_fraction``: step k of each mode writes version k of a changed family (module docstring)."""
-    from ..receiver import LocalEngine
+    from ..receiver import LocalEngine, start_together
 
     t0 = time.perf_counter()
     progress(f"starting {engines} engine(s) x {engine} as receiver processes ({transport}) ...")
     running = [LocalEngine(model, engine, name=f"engine{i}", transport=transport) for i in range(engines)]
     pool = None
-    try:
-        for e in running:
-            e.start(wait=False)
+
+    def start_senders() -> None:  # the senders build their replicas while the engines start
+        nonlocal pool
         if "p2p" in modes:
             log_dir = None if verbose else tempfile.mkdtemp(prefix="p2pw-demo-")
             pool = SenderPool(model, senders, {"transport": transport, **(overrides or {})}, log_dir, timeout=STEP_TIMEOUT)
-        for e in running:
-            e.wait_ready()
+
+    try:
+        start_together(running, start_senders)
     except BaseException:
         if pool is not None:
             pool.close()
-        for e in running:
-            e.close()
         raise
     progress(f"engines up in {time.perf_counter() - t0:.1f} s: " + ", ".join(f"{e.name} {e.url}" for e in running))
     results: list[StepResult] = []

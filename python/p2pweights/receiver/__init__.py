@@ -20,11 +20,13 @@ from .registration import register_transfer_engine_info
 from .server import ReceiverServer
 
 __all__ = ["BroadcastReceiver", "EngineRank", "LeaderHooks", "LocalEngine", "ReceiverHooks", "ReceiverServer",
-           "check_weights_equal", "register_transfer_engine_info", "start_engine", "start_engines"]
+           "check_weights_equal", "register_transfer_engine_info", "start_engine", "start_engines",
+           "start_together"]
 
 # name -> the module defining it; imported on first use (they import torch lazily; keep this package light)
 _LAZY = {
     "LocalEngine": ".local", "check_weights_equal": ".local", "start_engine": ".local", "start_engines": ".local",
+    "start_together": ".local",
     "EngineRank": ".rank", "BroadcastReceiver": ".rank", "LeaderHooks": ".hooks",
 }
 

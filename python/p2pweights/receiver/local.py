@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..control import protocol, routes
 from ..control.http import request
@@ -231,11 +231,20 @@ def lost_its_port(error: EngineError) -> bool:
 def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_prefix: str = "engine",
                   **kwargs: Any) -> list[LocalEngine]:
     """Start ``count`` engines at once (every rank process in parallel) and wait for all of them."""
-    engines = [LocalEngine(model, engine, name=f"{name_prefix}{i}", **kwargs) for i in range(count)]
+    return start_together([LocalEngine(model, engine, name=f"{name_prefix}{i}", **kwargs) for i in range(count)])
+
+
+def start_together(engines: Sequence[LocalEngine], meanwhile: Callable[[], Any] | None = None) -> list[LocalEngine]:
+    """Spawn every rank of ``engines`` at once, run ``meanwhile`` (work that overlaps their start-up),
+    then wait for all of them. An engine whose picked port another process took before its leader
+    bound it (ports are picked free, then bound seconds later) starts again on newly picked ports.
+    On any failure every engine is closed and the error raised."""
     picked = [e.port == 0 for e in engines]
     try:
         for e in engines:
             e.start(wait=False)
+        if meanwhile is not None:
+            meanwhile()
         for e, pick in zip(engines, picked):
             try:
                 e.wait_ready()
@@ -250,7 +259,7 @@ def start_engines(model: str, engine: str = "tp=1", count: int = 1, *, name_pref
         for e in engines:
             e.close()
         raise
-    return engines
+    return list(engines)
 
 
 def check_weights_equal(url: str, hf_seed: int, skip: Sequence[str] = (), timeout: float = RANK_TIMEOUT, *,
