@@ -32,16 +32,17 @@ if TYPE_CHECKING:
 
 
 def reference_model(config: Any, layout: VllmLayout, rank: int, *, seed: int = 0,
-                    post_process: bool = True, role: str = "target") -> "torch.nn.Module":
+                    post_process: bool = True, role: str = "target",
+                    changed: tuple[float, int] | None = None) -> "torch.nn.Module":
     """vLLM's model of the rank, materialized on the CPU, loaded by vLLM's ``load_weights`` from
-    ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))`` and (by default)
+    ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config), changed=changed)`` and (by default)
     post-processed as the engine's update finish does. ``role="draft"``: the MTP draft, which then
     holds the target's embedding and LM head in place of its own, as the proposer leaves it."""
     # the draft as its loader needs it: its own embedding and heads, shared only after post-processing
     model = vllm_env.materialize(vllm_env.build_model(config, layout, rank, device="meta", role=role), "cpu")
     cfg = load_config(config)
     with vllm_env.activate(model):
-        model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg)))
+        model.load_weights(random_checkpoint(checkpoint_tensors(cfg), int(seed), quant_scheme(cfg), changed=changed))
     if post_process:
         before = {name for name, _ in model.named_parameters()}
         if role == "target":  # the target's call as it always was (tests wrap post_process by it)

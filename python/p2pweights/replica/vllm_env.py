@@ -129,7 +129,21 @@ def prepare() -> None:
         ops.mxfp4_experts_quant_supported = lambda capability: capability >= 100
         for ns in _OP_NAMESPACES:  # after vllm._custom_ops, which registers fakes for the real ones
             torch.ops.__dict__[ns] = _Stub(f"torch.ops.{ns}")
+        from vllm.triton_utils import HAS_TRITON, triton
+
+        if not HAS_TRITON:  # vLLM's placeholder module: its Config returns a decorator, not a config
+            triton.Config = _TritonConfig
         _prepared = True
+
+
+class _TritonConfig:
+    """``triton.Config`` where Triton is absent: the fields sm90 code reads from a config at import
+    (mamba's ``ssd_chunk_scan`` drops configs by ``num_stages`` / ``num_warps`` / ``kwargs`` on sm90,
+    which vLLM's GPU worker module imports); no kernel is ever compiled from it."""
+
+    def __init__(self, kwargs: dict, num_warps: int = 4, num_stages: int = 3, **rest: Any):
+        self.kwargs, self.num_warps, self.num_stages = dict(kwargs), num_warps, num_stages
+        self.__dict__.update(rest)
 
 
 def _hopper_platform() -> Any:

@@ -21,6 +21,17 @@ built as vLLM's proposer builds it (``initialize_model`` with the draft's model 
 head by the proposer's own ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``; the model runner
 answers ``get_draft_model`` with it, as vLLM's does.
 
+With ``--hopper LAYOUT`` (a ``VllmLayout`` spec, e.g. ``tp=2,ep=2``: vLLM's defaults otherwise,
+``VLLM_USE_DEEP_GEMM`` unset, FlashInfer present) the worker holds what a Hopper (sm90) engine rank
+of that layout holds, FP8 MoE included, which vLLM's ``CpuPlatform`` cannot build: its rank is built,
+loaded from the same random checkpoint and post-processed by the replica's own reference path
+(``replica.vllm_check.reference_model`` under ``replica.vllm_env``'s Hopper stand-in: DeepGEMM's E8M0
+requantization of FP8 block linears, FlashInfer CUTLASS's w13 swap of FP8 experts), and every RPC runs
+inside ``vllm_env.activate`` of that rank (its stand-in parallel groups, the engine's kernel answers),
+so the backend's finish post-processes as that engine does. The worker is vLLM's GPU ``Worker``. Its
+ranks form no gloo group: a rank's groups are the stand-in's (rank lists), which is all building,
+loading, post-processing and the backend ask of them; no RPC runs a collective.
+
 With ``--lora`` the engine runs vLLM's LoRA (``--enable-lora`` and its flags): vLLM's own
 ``load_lora_model`` wraps the model before the backend is made, and the model runner's LoRA methods
 (``add_lora``, ``pin_lora``, ...) are vLLM's ``LoRAModelRunnerMixin``'s.
@@ -28,6 +39,7 @@ With ``--lora`` the engine runs vLLM's LoRA (``--enable-lora`` and its flags): v
     python -m p2pweights.vllm_backend.cpu_worker --model CONFIG_DIR --seed 1 --dist-port P [--tp 2 --rank R] [--spec mtp]
         [--lora '{"max_lora_rank": 8, "max_loras": 2}']
         [--dp 2 --dp-rank D]   # a dense model's DP rank D: an independent engine of its own (its own --dist-port)
+        [--hopper tp=2,ep=2]   # a Hopper engine rank of that layout (--tp must be its tp)
     # prints {"event": "ready", "rank": R, "address": [host, port], "pid": ...}; the authkey comes on stdin (hex)
     # the --tp workers of one engine share --dist-port (gloo's rendezvous) and start together
 """
@@ -40,8 +52,9 @@ import sys
 from typing import Any
 
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..replica.vllm_layout import VllmLayout
 from ..replica.vllm_lora import VllmLoRASetting
-from . import register
+from . import BACKEND, register
 
 
 class ModelHolder:
@@ -150,6 +163,45 @@ def without_absent_cpu_kernels() -> None:
         utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
 
 
+def hopper_layout(spec: str, tp: int | None = None) -> VllmLayout:
+    """``--hopper``'s layout: one DP rank (an MoE engine's DP ranks share their groups in vLLM, which
+    the stand-in does not run); ``tp``, where given, must be the layout's."""
+    layout = VllmLayout.parse(spec, command="cpu_worker --hopper")
+    if layout.dp != 1 or layout.spec:
+        raise ValueError(f"--hopper {spec}: the stand-in's Hopper engine runs one DP rank and no draft")
+    if tp is not None and layout.tp != tp:
+        raise ValueError(f"--hopper {spec} has tp={layout.tp}, the engine runs --tp {tp}")
+    return layout
+
+
+def hopper_engine_config(config_dir: str, layout: VllmLayout) -> Any:
+    """vLLM's config of a Hopper engine of ``layout`` with the ``p2pweights`` backend: the replica's
+    (``vllm_env.engine_config``, under the Hopper stand-in), copied with ``weight_transfer_config``
+    set (the replica's cached config is left as it is)."""
+    import copy
+
+    from vllm.config import WeightTransferConfig
+
+    from ..replica import vllm_env
+
+    vllm_env.prepare()
+    register()
+    config = copy.copy(vllm_env.engine_config(config_dir, layout))
+    config.weight_transfer_config = WeightTransferConfig(backend=BACKEND)
+    return config
+
+
+def build_hopper_rank(config_dir: str, layout: VllmLayout, seed: int, rank: int) -> Any:
+    """Engine rank ``rank`` of a Hopper engine of ``layout``: vLLM's model built, loaded from
+    ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))`` and post-processed
+    under the Hopper stand-in, by the replica's reference path (``vllm_check.reference_model``)."""
+    from ..replica import vllm_env
+    from ..replica.vllm_check import reference_model
+
+    vllm_env.prepare()
+    return reference_model(config_dir, layout, rank, seed=seed)
+
+
 def build_model(vllm_config: Any, config_dir: str, seed: int, dist_port: int, *, post_process: bool = True,
                 rank: int = 0) -> Any:
     """TP rank ``rank``'s part of vLLM's model class of ``config_dir`` on the CPU, loaded by its own
@@ -201,16 +253,20 @@ def build_draft(vllm_config: Any, config_dir: str, seed: int, target: Any) -> An
     return draft
 
 
-def make_worker(vllm_config: Any, model: Any, rank: int = 0, draft: Any = None) -> Any:
-    """vLLM's ``CPUWorker`` of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory.
+def make_worker(vllm_config: Any, model: Any, rank: int = 0, draft: Any = None, *, hopper: bool = False) -> Any:
+    """vLLM's ``CPUWorker`` (``hopper``: its GPU ``Worker``, whose weight-transfer methods ``CPUWorker``
+    inherits) of TP rank ``rank`` holding ``model``, its backend made by vLLM's factory.
     With LoRA (``vllm_config.lora_config``), vLLM's ``load_lora_model`` wraps the model first, as
     ``GPUModelRunner.load_model`` does before the worker makes its backend."""
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.worker_base import WorkerBase
 
-    worker = object.__new__(CPUWorker)
+    if hopper:
+        from vllm.v1.worker.gpu_worker import Worker as worker_class
+    else:
+        from vllm.v1.worker.cpu_worker import CPUWorker as worker_class
+    worker = object.__new__(worker_class)
     WorkerBase.__init__(worker, vllm_config=vllm_config, local_rank=rank, rank=rank,
                         distributed_init_method="", is_driver_worker=rank == 0)
     worker.device = torch.device("cpu")
@@ -267,14 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=1, help="the engine's data-parallel size (dense models)")
     ap.add_argument("--dp-rank", type=int, default=0, help="this worker's DP rank, 0 .. dp-1")
     ap.add_argument("--lora", default=None, help="vLLM's LoRA (--enable-lora ...) as JSON: VllmLoRASetting's fields")
+    ap.add_argument("--hopper", default="", metavar="LAYOUT",
+                    help="hold what a Hopper engine rank of this vLLM layout holds (e.g. tp=2,ep=2; FP8 MoE too)")
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         ap.error(f"--rank {args.rank} is not a rank of --tp {args.tp}")
+    if args.hopper and (args.spec or args.lora or args.dp != 1):
+        ap.error("--hopper runs one DP rank without --spec or --lora")
     out = os.fdopen(os.dup(1), "w")  # the ready line owns stdout; what vLLM prints goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if args.hopper:
+        return serve_hopper_rank(args.model, hopper_layout(args.hopper, args.tp), args.seed, args.rank, authkey, out)
     vllm_config = engine_config(args.model, args.tp, args.spec, args.dp, args.dp_rank, lora_setting(args.lora))
     model = build_model(vllm_config, args.model, args.seed, args.dist_port, rank=args.rank)
     draft = build_draft(vllm_config, args.model, args.seed, model) if args.spec else None
@@ -283,6 +345,22 @@ def main(argv: list[str] | None = None) -> int:
         serve(worker, vllm_config, authkey, out, args.rank)
     finally:
         worker.weight_transfer_engine.shutdown()
+    return 0
+
+
+def serve_hopper_rank(config_dir: str, layout: VllmLayout, seed: int, rank: int, authkey: bytes, out: Any) -> int:
+    """``--hopper``: build the Hopper engine rank, then serve every RPC inside its rank's vLLM context
+    (``vllm_env.activate``: this process is that rank for its whole life)."""
+    from ..replica import vllm_env
+
+    model = build_hopper_rank(config_dir, layout, seed, rank)
+    vllm_config = hopper_engine_config(config_dir, layout)
+    with vllm_env.activate(model):
+        worker = make_worker(vllm_config, model, rank, hopper=True)
+        try:
+            serve(worker, vllm_config, authkey, out, rank)
+        finally:
+            worker.weight_transfer_engine.shutdown()
     return 0
 
 

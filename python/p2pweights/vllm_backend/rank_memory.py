@@ -80,23 +80,29 @@ class ServedModels:
 
 
 def owned_parameters(named: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
-    """``named`` less the parameters whose bytes lie inside another parameter's: vLLM's
-    post-processing registers some derived tensors as views of a loaded weight (MLA's ``W_UV`` and
-    ``W_UK_T`` are transposed slices of an unquantized ``kv_b_proj``). They follow every write into
-    that weight and are never written themselves; published, they would overlap it (which senders
-    refuse). A parameter that only partly overlaps another stays (the sender refuses that table)."""
+    """``named`` less the parameters vLLM's post-processing derived as views of one storage: a
+    parameter whose bytes lie inside another's, and a strided (non-contiguous) parameter sharing its
+    storage with another. vLLM's loaders write contiguous parameters; MLA's ``W_UV`` and ``W_UK_T``
+    are transposed slices of an unquantized ``kv_b_proj``'s weight, or (FP8 block) of its
+    dequantized copy, the two interleaved in one storage. They follow every write into that weight
+    (the finish derives them again, in place) and are never written themselves; published, they
+    would overlap (which senders refuse). A parameter that only partly overlaps another stays (the
+    sender refuses that table)."""
     items = list(named)
-    spans = [(n, p.untyped_storage().data_ptr(), int(p.data_ptr()), int(p.numel()) * p.element_size())
-             for n, p in items]
-    by_storage: dict[int, list[tuple[str, int, int]]] = {}
-    for name, storage, start, nbytes in spans:
-        by_storage.setdefault(storage, []).append((name, start, nbytes))
+    spans = [(n, p.untyped_storage().data_ptr(), int(p.data_ptr()), int(p.numel()) * p.element_size(),
+              p.is_contiguous()) for n, p in items]
+    by_storage: dict[int, list[tuple[str, int, int, bool]]] = {}
+    for name, storage, start, nbytes, contiguous in spans:
+        by_storage.setdefault(storage, []).append((name, start, nbytes, contiguous))
     inside: set[str] = set()
     for group in by_storage.values():
         if len(group) < 2:
             continue
-        name0, start0, nbytes0 = max(group, key=lambda g: g[2])  # the largest: the weight the others view
-        inside.update(n for n, a, b in group if n != name0 and start0 <= a and a + b <= start0 + nbytes0)
+        inside.update(n for n, _, _, contiguous in group if not contiguous)
+        whole = [g for g in group if g[3]]
+        if whole:
+            name0, start0, nbytes0, _ = max(whole, key=lambda g: g[2])  # the largest: the weight the others view
+            inside.update(n for n, a, b, _ in group if n != name0 and start0 <= a and a + b <= start0 + nbytes0)
     return [(n, p) for n, p in items if n not in inside]
 
 

@@ -6,7 +6,10 @@ rank's ``tp`` workers in one gloo group (a dense model's DP ranks are independen
 behind vLLM's own RL and dev routers with ``--api-key`` and the gate from ``--middleware``
 (``standin_api.py``, whose client fans every RPC out to all workers, answering in vLLM's rank
 order), served by uvicorn on 127.0.0.1 in this process; ``/init_weight_transfer_engine`` registers
-every worker's memory over Mooncake (each rank its own publication). With ``lora`` (a
+every worker's memory over Mooncake (each rank its own publication). With ``hopper`` (a vLLM
+layout spec, ``"tp=2,ep=2"``) every worker holds what a Hopper engine rank of that layout holds
+(``cpu_worker --hopper``: the replica's Hopper stand-in, FP8 MoE included) and the API server serves
+that engine's config. With ``lora`` (a
 ``VllmLoRASetting``) every worker runs vLLM's LoRA and the API server vLLM's LoRA routes
 (``/v1/load_lora_adapter``); each worker registers and publishes its LoRA slots with its weights.
 Runs where vLLM imports (``.vllm_site``, docs/vllm.md).
@@ -82,7 +85,12 @@ class StandInVllmEngine:
     client_kind = "vllm"  # the demo's senders drive it with a control.VllmEngine
 
     def __init__(self, model_dir: str, log_path: str, name: str, tp: int = 1, spec: str = "", dp: int = 1,
-                 lora: Any = None):
+                 lora: Any = None, hopper: str = ""):
+        self.hopper = cpu_worker.hopper_layout(hopper) if hopper else None  # a Hopper engine of this layout
+        if self.hopper is not None:
+            if spec or lora is not None or dp != 1:
+                raise ValueError(f"stand-in vLLM engine {name}: a Hopper engine runs one DP rank, no draft, no LoRA")
+            tp = self.hopper.tp
         for what, n in (("tp", tp), ("dp", dp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"stand-in vLLM engine {name}: {what} must be an integer >= 1, got {n!r}")
@@ -91,6 +99,7 @@ class StandInVllmEngine:
         self.model_dir, self.name, self.tp, self.spec, self.dp = model_dir, name, tp, spec, dp
         self.lora = lora  # a VllmLoRASetting: vLLM's LoRA on every worker and its LoRA routes (None: off)
         lora_args = ["--lora", json.dumps(dataclasses.asdict(lora))] if lora is not None else []
+        hopper_args = ["--hopper", hopper] if hopper else []
         self.api_key = secrets.token_urlsafe(24)
         self._authkey = secrets.token_bytes(16)
         self._log = open(log_path, "ab")
@@ -103,7 +112,7 @@ class StandInVllmEngine:
                 worker = subprocess.Popen(
                     [sys.executable, "-m", "p2pweights.vllm_backend.cpu_worker", "--model", model_dir, "--seed", "1",
                      "--dist-port", str(dist_port), "--tp", str(tp), "--rank", str(rank), "--spec", spec,
-                     "--dp", str(dp), "--dp-rank", str(dp_rank), *lora_args],
+                     "--dp", str(dp), "--dp-rank", str(dp_rank), *lora_args, *hopper_args],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
                 self._workers.append(worker)
                 worker.stdin.write(self._authkey.hex() + "\n")
@@ -121,8 +130,11 @@ class StandInVllmEngine:
             if ready.get("rank") != rank % self.tp:
                 raise EngineError(f"{self.name}: worker rank {rank} says it is TP rank {ready.get('rank')}")
             addresses.append(tuple(ready["address"]))
-        vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec, self.dp,  # vLLM's API server's
-                                               lora=self.lora)
+        if self.hopper is not None:  # the Hopper engine's config, as the replica builds it
+            vllm_config = cpu_worker.hopper_engine_config(self.model_dir, self.hopper)
+        else:
+            vllm_config = cpu_worker.engine_config(self.model_dir, self.tp, self.spec, self.dp,  # vLLM's API server's
+                                                   lora=self.lora)
         self.client = StandInEngineClient(addresses, self._authkey)
         self.client.vllm_config = vllm_config  # vLLM's /server_info and /get_world_size read it
         self.app = app = api_app(["--middleware", GATE, f"--api-key={self.api_key}"],  # one token: a key may start with "-"
