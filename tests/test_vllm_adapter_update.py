@@ -22,7 +22,7 @@ import pytest
 
 from p2pweights.control import protocol as p
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import STARTUP, Engine, read_json_line  # noqa: E402 (skips without vLLM)
+from test_vllm_backend import STARTUP, Engine, end_child, read_json_line  # noqa: E402 (skips without vLLM)
 from test_vllm_sender import standin  # noqa: E402
 
 SETTING = {"max_lora_rank": 8, "max_loras": 2}
@@ -153,13 +153,7 @@ class Sender:
         return read_json_line(self.proc, 600)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_child(self.proc)
 
 
 def references(engine: LoraEngine, paths: list[str]) -> dict:

@@ -105,6 +105,17 @@ def read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
     raise AssertionError(f"process {proc.args[:4]} gave no ready line (exit {proc.poll()})")
 
 
+def end_child(proc: subprocess.Popen) -> None:
+    """A child that reads commands from stdin: close its stdin (its cue to exit), kill it if it hangs."""
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class Engine(types.SimpleNamespace):
     """The API server's URL and key; ``call`` sends one request as a controller (owner token or none)."""
 

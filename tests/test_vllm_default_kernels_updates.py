@@ -31,7 +31,7 @@ except ImportError as e:
     pytest.skip(f"vllm is not importable ({e}); install vllm 0.33.0 as docs/vllm.md says", allow_module_level=True)
 
 from p2pweights.models import resolve_model  # noqa: E402
-from test_vllm_backend import STARTUP, read_json_line  # noqa: E402
+from test_vllm_backend import STARTUP, end_child, read_json_line  # noqa: E402
 from test_vllm_sender import standin  # noqa: E402
 from test_vllm_tp import TpEngine  # noqa: E402
 
@@ -92,13 +92,7 @@ class Sender:
         return read_json_line(self.proc, 600)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_child(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from replica_configs import write_config  # noqa: E402
-from test_vllm_backend import STARTUP, Engine, free_port, read_json_line  # noqa: E402 (skips without vLLM)
+from test_vllm_backend import STARTUP, Engine, end_child, free_port, read_json_line  # noqa: E402 (skips without vLLM)
 
 SENDER = r'''
 import json, os, sys
@@ -132,13 +132,7 @@ class SenderProcess:
         return read_json_line(self.proc, 600)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_child(self.proc)
 
 
 @contextlib.contextmanager
