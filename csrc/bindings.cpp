@@ -270,6 +270,28 @@ PYBIND11_MODULE(_native, m) {
      py::arg("out_cap"), py::arg("update_base") = false, py::arg("threads") = 1,
      "The delta record of cur against base into out: (code, message, encoded_bytes, changed_bytes, runs, mode),\n"
      "mode 'empty' | 'runs' | 'dense'. update_base: base := cur on the way.");
+  m.def("delta_encode_program", [ptr, program_of, inputs_of](const py::array_t<int64_t, py::array::c_style>& program,
+                                                              uint64_t slot_bytes, const std::vector<uint64_t>& input_addrs,
+                                                              const std::vector<uint64_t>& input_nbytes, uint64_t offset,
+                                                              uint64_t nbytes, uint64_t base, uint32_t unit, uint64_t out,
+                                                              uint64_t out_cap, int threads) {
+    DeltaStats st;
+    Status s;
+    const size_t n = program_of(program, &s);
+    std::vector<CopyInput> in = inputs_of(input_addrs, input_nbytes, &s);
+    if (s.ok()) {
+      py::gil_scoped_release nogil;
+      s = delta_encode_program(program.data(), n, slot_bytes, in, offset, nbytes, ptr(base), unit, ptr(out), out_cap,
+                               &st, threads);
+    }
+    return py::make_tuple(static_cast<int>(s.code()), s.message(), st.encoded_bytes, st.changed_bytes, st.runs,
+                          std::string(delta_mode_name(st.mode)));
+  }, py::arg("program"), py::arg("slot_bytes"), py::arg("input_addrs"), py::arg("input_nbytes"), py::arg("offset"),
+     py::arg("nbytes"), py::arg("base_addr"), py::arg("unit"), py::arg("out_addr"), py::arg("out_cap"),
+     py::arg("threads") = 1,
+     "delta_encode(update_base=True) of slot bytes [offset, offset + nbytes) as the copy program would write them,\n"
+     "read from its inputs without writing the slot: (code, message, encoded_bytes, changed_bytes, runs, mode).\n"
+     "NOT_FOUND (nothing read or written) where the program leaves a byte of the range unwritten.");
   m.def("delta_max_encoded", &delta_max_encoded, py::arg("nbytes"),
         "The most bytes the record of an nbytes slot takes (header + nbytes).");
   m.def("delta_check", [ptr](uint64_t rec, uint64_t rec_len, uint64_t dst_nbytes) {

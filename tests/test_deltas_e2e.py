@@ -76,6 +76,7 @@ def test_delta_updates_equal_full_updates_byte_for_byte(tmp_path_factory, monkey
                 WeightSender(cfg, transport=transport, buffer_size=1 << 20, delta="off") as sb:
             sa.connect([a.url])
             sb.connect([b.url])
+            from_inputs = 0
             for step, fraction in enumerate([None, 0.01, 0.0, 0.03, 1.0]):
                 if fraction:
                     _change(items, fraction, gen)
@@ -88,6 +89,7 @@ def test_delta_updates_equal_full_updates_byte_for_byte(tmp_path_factory, monkey
                     continue
                 assert ra.delta_reason == {}, ra.delta_reason
                 assert all(e.delta for e in ra.engines)
+                from_inputs += ra.compared_from_inputs
                 if fraction == 0.0:
                     assert ra.bytes_written == 0 and ra.changed_bytes == 0
                 elif fraction == 0.01:  # FP8: a changed element may move its block's scale, and every byte with it
@@ -101,6 +103,10 @@ def test_delta_updates_equal_full_updates_byte_for_byte(tmp_path_factory, monkey
                 assert 0 < ra.staged_peak_bytes <= sum(int(t.numel()) * t.element_size() for _, t in items)
                 assert ra.to_dict()["memory_bytes"] == ra.slot_bytes + ra.staged_peak_bytes + ra.base_bytes
             assert "deltas:" in str(ra) and "sender memory" in str(ra)
+            # host slots with codec records and no transform: replayed groups were compared straight from
+            # the pushed tensors (delta_encode_program), never written into a slot unless a full write needed them
+            fused = tensors == "checkpoint" and records == "runs"
+            assert (from_inputs > 0) == fused, from_inputs
     finally:
         a.close()
         b.close()
@@ -211,9 +217,9 @@ def test_a_fresh_checkpoint_stops_comparing_once_it_proves_dense_and_the_next_up
     else:
         real_encode = delta_writes.UpdateDeltas._encode
 
-        def encoding(self, cur, base, unit, nbytes):
+        def encoding(self, cur, base, unit, nbytes, *replayed):
             compared.append(nbytes)
-            return real_encode(self, cur, base, unit, nbytes)
+            return real_encode(self, cur, base, unit, nbytes, *replayed)
 
         monkeypatch.setattr(delta_writes.UpdateDeltas, "_encode", encoding)
     a = start_engine(cfg, "tp=2", transport="mooncake", name="dense")

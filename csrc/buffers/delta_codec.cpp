@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <system_error>
@@ -15,6 +16,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "buffers/copy_program.h"
 #include "buffers/delta_format.h"
 #include "checked_math.h"
 
@@ -42,13 +44,17 @@ struct Run {
   uint64_t start = 0, end = 0;  // units, [start, end)
 };
 
-// The slot being encoded.
+// The slot being encoded. A copy program's range (delta_encode_program) has no cur: its bytes come
+// in windows (Scanner::scan_window), each changed stretch is committed to base as it is found
+// (commit_on_scan), and the writers copy a run's bytes from base, which equals cur there by then.
 struct Slot {
   const uint8_t* cur;
   uint8_t* base;
   uint64_t nbytes;
   uint32_t unit;
-  bool update_base;
+  bool update_base;          // commit each run as it is written (not with commit_on_scan)
+  const uint8_t* runs_from;  // where the writers copy a run's bytes: cur, or base (commit_on_scan)
+  bool commit_on_scan = false;
   uint64_t run_bytes(const Run& r) const { return std::min(r.end * unit, nbytes) - r.start * unit; }
   void commit(const Run& r) const {
     if (update_base) copy_exact(base + r.start * unit, cur + r.start * unit, run_bytes(r));
@@ -70,7 +76,7 @@ class RecordWriter {
       return;
     }
     uint8_t* p = put_varint(put_varint(payload_ + pos_, r.start - prev_end_), r.end - r.start);
-    copy_exact(p, slot_.cur + r.start * slot_.unit, bytes);
+    copy_exact(p, slot_.runs_from + r.start * slot_.unit, bytes);
     if (commit_) slot_.commit(r);
     pos_ += rec;
     prev_end_ = r.end;
@@ -137,7 +143,7 @@ class PartWriter {
       if (middle.size() < middle_bytes + 20 + bytes) middle.resize(std::max(2 * middle.size(), middle_bytes + 20 + bytes));
       uint8_t* at = middle.data() + middle_bytes;
       uint8_t* p = put_varint(put_varint(at, r.start - middle_end), r.end - r.start);
-      copy_exact(p, slot_.cur + r.start * slot_.unit, bytes);
+      copy_exact(p, slot_.runs_from + r.start * slot_.unit, bytes);
       middle_bytes += static_cast<uint64_t>(p + bytes - at);
       ++middle_runs;
     }
@@ -160,22 +166,24 @@ class Scanner {
  public:
   static constexpr uint64_t kGroup = 64 * U;  // bytes of 64 units
   Scanner(const Slot& slot, Sink* sink) : slot_(slot), sink_(sink) {}
-  void scan(uint64_t b0, uint64_t b1) {
-    const uint8_t* c = slot_.cur;
+  void scan(uint64_t b0, uint64_t b1) { scan_window(b0, b1, slot_.cur + b0); }
+  // The same, the cur bytes [b0, b1) read from c0 (a window of them): consecutive windows scan as
+  // one range does.
+  void scan_window(uint64_t b0, uint64_t b1, const uint8_t* c0) {
     const uint8_t* b = slot_.base;
     uint64_t p = b0;
     for (; p + kGroup <= b1; p += kGroup) {
-      const uint64_t bits = bitmap(c + p, b + p);
-      if (bits) group(p / U, bits);  // most of a slot is unchanged
+      const uint64_t bits = bitmap(c0 + (p - b0), b + p);
+      if (bits) group(p / U, bits, c0 + (p - b0));  // most of a slot is unchanged
     }
     if (p < b1) {  // the slot's last bytes, zero-padded on both sides
       uint8_t tc[kGroup] = {}, tb[kGroup] = {};
-      std::memcpy(tc, c + p, b1 - p);
+      std::memcpy(tc, c0 + (p - b0), b1 - p);
       std::memcpy(tb, b + p, b1 - p);
       const uint64_t bits = bitmap(tc, tb);
       const uint64_t last = (slot_.nbytes - 1) / U - p / U;  // the slot's last unit, maybe short
       short_changed_ = slot_.nbytes % U && ((bits >> last) & 1);
-      if (bits) group(p / U, bits);
+      if (bits) group(p / U, bits, c0 + (p - b0));
     }
   }
   uint64_t changed_bytes() const { return changed_units_ * U - (short_changed_ ? U - slot_.nbytes % U : 0); }
@@ -226,12 +234,18 @@ class Scanner {
     if (U == 4) return ((m >> 31) & 1) | ((m >> 62) & 2);
     return m >> 63;
   }
-  void group(uint64_t u0, uint64_t bits) {
+  // c: the cur bytes of unit u0
+  void group(uint64_t u0, uint64_t bits, const uint8_t* c) {
     while (bits) {
       const int s = __builtin_ctzll(bits);
       const uint64_t ones = ~(bits >> s);
       const int len = ones ? __builtin_ctzll(ones) : 64 - s;
       changed_units_ += static_cast<uint64_t>(len);
+      if (slot_.commit_on_scan) {  // base := cur over the changed units (the short last one's bytes only)
+        const uint64_t from = static_cast<uint64_t>(s) * U;
+        const uint64_t to = std::min((u0 + s + len) * U, slot_.nbytes) - u0 * U;
+        copy_exact(slot_.base + u0 * U + from, c + from, to - from);
+      }
       run(u0 + s, u0 + s + len);
       bits = s + len >= 64 ? 0 : bits & (~0ull << (s + len));
     }
@@ -259,17 +273,26 @@ struct Encoded {
   uint64_t payload = 0, runs = 0, changed = 0;
 };
 
-template <uint32_t U>
-Encoded encode_one(const Slot& slot, uint8_t* payload) {
+// Where the scanners read cur: a Source's scan(scanner, b0, b1) scans bytes [b0, b1). The slot's own
+// bytes (delta_encode); ProgramSource below makes them in windows from a copy program.
+struct SlotSource {
+  template <class S>
+  void scan(S& s, uint64_t b0, uint64_t b1) const {
+    s.scan(b0, b1);
+  }
+};
+
+template <uint32_t U, class Source>
+Encoded encode_one(const Slot& slot, const Source& source, uint8_t* payload) {
   RecordWriter w(slot, payload, true);
   Scanner<U, RecordWriter> s(slot, &w);
-  s.scan(0, slot.nbytes);
+  source.scan(s, 0, slot.nbytes);
   if (s.has_open) w.emit(s.open);
   return Encoded{w.stopped(), w.bytes(), w.runs(), s.changed_bytes()};
 }
 
-template <uint32_t U>
-Encoded encode_parts(const Slot& slot, uint8_t* payload, int parts) {
+template <uint32_t U, class Source>
+Encoded encode_parts(const Slot& slot, const Source& source, uint8_t* payload, int parts) {
   // part bounds: multiples of kGroupAlign bytes (so of a scan group), the last one at the slot's end
   std::vector<uint64_t> bound(parts + 1);
   const uint64_t step = (slot.nbytes / parts + kGroupAlign - 1) / kGroupAlign * kGroupAlign;
@@ -282,7 +305,7 @@ Encoded encode_parts(const Slot& slot, uint8_t* payload, int parts) {
   std::vector<uint64_t> changed(parts, 0);
   auto work = [&](int k) {
     Scanner<U, PartWriter> s(slot, &writers[k]);
-    s.scan(bound[k], bound[k + 1]);
+    source.scan(s, bound[k], bound[k + 1]);
     if (s.has_open) slot.commit(s.open);
     last[k] = s.open;
     has_last[k] = s.has_open;
@@ -330,12 +353,149 @@ Encoded encode_parts(const Slot& slot, uint8_t* payload, int parts) {
   return Encoded{w.stopped(), w.bytes(), w.runs(), changed_bytes};
 }
 
-template <uint32_t U>
-Encoded encode_unit(const Slot& slot, uint8_t* payload, int threads) {
+template <uint32_t U, class Source>
+Encoded encode_unit(const Slot& slot, const Source& source, uint8_t* payload, int threads) {
   const uint64_t most = std::max<uint64_t>(1, slot.nbytes / kMinDeltaPartBytes);
   const int parts = static_cast<int>(std::min<uint64_t>(std::clamp(threads, 1, kMaxDeltaThreads), most));
-  return parts == 1 ? encode_one<U>(slot, payload) : encode_parts<U>(slot, payload, parts);
+  return parts == 1 ? encode_one<U>(slot, source, payload) : encode_parts<U>(slot, source, payload, parts);
 }
+
+template <class Source>
+Encoded encode_any(const Slot& slot, const Source& source, uint8_t* payload, int threads) {
+  switch (slot.unit) {
+    case 1: return encode_unit<1>(slot, source, payload, threads);
+    case 2: return encode_unit<2>(slot, source, payload, threads);
+    case 4: return encode_unit<4>(slot, source, payload, threads);
+    default: return encode_unit<8>(slot, source, payload, threads);
+  }
+}
+
+// The header, and the DENSE payload (from dense_src: the slot's bytes) where RUNS would not be
+// smaller.
+void seal(const Encoded& e, const uint8_t* dense_src, uint64_t nbytes, uint32_t unit, uint8_t* out, DeltaStats* stats) {
+  uint8_t* payload = out + kDeltaHeaderBytes;
+  const DeltaMode mode = e.dense ? DeltaMode::kDense : e.runs ? DeltaMode::kRuns : DeltaMode::kEmpty;
+  const uint64_t payload_bytes = e.dense ? nbytes : e.payload;
+  const uint64_t runs = e.dense ? 1 : e.runs;
+  put<uint32_t>(out, kDeltaMagic);
+  put<uint16_t>(out + 4, kDeltaVersion);
+  put<uint16_t>(out + 6, static_cast<uint16_t>(mode));
+  put<uint32_t>(out + 8, unit);
+  put<uint32_t>(out + 12, 0);
+  put<uint64_t>(out + 16, nbytes);
+  put<uint64_t>(out + 24, payload_bytes);
+  put<uint64_t>(out + 32, runs);
+  const uint64_t seed = delta_hash(out, 40, 0);
+  const uint64_t sum = e.dense ? copy_and_hash(payload, dense_src, nbytes, seed) : delta_hash(payload, payload_bytes, seed);
+  put<uint64_t>(out + 40, sum);
+  if (stats) *stats = DeltaStats{kDeltaHeaderBytes + payload_bytes, e.changed, runs, mode};
+}
+
+// -- a copy program's range, compared without writing the slot (delta_encode_program) ------------
+
+constexpr uint64_t kWindowBytes = 64 << 10;  // a multiple of kGroupAlign: windows stay in cache
+
+// One descriptor of a copy program (copy_program.h), its destination relative to the range's first
+// byte (it may start before it: a descriptor joined across parameters).
+struct Segment {
+  const uint8_t* src;  // nullptr: a zero fill
+  int64_t dst, row_bytes, rows, dst_pitch, src_pitch;
+  int64_t lo, hi;  // its first byte and the end of its last row, clipped to the range
+
+  // the rows [r0, r1) that write some byte of [w0, w1)
+  void rows_touching(int64_t w0, int64_t w1, int64_t* r0, int64_t* r1) const {
+    if (rows == 1) {
+      *r0 = 0;
+      *r1 = dst < w1 && dst + row_bytes > w0 ? 1 : 0;
+      return;
+    }
+    const int64_t x = w0 - dst - row_bytes, y = w1 - dst;  // row r touches: r * pitch in (x, y)
+    *r0 = x < 0 ? 0 : x / dst_pitch + 1;
+    *r1 = y <= 0 ? 0 : std::min(rows, (y + dst_pitch - 1) / dst_pitch);
+  }
+  int64_t row_part(int64_t r, int64_t w0, int64_t w1) const {
+    const int64_t d = dst + r * dst_pitch;
+    return std::min(w1, d + row_bytes) - std::max(w0, d);
+  }
+  // bytes of [w0, w1) it writes (rows between the first and the last touching one lie inside)
+  uint64_t bytes_in(int64_t w0, int64_t w1) const {
+    int64_t r0, r1;
+    rows_touching(w0, w1, &r0, &r1);
+    if (r1 <= r0) return 0;
+    if (r1 - r0 == 1) return static_cast<uint64_t>(row_part(r0, w0, w1));
+    return static_cast<uint64_t>(row_part(r0, w0, w1) + row_part(r1 - 1, w0, w1) + (r1 - r0 - 2) * row_bytes);
+  }
+  // Its rows' parts in [w0, w1) as (first byte, end, where the first byte lies in its input), when
+  // each is read in place by a scan: from an input, at most `most` of them, both ends multiples of
+  // `group` (or the range's end). False (out unfinished) where not.
+  bool parts_in(int64_t w0, int64_t w1, int64_t group, int64_t end, int64_t most,
+                std::vector<std::pair<std::pair<int64_t, int64_t>, const uint8_t*>>* out) const {
+    int64_t r0, r1;
+    rows_touching(w0, w1, &r0, &r1);
+    if (src == nullptr || r1 - r0 > most) return false;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t d = dst + r * dst_pitch;
+      const int64_t a = std::max(w0, d), b = std::min(w1, d + row_bytes);
+      if (a % group || (b % group && b != end)) return false;
+      out->push_back({{a, b}, src + r * src_pitch + (a - d)});
+    }
+    return true;
+  }
+  // its bytes of [w0, w1) into win (win[0] is byte w0)
+  void fill(uint8_t* win, int64_t w0, int64_t w1) const {
+    int64_t r0, r1;
+    rows_touching(w0, w1, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t d = dst + r * dst_pitch;
+      const int64_t a = std::max(w0, d), b = std::min(w1, d + row_bytes);
+      if (src)
+        std::memcpy(win + (a - w0), src + r * src_pitch + (a - d), static_cast<size_t>(b - a));
+      else
+        std::memset(win + (a - w0), 0, static_cast<size_t>(b - a));
+    }
+  }
+};
+
+// The range's bytes as the program writes them, a window at a time on the scanning thread: read in
+// place from the inputs where the window's rows start and end on scan groups (a 1-D copy; 2-D rows
+// of whole groups, as a column shard's), else made in a buffer that stays in cache. The slot is
+// never written.
+class ProgramSource {
+ public:
+  ProgramSource(const std::vector<Segment>& segs, uint64_t nbytes) : segs_(segs), end_(static_cast<int64_t>(nbytes)) {}
+  template <class S>
+  void scan(S& s, uint64_t b0, uint64_t b1) const {
+    constexpr int64_t group = static_cast<int64_t>(S::kGroup);
+    std::unique_ptr<uint8_t[]> win(new uint8_t[std::min(kWindowBytes, b1 - b0) + 1]);
+    std::vector<const Segment*> active;
+    std::vector<std::pair<std::pair<int64_t, int64_t>, const uint8_t*>> parts;
+    size_t next = 0;
+    for (uint64_t w0 = b0; w0 < b1; w0 += kWindowBytes) {
+      const uint64_t w1 = std::min(b1, w0 + kWindowBytes);
+      const int64_t lo = static_cast<int64_t>(w0), hi = static_cast<int64_t>(w1);
+      for (; next < segs_.size() && segs_[next].lo < hi; ++next)
+        if (segs_[next].hi > lo) active.push_back(&segs_[next]);
+      active.erase(std::remove_if(active.begin(), active.end(), [&](const Segment* g) { return g->hi <= lo; }),
+                   active.end());
+      parts.clear();
+      bool in_place = true;
+      for (size_t k = 0; k < active.size() && in_place; ++k)
+        in_place = active[k]->parts_in(lo, hi, group, end_, (hi - lo) / group + 1, &parts);
+      if (in_place) {  // disjoint and covering the window: in order, one after another
+        if (active.size() > 1) std::sort(parts.begin(), parts.end());
+        for (const auto& part : parts)
+          s.scan_window(static_cast<uint64_t>(part.first.first), static_cast<uint64_t>(part.first.second), part.second);
+        continue;
+      }
+      for (const Segment* g : active) g->fill(win.get(), lo, hi);
+      s.scan_window(w0, w1, win.get());
+    }
+  }
+
+ private:
+  const std::vector<Segment>& segs_;
+  int64_t end_;
+};
 
 }  // namespace
 
@@ -377,36 +537,63 @@ Status delta_encode(const uint8_t* cur, uint8_t* base, uint64_t nbytes, uint32_t
     return Status(Code::kInvalidArgument, "delta encode: the output overlaps cur or base");
   if (update_base && overlap(cur, nbytes, base, nbytes))
     return Status(Code::kInvalidArgument, "delta encode: update_base with cur and base overlapping");
-  const Slot slot{cur, base, nbytes, unit, update_base};
-  uint8_t* payload = out + kDeltaHeaderBytes;
-  Encoded e;
-  switch (unit) {
-    case 1: e = encode_unit<1>(slot, payload, threads); break;
-    case 2: e = encode_unit<2>(slot, payload, threads); break;
-    case 4: e = encode_unit<4>(slot, payload, threads); break;
-    default: e = encode_unit<8>(slot, payload, threads); break;
+  const Slot slot{cur, base, nbytes, unit, update_base, cur};
+  const Encoded e = encode_any(slot, SlotSource{}, out + kDeltaHeaderBytes, threads);
+  seal(e, cur, nbytes, unit, out, stats);
+  if (e.dense && update_base) std::memcpy(base, cur, nbytes);
+  return Status::Ok();
+}
+
+Status delta_encode_program(const int64_t* program, size_t count, uint64_t slot_bytes,
+                            const std::vector<CopyInput>& inputs, uint64_t offset, uint64_t nbytes, uint8_t* base,
+                            uint32_t unit, uint8_t* out, uint64_t out_cap, DeltaStats* stats, int threads) {
+  if (unit != 1 && unit != 2 && unit != 4 && unit != 8)
+    return Status(Code::kInvalidArgument, "delta encode: unit " + std::to_string(unit) + " is not 1, 2, 4 or 8");
+  const uint64_t need = delta_max_encoded(nbytes);
+  if (need == 0) return Status(Code::kInvalidArgument, "delta encode: a slot of 2^64 bytes");
+  if (!out || out_cap < need)
+    return Status(Code::kInvalidArgument, "delta encode: the output holds " + std::to_string(out_cap) + " bytes, " +
+                                              std::to_string(need) + " needed (delta_max_encoded)");
+  if (nbytes && !base) return Status(Code::kInvalidArgument, "delta encode: null base");
+  uint64_t end = 0;
+  if (!checked_add(offset, nbytes, &end) || end > slot_bytes)
+    return Status(Code::kOutOfRegion, "delta encode: bytes [" + std::to_string(offset) + ", +" + std::to_string(nbytes) +
+                                          ") lie outside a group of " + std::to_string(slot_bytes) + " bytes");
+  if (!range_fits(reinterpret_cast<uintptr_t>(base), nbytes) || !range_fits(reinterpret_cast<uintptr_t>(out), need))
+    return Status(Code::kInvalidArgument, "delta encode: a range wraps the address space");
+  if (overlap(out, need, base, nbytes)) return Status(Code::kInvalidArgument, "delta encode: the output overlaps base");
+  Status s = check_program(program, count, slot_bytes, inputs);
+  if (!s.ok()) return s;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const void* in = reinterpret_cast<const void*>(inputs[k].address);
+    if (overlap(in, inputs[k].nbytes, base, nbytes) || overlap(in, inputs[k].nbytes, out, need))
+      return Status(Code::kInvalidArgument, "delta encode: base or the output overlaps copy input " + std::to_string(k));
   }
-  const DeltaMode mode = e.dense ? DeltaMode::kDense : e.runs ? DeltaMode::kRuns : DeltaMode::kEmpty;
-  const uint64_t payload_bytes = e.dense ? nbytes : e.payload;
-  const uint64_t runs = e.dense ? 1 : e.runs;
-  put<uint32_t>(out, kDeltaMagic);
-  put<uint16_t>(out + 4, kDeltaVersion);
-  put<uint16_t>(out + 6, static_cast<uint16_t>(mode));
-  put<uint32_t>(out + 8, unit);
-  put<uint32_t>(out + 12, 0);
-  put<uint64_t>(out + 16, nbytes);
-  put<uint64_t>(out + 24, payload_bytes);
-  put<uint64_t>(out + 32, runs);
-  const uint64_t seed = delta_hash(out, 40, 0);
-  uint64_t sum;
-  if (e.dense) {
-    sum = copy_and_hash(payload, cur, nbytes, seed);
-    if (update_base) std::memcpy(base, cur, nbytes);
-  } else {
-    sum = delta_hash(payload, payload_bytes, seed);
+  // the descriptors that write into the range: disjoint, and every byte of it written by one
+  std::vector<int64_t> touching;
+  std::vector<Segment> segs;
+  uint64_t covered = 0;
+  const int64_t r0 = static_cast<int64_t>(offset), r1 = static_cast<int64_t>(end);
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t* c = program + i * kCopyColumns;
+    const int64_t last = c[1] + (c[4] - 1) * c[5] + c[3];  // check_program: inside the slot
+    if (last <= r0 || c[1] >= r1) continue;
+    touching.insert(touching.end(), c, c + kCopyColumns);
+    const uint8_t* src = c[0] < 0 ? nullptr : reinterpret_cast<const uint8_t*>(inputs[c[0]].address) + c[2];
+    Segment g{src, c[1] - r0, c[3], c[4], c[5], c[6], std::max<int64_t>(0, c[1] - r0), std::min(r1, last) - r0};
+    covered += g.bytes_in(0, r1 - r0);
+    segs.push_back(g);
   }
-  put<uint64_t>(out + 40, sum);
-  if (stats) *stats = DeltaStats{kDeltaHeaderBytes + payload_bytes, e.changed, runs, mode};
+  s = check_disjoint_writes(touching.data(), segs.size());
+  if (!s.ok()) return s;
+  if (covered != nbytes)
+    return Status(Code::kNotFound, "delta encode: the copy program writes " + std::to_string(covered) + " of the " +
+                                       std::to_string(nbytes) + " bytes from offset " + std::to_string(offset) +
+                                       " (run it into the slot and encode the slot)");
+  std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.lo < b.lo; });
+  const Slot slot{nullptr, base, nbytes, unit, false, base, true};
+  const Encoded e = encode_any(slot, ProgramSource(segs, nbytes), out + kDeltaHeaderBytes, threads);
+  seal(e, base, nbytes, unit, out, stats);  // base holds the range's new bytes by now
   return Status::Ok();
 }
 

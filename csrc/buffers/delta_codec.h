@@ -30,7 +30,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "buffers/copy_program.h"
 #include "status.h"
 
 namespace p2pw {
@@ -67,6 +69,19 @@ uint64_t delta_max_encoded(uint64_t nbytes);
 // kInvalidArgument for a bad unit, a short out, null or overlapping ranges.
 Status delta_encode(const uint8_t* cur, uint8_t* base, uint64_t nbytes, uint32_t unit, uint8_t* out,
                     uint64_t out_cap, DeltaStats* stats, bool update_base = false, int threads = 1);
+
+// delta_encode(update_base = true) of slot bytes [offset, offset + nbytes) as the copy program
+// (copy_program.h) would write them, read straight from its inputs through its descriptors: the
+// same record, stats and base after, without writing the slot (its bytes are made a window at a
+// time, in cache; each changed stretch goes to base as it is found and runs are copied from there).
+// A DENSE record's payload is base's bytes after the encode, which are the range's. Checks:
+// check_program, a range inside slot_bytes, base and out overlapping no input nor each other, and
+// the descriptors writing into the range disjoint (check_disjoint_writes). kNotFound, with nothing
+// read or written, when those descriptors leave some byte of the range unwritten: the slot keeps
+// bytes there that only the slot holds, so run the program and delta_encode the slot instead.
+Status delta_encode_program(const int64_t* program, size_t count, uint64_t slot_bytes,
+                            const std::vector<CopyInput>& inputs, uint64_t offset, uint64_t nbytes, uint8_t* base,
+                            uint32_t unit, uint8_t* out, uint64_t out_cap, DeltaStats* stats, int threads = 1);
 
 // Validates a record before any byte of it is applied: header fields, slot_nbytes == dst_nbytes,
 // the payload inside rec_len, the checksum, every varint, every run inside the slot and after the

@@ -21,7 +21,7 @@ from .background_recorder import PlanRecorder
 from .group_plan import GroupPlan, NotACopy
 from .program import PlanRefused, program_of
 from .record import differing_parameters, record_group_plan
-from .replay import ReplayOrder, ReplayPath, cuda_copies_available
+from .replay import DeferredReplay, ReplayOrder, ReplayPath, cuda_copies_available
 from .store import ReplicaPlans, background_recorded, plan_memory, plans_of
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "NotACopy",
     "PlanRecorder",
     "PlanRefused",
+    "DeferredReplay",
     "ReplayOrder",
     "ReplayPath",
     "ReplicaPlans",

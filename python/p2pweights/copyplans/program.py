@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from .. import _native
@@ -141,6 +141,9 @@ class SlotProgram:
     plans: tuple[GroupPlan, ...]  # kept: the cache key holds their ids
     program: "np.ndarray"
     inputs: tuple[str, ...]  # HF names, in the order the joined program indexes them
+    # (offset, nbytes) -> the descriptors writing into those bytes and their inputs' indices
+    # (replay.DeferredReplay.piece): a steady update asks for the same ranges every time
+    pieces: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class SlotPrograms:

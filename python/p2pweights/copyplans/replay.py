@@ -35,9 +35,10 @@ from ..errors import LayoutMismatch
 from ..replica.groups import SLOT_ALIGNMENT, SlotRegion
 from .element_views import run_element_ops
 from .group_plan import GroupPlan
-from .program import PlanRefused, SlotPrograms
+from .program import PlanRefused, SlotProgram, SlotPrograms
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 logger = logging.getLogger("p2pweights.copyplans")
@@ -118,6 +119,28 @@ class ReplayOrder:
         self.groups[path] = self.groups.get(path, 0) + len(placed)
         return [r for plan, offset in placed for r in plan.regions_at(offset)]
 
+    def defer_slot(self, placed: Sequence[tuple[GroupPlan, int]], tensors: Mapping[str, "torch.Tensor"],
+                   slot: "torch.Tensor") -> "DeferredReplay | None":
+        """The host slot's replay not run now: a :class:`DeferredReplay` that compares each parameter's
+        range with its base straight from ``tensors`` (which must stay alive until it is used) and
+        writes into ``slot`` only the ranges asked for; None where the native host path cannot take
+        this slot (the caller replays it now)."""
+        if not placed or slot.device.type != "cpu" or ReplayPath.NATIVE_HOST not in self.paths(slot.device):
+            return None
+        for plan, offset in placed:
+            if offset % SLOT_ALIGNMENT or offset < 0 or slot.numel() < offset + plan.group_bytes:
+                return None  # replay_slot names the misfit
+        try:
+            joined = self.programs.joined(placed)
+        except PlanRefused:
+            return None
+        args = self._native_args(joined, tensors, slot)
+        if args is None:
+            return None
+        self.groups[ReplayPath.NATIVE_HOST] = self.groups.get(ReplayPath.NATIVE_HOST, 0) + len(placed)
+        threads = self.threads if self.threads is not None else settings.value("P2PW_COPY_THREADS")
+        return DeferredReplay(placed, joined, [tensors[n] for n in joined.inputs], *args, threads)
+
     @staticmethod
     def _native_args(joined, tensors, slot) -> tuple | None:
         """The native call's arguments, or None where the native copies cannot take this slot: a
@@ -185,6 +208,78 @@ class ReplayOrder:
         return {"groups": {p.value: n for p, n in self.groups.items()},
                 "off": {p.value: why for p, why in self.off.items()},
                 "lanes_off": self.lanes_off, "driver_calls": self.driver_calls}
+
+
+class DeferredReplay:
+    """A host slot's joined copy program not run yet (:meth:`ReplayOrder.defer_slot`): per parameter
+    range, the descriptors that write into it (their inputs renumbered), to compare with a base
+    straight from the inputs (``_native.delta_encode_program``: the slot's bytes never made) or to
+    run into the slot when the range's bytes are needed there (:meth:`run`). Holds the inputs."""
+
+    def __init__(self, placed, joined: SlotProgram, inputs: list, program: "np.ndarray", slot: int, slot_bytes: int,
+                 addrs: list[int], sizes: list[int], threads: int):
+        self.placed, self.joined, self.inputs = placed, joined, inputs  # inputs: kept alive while deferred
+        self.program, self.slot, self.slot_bytes, self.threads = program, slot, slot_bytes, threads
+        self._addrs, self._sizes = addrs, sizes
+        self._by_start: tuple | None = None  # the descriptors by destination start, made on a piece's first use
+        self.encoded = 0  # ranges compared from the inputs
+        self.ran = 0  # ranges run into the slot
+
+    def piece(self, offset: int, nbytes: int) -> tuple["np.ndarray", list[int], list[int]]:
+        """The descriptors writing into bytes [offset, offset + nbytes) of the slot, their inputs
+        renumbered from 0: (program, input addresses, input sizes). Kept with the joined program."""
+        got = self.joined.pieces.get((offset, nbytes))
+        if got is None:
+            got = self.joined.pieces[(offset, nbytes)] = self._select(offset, nbytes)
+        sub, used = got
+        return sub, [self._addrs[k] for k in used], [self._sizes[k] for k in used]
+
+    def _select(self, offset: int, nbytes: int) -> tuple["np.ndarray", list[int]]:
+        import numpy as np
+
+        if self._by_start is None:
+            program = self.program
+            lo = program[:, 1]
+            hi = lo + (program[:, 4] - 1) * program[:, 5] + program[:, 3]
+            order = np.argsort(lo, kind="stable")
+            ends = hi[order]
+            reach = np.maximum.accumulate(ends) if len(ends) else ends  # the furthest end so far, by start
+            self._by_start = (order, lo[order], ends, reach)
+        order, starts, ends, reach = self._by_start
+        i = int(np.searchsorted(reach, offset, side="right"))
+        j = int(np.searchsorted(starts, offset + nbytes, side="left"))
+        sub = self.program[np.sort(order[i:j][ends[i:j] > offset])]
+        used, index = np.unique(sub[:, 0], return_inverse=True)
+        fills = int((used < 0).sum())  # -1 sorts first: zero fills keep -1, inputs count from 0
+        sub[:, 0] = np.where(sub[:, 0] < 0, -1, index.reshape(-1) - fills)
+        sub.flags.writeable = False
+        return sub, used[fills:].tolist()
+
+    def encode(self, offset: int, nbytes: int, base: "np.ndarray", unit: int, out: "np.ndarray",
+               threads: int) -> tuple | None:
+        """``_native.delta_encode_program`` of the range against ``base`` (updated) into ``out``:
+        (encoded bytes, changed bytes, runs, mode), or None where the program leaves a byte of the
+        range unwritten (nothing read or written: :meth:`run` it and encode the slot)."""
+        program, addrs, sizes = self.piece(offset, nbytes)
+        code, message, n, changed, runs, mode = _native.delta_encode_program(
+            program, self.slot_bytes, addrs, sizes, offset, nbytes, int(base.ctypes.data), unit,
+            int(out.ctypes.data), int(out.nbytes), threads)
+        if code == _NOT_FOUND:
+            return None
+        if code != _OK:
+            raise LayoutMismatch(f"the copy program of the slot's bytes from {offset} cannot be compared: {message}",
+                                 parameter=self.placed[0][0].first_parameter, hint=_DAMAGED_HINT)
+        self.encoded += 1
+        return n, changed, runs, mode
+
+    def run(self, offset: int, nbytes: int) -> None:
+        """Write the range's bytes into the slot (the descriptors writing into it, whole)."""
+        program, addrs, sizes = self.piece(offset, nbytes)
+        code, message = _native.run_copy_program_host(program, self.slot, self.slot_bytes, addrs, sizes, self.threads)
+        if code != _OK:
+            raise LayoutMismatch(f"the copy program of the slot's bytes from {offset} does not fit: {message}",
+                                 parameter=self.placed[0][0].first_parameter, hint=_DAMAGED_HINT)
+        self.ran += 1
 
 
 def cuda_copies_available() -> tuple[bool, str]:

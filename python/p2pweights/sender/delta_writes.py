@@ -15,7 +15,11 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
    full target, an EMPTY record's nothing, a DENSE record or one that does not fit the spare or the
    area gets the parameter's usual write. A GPU slot's targets get index records instead (below). A
    parameter written without a base update (a staged slot in a delta=False update) drops its base:
-   the next update writes it in full.
+   the next update writes it in full. A rank whose every target takes deltas (``fusable``) may leave
+   its replayed groups unrun (copyplans.DeferredReplay): each parameter is compared with its base
+   straight from the trainer's tensors through the copy program (``_native.delta_encode_program``:
+   the same record and base, the slot never written), and its slot bytes are made only where a
+   usual write needs them (a DENSE record, one that does not fit, no base yet).
 4. ``manifests`` go into each delta engine's end body; ``committed`` keeps the identities the end
    answers.
 
@@ -102,6 +106,7 @@ class UpdateDeltas:
             x.reason = self.off_reason or FIRST
         self.encoded = 0  # bytes of records written (prefixes included), all targets
         self.changed = 0  # bytes found changed
+        self.from_inputs = 0  # parameters compared straight from the trainer's tensors (their slot bytes unmade)
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
         self.applied = False  # apply_now ran: the ends carry no manifests
         self._claimed: list[Any] = []  # the engines claim() set a begin body for
@@ -219,9 +224,23 @@ class UpdateDeltas:
     def new_slot(self) -> None:
         self._slot, self._spare_used, self._counted, self._staged = None, 0, [], []
 
-    def slot_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], filler: Any) -> list:
+    def fusable(self, p: Any, filler: Any) -> bool:
+        """Whether rank ``p``'s replayed groups in this slot may be compared from their inputs
+        (``slot_rows``' ``replay``): a host slot filled on the host, records to host areas, every
+        target taking deltas, its bases kept, not written in full for the rest of the update, and a
+        replica that post-processes nothing (draft roles, vLLM's or sglang's replayed transforms)."""
+        targets = [self.targets[t.name] for t in p.targets]
+        replica = p.replica
+        return (type(filler) is HostSlotFiller and self.keep and self.wanted and self.buffers.device == "cpu"
+                and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p) and all(x.delta and x.area for x in targets)
+                and (p.layout_key, p.rank) not in self.bases.unkept and not self._dense(p)
+                and not hasattr(replica, "roles") and not getattr(replica, "replay", None))
+
+    def slot_rows(self, p: Any, entries: Sequence[tuple[str, int, int]], filler: Any, replay: Any = None) -> list:
         """Writer rows for one prepared rank's parameters in the open slot (see the module). A staged
-        slot's bytes reach its host slot by copies still in flight: its rows come at its close (slot_records)."""
+        slot's bytes reach its host slot by copies still in flight: its rows come at its close (slot_records).
+        ``replay``: the rank's replayed groups not run into the slot (copyplans.DeferredReplay; only
+        where :meth:`fusable`)."""
         # a base only where a target can take deltas (an sglang server's ranks publish no area: no copy)
         kept = self.keep and any(self.targets[t.name].area for t in p.targets)
         if kept and not isinstance(filler, HostSlotFiller):  # staged: compared once its copies landed
@@ -230,13 +249,18 @@ class UpdateDeltas:
                 return []
             kept = False  # delta=False: no wait for the copies, no base (the next update writes in full)
             self.bases.unkept.add((p.layout_key, p.rank))
-        return self._rows(p, entries, filler.slot, kept)
+        return self._rows(p, entries, filler.slot, kept, replay)
 
-    def _rows(self, p: Any, entries: Sequence[tuple[str, int, int]], slot_index: int, kept: bool) -> list:
+    def _rows(self, p: Any, entries: Sequence[tuple[str, int, int]], slot_index: int, kept: bool,
+              replay: Any = None) -> list:
         full = {id(x.t) for x in self.targets.values() if not x.delta}
         rows: list = []
         # a host slot writes codec records, which only a host area takes; to a GPU area, index records
         host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p)
+        if replay is not None and not host:  # (not fusable) every byte in the slot, as a replay writes them
+            for _, offset, nbytes in entries:
+                replay.run(offset, nbytes)
+            replay = None
         if kept and self.wanted and (p.layout_key, p.rank) in self.bases.unkept:  # bases gone with a delta=False
             self.bases.unkept.discard((p.layout_key, p.rank))
             for x in (self.targets[t.name] for t in p.targets if self.targets[t.name].delta):
@@ -258,16 +282,21 @@ class UpdateDeltas:
             if slot is None:
                 rows += [_full_row(t, param, offset, nbytes) for t in p.targets]
                 continue
-            rows += self._param_rows(p, param, slot, offset, nbytes, writes, full)
+            rows += self._param_rows(p, param, slot, offset, nbytes, writes, full, replay)
         return rows
 
     def _param_rows(self, p: Any, param: str, slot: np.ndarray, offset: int, nbytes: int, writes: list,
-                    full: set) -> list:
+                    full: set, replay: Any = None) -> list:
         key = (p.layout_key, p.rank, param)
         cur = slot[offset:offset + nbytes]
         base = self.bases.arrays.get(key)
         targets = p.targets
         rows = [_full_row(t, param, offset, nbytes) for t in targets if id(t) in full]
+        # replay: compared from the inputs where a record may come of it; the slot's bytes made for any usual write
+        fused = (replay is not None and not rows and writes and base is not None and base.nbytes == nbytes
+                 and not self._dense(p))
+        if replay is not None and not fused:
+            replay.run(offset, nbytes)
         if base is None or base.nbytes != nbytes:
             buffer, offsets = self.bases.rank_base(p, "cpu")
             base = self.bases.arrays[key] = buffer[offsets[param]:offsets[param] + nbytes]
@@ -277,7 +306,8 @@ class UpdateDeltas:
             np.copyto(base, cur)
             return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
         unit = targets[0].publication.params[param].element_size
-        rec, n, mode, changed = self._encode(cur, base, unit if unit in (1, 2, 4, 8) else 1, nbytes)
+        rec, n, mode, changed, in_slot = self._encode(cur, base, unit if unit in (1, 2, 4, 8) else 1, nbytes,
+                                                      replay if fused else None, offset)
         self.changed += changed
         self._saw(p, nbytes, changed)
         if mode == "empty":
@@ -286,6 +316,9 @@ class UpdateDeltas:
             span = record_span(n)
             if (rec is None or mode == "dense" or x.cursor + span > x.area[1]
                     or self._spare_used + PREFIX.size > self._spare_view().nbytes):
+                if not in_slot:
+                    replay.run(offset, nbytes)
+                    in_slot = True
                 rows.append(_full_row(x.t, param, offset, nbytes))
                 continue
             at = self._spare(PREFIX.size)
@@ -410,29 +443,40 @@ class UpdateDeltas:
             self.encoded += PREFIX.size + nrec
         return rows
 
-    def _encode(self, cur: np.ndarray, base: np.ndarray, unit: int, nbytes: int) -> tuple[int | None, int, str, int]:
+    def _encode(self, cur: np.ndarray, base: np.ndarray, unit: int, nbytes: int, replay: Any = None,
+                offset: int = 0) -> tuple[int | None, int, str, int, bool]:
         """Encode into the slot's spare (padded to 8 bytes) where the worst case fits, else into a
-        scratch array and then copied when the record fits: (spare offset or None, bytes, mode, changed)."""
+        scratch array and then copied when the record fits: (spare offset or None, bytes, mode, changed,
+        whether the slot holds the bytes). ``replay``: compared from its inputs (slot bytes [offset,
+        offset + nbytes) unmade), or where it leaves a byte of them unwritten run and compared in the slot."""
         need = int(_native.delta_max_encoded(nbytes))
         room = self._spare_view().nbytes - self._spare_used
         direct = need + 8 <= room
         if not direct and self._scratch.nbytes < need:
             self._scratch = np.empty(need, dtype=np.uint8)
         out = self._spare_view()[self._spare_used:self._spare_used + need] if direct else self._scratch[:need]
-        code, message, n, changed, _runs, mode = _native.delta_encode(  # the compare: as many threads as the copies
-            int(cur.ctypes.data), int(base.ctypes.data), nbytes, unit, int(out.ctypes.data), need, True,
-            settings.value("P2PW_COPY_THREADS"))
-        if code != int(_native.Code.OK):
-            raise_for_status(code, f"delta encode: {message}")
+        threads = settings.value("P2PW_COPY_THREADS")  # the compare: as many threads as the copies
+        got = replay.encode(offset, nbytes, base, unit, out, threads) if replay is not None else None
+        in_slot = got is None
+        if got is not None:
+            self.from_inputs += 1
+            n, changed, _runs, mode = got
+        else:
+            if replay is not None:
+                replay.run(offset, nbytes)
+            code, message, n, changed, _runs, mode = _native.delta_encode(
+                int(cur.ctypes.data), int(base.ctypes.data), nbytes, unit, int(out.ctypes.data), need, True, threads)
+            if code != int(_native.Code.OK):
+                raise_for_status(code, f"delta encode: {message}")
         padded = record_span(n) - PREFIX.size
         if mode != "runs" or padded > room:
-            return None, n, mode, changed
+            return None, n, mode, changed, in_slot
         at = self._spare(padded)
         view = self._spare_view()
         if not direct:
             view[at:at + n] = self._scratch[:n]
         view[at + n:at + padded] = 0
-        return at, n, mode, changed
+        return at, n, mode, changed, in_slot
 
     def _saw(self, p: Any, compared: int, changed: int) -> None:
         seen = self._seen.setdefault((p.layout_key, p.rank), [0, 0])

@@ -112,11 +112,14 @@ class SlotFiller:
     def open(self, device: Any) -> Any:
         raise NotImplementedError
 
-    def produce(self, rank: Any, placed: list, tensors: Mapping[str, Any]) -> list:
-        """Write one engine rank's placed (group, offset) pairs into the target; their regions."""
+    def produce(self, rank: Any, placed: list, tensors: Mapping[str, Any], deferred: list | None = None) -> list:
+        """Write one engine rank's placed (group, offset) pairs into the target; their regions. With a
+        ``deferred`` list, replayed groups may be left to it instead (sender/slot_producer.py)."""
         if self.producer is None:
             return rank.replica.load_groups(placed, tensors, self.target)
-        return self.producer(rank, placed, tensors, self.target)
+        if deferred is None:
+            return self.producer(rank, placed, tensors, self.target)
+        return self.producer(rank, placed, tensors, self.target, deferred=deferred)
 
     def loaded(self, extent: int) -> None:
         """The loaders wrote bytes up to ``extent`` of the target."""

@@ -41,6 +41,9 @@ class SlotPipeline:
         self._placed_inputs: set[int] = set()
         self.digests: Any = None  # verify=True: a sender.verify.WrittenDigests, fed every loaded parameter
         self.deltas: Any = None  # a sender.delta_writes.UpdateDeltas: the rows of delta and full targets
+        # the delta compare may read replayed groups' bytes from their inputs, without the slot (no
+        # transform of the update's: what a group's program copies is what the engine gets)
+        self.fuse_compare = True
 
     @property
     def placed_input_bytes(self) -> int:
@@ -88,7 +91,15 @@ class SlotPipeline:
             entry[1].append((load.group, offset))
             entry[2].update(load.tensors)
         target = self._filler.target
-        loaded = [(p, self._filler.produce(p, placed, tensors)) for p, placed, tensors in by_rank.values()]
+        # a steady delta update on a host slot: replayed groups are compared from their inputs
+        # (delta_writes.py), their slot bytes made only where a full write needs them
+        fuse = self.fuse_compare and self.deltas is not None and self.digests is None
+        loaded, later = [], {}
+        for p, placed, tensors in by_rank.values():
+            deferred: list | None = [] if fuse and self.deltas.fusable(p, self._filler) else None
+            loaded.append((p, self._filler.produce(p, placed, tensors, deferred)))
+            if deferred:
+                later[id(p)] = deferred[0]
         extent = max(r.offset + r.nbytes for _, regions in loaded for r in regions)
         if self.digests is not None:  # queued after the loaders, before the slot goes to the writer
             for p, regions in loaded:
@@ -98,7 +109,7 @@ class SlotPipeline:
         for p, regions in loaded:
             entries = [(r.param_name, r.offset, r.nbytes) for r in regions]
             if self.deltas is not None:
-                self._rows += self.deltas.slot_rows(p, entries, self._filler)
+                self._rows += self.deltas.slot_rows(p, entries, self._filler, later.get(id(p)))
                 continue
             for t in p.targets:
                 self._rows += transports.param_writes(t.publication, t.writer_id, t.name, entries)

@@ -89,6 +89,9 @@ class UpdateReport:
     bytes_written: int = 0
     base_bytes: int = 0
     changed_bytes: int = 0
+    # parameters a delta update compared straight from the trainer's tensors through their copy
+    # programs, without writing them into a slot first (sender/delta_writes.py)
+    compared_from_inputs: int = 0
     # the sender's memory for updates (docs/sender.md, "Memory"): its transfer slots (spare bytes
     # included; in ``slot_location``), the most one prepared engine rank's incomplete parameter groups
     # held at once in this update (tensors pushed and waiting for the rest of their group, which the
@@ -147,7 +150,9 @@ class UpdateReport:
             deltas = sum(e.delta for e in self.engines)
             lines.append(f"  deltas: {format_size(self.bytes_written)} written for {format_size(self.bytes)} "
                          f"({self.bytes_written / max(self.bytes, 1):.1%}); {deltas} of {len(self.engines)} engine "
-                         f"rank(s) took deltas; the sender's bases hold {format_size(self.base_bytes)}")
+                         f"rank(s) took deltas; the sender's bases hold {format_size(self.base_bytes)}"
+                         + (f"; {self.compared_from_inputs} parameter(s) compared from the trainer's tensors"
+                            if self.compared_from_inputs else ""))
         if self.replayed_groups or self.recorded_plans or self.plan_bytes or self.background_plans:
             lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "
                          f"{self.recorded_plans} recorded, {self.background_plans} in the background; "

@@ -45,7 +45,11 @@ class SlotProducer:
         self.enabled = self.mode != "off"
 
     def __call__(self, rank: Any, placed: Sequence[tuple[ParameterGroup, int]], tensors: Mapping[str, Any],
-                 target: Any) -> list[SlotRegion]:
+                 target: Any, deferred: list | None = None) -> list[SlotRegion]:
+        """The placed groups' regions, their bytes in ``target``; with a ``deferred`` list, the replayed
+        groups of a host slot are not run but appended to it as one
+        :class:`~p2pweights.copyplans.DeferredReplay` (the delta compare reads their inputs; the
+        caller runs what it needs in the slot)."""
         replica = rank.replica
         plans = plans_of(replica)
         if not self.enabled:
@@ -94,7 +98,12 @@ class SlotProducer:
         # the slot's replayed groups in one native call (per-group calls cost ~15 us of Python
         # each, the bound of a GPU slot)
         if replay:
-            self.order.replay_slot([(plan, offset) for _, offset, plan in replay], tensors, target)
+            joined = [(plan, offset) for _, offset, plan in replay]
+            later = self.order.defer_slot(joined, tensors, target) if deferred is not None else None
+            if later is None:
+                self.order.replay_slot(joined, tensors, target)
+            else:
+                deferred.append(later)
             for group, offset, plan in replay:
                 by_group[group.index] = plan.regions_at(offset)
         self.times.replayed += len(replay)

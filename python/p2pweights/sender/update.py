@@ -93,6 +93,7 @@ class Update:
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
         self._deltas = self.pipeline.deltas = deltas  # a delta_writes.UpdateDeltas: delta records where accepted
+        self.pipeline.fuse_compare = not self._transforms  # a transform's tensors (FP8 quantize-on-send): the slot
         self.verify_seconds = 0.0
         # owner: the sender's one controller id, so that its next update may resume a session this
         # one left open on an sglang server (which cannot say whose a session is)
