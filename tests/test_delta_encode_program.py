@@ -236,3 +236,50 @@ def test_rows_read_in_place_and_rows_made_in_a_buffer_encode_the_same(unit, thre
         assert got == want, (offset, got, want)
         assert got_rec == want_rec, offset
         assert np.array_equal(got_base, want_base), offset
+
+
+def test_a_deferred_replay_compares_and_runs_each_parameter_as_the_whole_program_would():
+    """copyplans.DeferredReplay: each parameter's range gets the descriptors writing into it (one may
+    cross two parameters), its record equals the replayed slot's, ``run`` writes the range's bytes as
+    the whole program does, and a range the program leaves unwritten is None (the caller's fallback)."""
+    from types import SimpleNamespace
+
+    from p2pweights.copyplans import DeferredReplay
+    from p2pweights.copyplans.program import SlotProgram
+
+    rng = np.random.default_rng(11)
+    inputs = _inputs(rng, 3, 1 << 16)
+    program = np.array([[0, 0, 0, 1200, 1, 0, 0],              # params 0 and 1: [0, 1200)
+                        [1, 1200, 64, 256, 6, 512, 256],       # param 1: two column shards of 6 rows
+                        [2, 1456, 4096, 256, 6, 512, 512],
+                        [2, 1200 + 6 * 512, 100, 5000 - 1200 - 6 * 512, 1, 0, 0],
+                        [-1, 5000, 0, 3000, 1, 0, 0],          # param 2: a zero fill, then a copy
+                        [1, 8000, 9, 1000, 1, 0, 0]], dtype=np.int64)
+    ranges = [(0, 1000), (1000, 4000), (5000, 4000), (9000, 100)]  # the last: nothing writes it
+    slot_bytes = 9100
+    slot = np.zeros(slot_bytes, dtype=np.uint8)
+    addrs, sizes = _addrs(inputs)
+    joined = SlotProgram((), program, ("a", "b", "c"))
+    placed = [(SimpleNamespace(first_parameter="p0"), 0)]
+    deferred = DeferredReplay(placed, joined, inputs, program, int(slot.ctypes.data), slot_bytes, addrs, sizes, 2)
+    want_slot = np.zeros(slot_bytes, dtype=np.uint8)
+    assert _native.run_copy_program_host(program, int(want_slot.ctypes.data), slot_bytes, addrs, sizes, 1)[0] == OK
+    assert len(deferred.piece(0, 1000)[0]) == 1 and len(deferred.piece(1000, 4000)[0]) == 4
+    for unit in (1, 2, 4, 8):
+        for offset, nbytes in ranges[:3]:
+            cur = want_slot[offset:offset + nbytes]
+            base = _changed_base(rng, cur, 0.05)
+            want_base, got_base = base.copy(), base.copy()
+            need = int(_native.delta_max_encoded(nbytes))
+            want_out, got_out = np.zeros(need, np.uint8), np.zeros(need, np.uint8)
+            want = _native.delta_encode(int(cur.ctypes.data), int(want_base.ctypes.data), nbytes, unit,
+                                        int(want_out.ctypes.data), need, True, 1)
+            got = deferred.encode(offset, nbytes, got_base, unit, got_out, 2)
+            assert got == tuple(want[2:]) and np.array_equal(got_base, want_base)
+            assert got_out[:got[0]].tobytes() == want_out[:want[2]].tobytes()
+    assert not slot.any()  # compared without writing the slot
+    assert deferred.encode(9000, 100, np.zeros(100, np.uint8), 1, np.zeros(148, np.uint8), 1) is None
+    for offset, nbytes in ranges[:3]:
+        deferred.run(offset, nbytes)
+        assert np.array_equal(slot[offset:offset + nbytes], want_slot[offset:offset + nbytes])
+    assert (deferred.encoded, deferred.ran) == (12, 3)
