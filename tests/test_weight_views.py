@@ -2,7 +2,7 @@
 host ranges merged; GPU weights one range per parameter, through its own storage. The per-parameter
 path is the GPU one (the sglang plugin's and the vLLM backend's GPU areas); its logic is the same on
 any device, so it runs here on CPU tensors. And a sender writes index records, not runs, to a rank
-whose area is on a GPU (sender/delta_writes.py ``_gpu_areas``)."""
+whose area is on a GPU (sender/delta_writes.py ``gpu_areas``)."""
 from __future__ import annotations
 
 import types
@@ -69,14 +69,14 @@ def test_host_ranges_merge_where_they_touch_and_a_view_spans_only_its_own_bytes(
 
 
 def test_a_sender_writes_index_records_to_a_rank_whose_area_is_on_a_gpu():
-    from p2pweights.sender.delta_writes import _gpu_areas
+    from p2pweights.sender.delta_targets import gpu_areas
 
     def rank(arch: str, area=(4096, 1 << 20)):
         return types.SimpleNamespace(publication=types.SimpleNamespace(device_arch=arch, delta_area=area))
 
-    assert not _gpu_areas(types.SimpleNamespace(targets=[rank("cpu"), rank("")]))  # host areas: runs
-    assert _gpu_areas(types.SimpleNamespace(targets=[rank("cpu"), rank("sm90")]))
-    assert not _gpu_areas(types.SimpleNamespace(targets=[rank("sm90", area=None)]))  # no area: nothing to write
+    assert not gpu_areas(types.SimpleNamespace(targets=[rank("cpu"), rank("")]))  # host areas: runs
+    assert gpu_areas(types.SimpleNamespace(targets=[rank("cpu"), rank("sm90")]))
+    assert not gpu_areas(types.SimpleNamespace(targets=[rank("sm90", area=None)]))  # no area: nothing to write
 
 
 def test_an_engine_hosts_gpu_rank_opens_an_area_only_where_it_was_sized(monkeypatch, caplog):

@@ -31,20 +31,19 @@ close too, once its last copy to the host landed: one wait per slot, then the ho
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import _native, settings
 from ..deltas import index_records, kernels
-from ..deltas.area import PREFIX, Manifest, record_span
+from ..deltas.area import PREFIX, record_span
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import raise_for_status
 from .delta_bases import DeltaBases
+from .delta_targets import FIRST, DeltaTarget, full_row, gpu_areas
 from .fillers import HostSlotFiller
 
-FIRST = "the first update after connect writes in full"
 #: a rank whose compared bytes changed in more than DENSE_SHARE of them, once DENSE_AFTER of its bytes
 #: were compared in an update, writes the rest of that update in full without comparing (a fresh
 #: checkpoint: its records would be dense anyway); its bases still move on, so the next update can
@@ -59,35 +58,6 @@ STAGED = ("the last update (delta=False) filled host slots from GPU tensors and 
 INDEX_RECORDS_ON_HOST = False
 
 
-def _gpu_areas(p: Any) -> bool:
-    """Whether some engine rank of ``p`` keeps its delta area on a GPU: an area lies beside its rank's
-    weights (deltas/area.py), and a rank publishes where those are (``device_arch``: "cpu" for host
-    memory; none from a host that publishes no build, whose areas are in host memory)."""
-    return any(t.publication.delta_area and t.publication.device_arch not in ("", "cpu") for t in p.targets)
-
-
-class _Target:
-    """One target engine rank's delta state in one update."""
-
-    def __init__(self, t: Any):
-        self.t = t
-        self.delta = False
-        self.reason = FIRST
-        self.cursor = 0
-        self.records = 0
-        self.hash = hashlib.sha256()
-        self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
-        self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
-        self.area = t.publication.delta_area
-        self.written_full = ""  # why its claim was accepted yet its parameters went in full (the report says it)
-
-    def manifest(self) -> Manifest:
-        """The owner's word on this rank's area: the digest ends with the index records' checksums."""
-        digest = self.hash.copy()
-        digest.update(index_records.checksum_words(self.checks))
-        return Manifest(self.cursor, self.records, digest.hexdigest(), tuple(self.offsets))
-
-
 class UpdateDeltas:
     """One update's delta decisions and records (see the module)."""
 
@@ -100,7 +70,7 @@ class UpdateDeltas:
             bases.clear()
         self.ranks = list(ranks)
         self.buffers = buffers
-        self.targets = {t.name: _Target(t) for p in self.ranks for t in p.targets}
+        self.targets = {t.name: DeltaTarget(t) for p in self.ranks for t in p.targets}
         self.off_reason = off_reason or ("" if wanted else "delta=False for this update")
         for x in self.targets.values():  # reported as is when no claim is made (control=False)
             x.reason = self.off_reason or FIRST
@@ -232,7 +202,7 @@ class UpdateDeltas:
         targets = [self.targets[t.name] for t in p.targets]
         replica = p.replica
         return (type(filler) is HostSlotFiller and self.keep and self.wanted and self.buffers.device == "cpu"
-                and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p) and all(x.delta and x.area for x in targets)
+                and not INDEX_RECORDS_ON_HOST and not gpu_areas(p) and all(x.delta and x.area for x in targets)
                 and (p.layout_key, p.rank) not in self.bases.unkept and not self._dense(p)
                 and not hasattr(replica, "roles") and not getattr(replica, "replay", None))
 
@@ -256,7 +226,7 @@ class UpdateDeltas:
         full = {id(x.t) for x in self.targets.values() if not x.delta}
         rows: list = []
         # a host slot writes codec records, which only a host area takes; to a GPU area, index records
-        host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST and not _gpu_areas(p)
+        host = kept and self.buffers.device == "cpu" and not INDEX_RECORDS_ON_HOST and not gpu_areas(p)
         if replay is not None and not host:  # (not fusable) every byte in the slot, as a replay writes them
             for _, offset, nbytes in entries:
                 replay.run(offset, nbytes)
@@ -280,7 +250,7 @@ class UpdateDeltas:
                 self.full_bytes[t.name] += nbytes
             writes = [self.targets[t.name] for t in p.targets if id(t) not in full]
             if slot is None:
-                rows += [_full_row(t, param, offset, nbytes) for t in p.targets]
+                rows += [full_row(t, param, offset, nbytes) for t in p.targets]
                 continue
             rows += self._param_rows(p, param, slot, offset, nbytes, writes, full, replay)
         return rows
@@ -291,7 +261,7 @@ class UpdateDeltas:
         cur = slot[offset:offset + nbytes]
         base = self.bases.arrays.get(key)
         targets = p.targets
-        rows = [_full_row(t, param, offset, nbytes) for t in targets if id(t) in full]
+        rows = [full_row(t, param, offset, nbytes) for t in targets if id(t) in full]
         # replay: compared from the inputs where a record may come of it; the slot's bytes made for any usual write
         fused = (replay is not None and not rows and writes and base is not None and base.nbytes == nbytes
                  and not self._dense(p))
@@ -301,10 +271,10 @@ class UpdateDeltas:
             buffer, offsets = self.bases.rank_base(p, "cpu")
             base = self.bases.arrays[key] = buffer[offsets[param]:offsets[param] + nbytes]
             np.copyto(base, cur)
-            return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
+            return rows + [full_row(x.t, param, offset, nbytes) for x in writes]
         if not writes or self._dense(p):
             np.copyto(base, cur)
-            return rows + [_full_row(x.t, param, offset, nbytes) for x in writes]
+            return rows + [full_row(x.t, param, offset, nbytes) for x in writes]
         unit = targets[0].publication.params[param].element_size
         rec, n, mode, changed, in_slot = self._encode(cur, base, unit if unit in (1, 2, 4, 8) else 1, nbytes,
                                                       replay if fused else None, offset)
@@ -319,7 +289,7 @@ class UpdateDeltas:
                 if not in_slot:
                     replay.run(offset, nbytes)
                     in_slot = True
-                rows.append(_full_row(x.t, param, offset, nbytes))
+                rows.append(full_row(x.t, param, offset, nbytes))
                 continue
             at = self._spare(PREFIX.size)
             dest = x.t.publication.target(param, nbytes, x.t.name).data_ptr
@@ -346,7 +316,7 @@ class UpdateDeltas:
             self._spare_t = self.buffers.spare_tensor(slot_index)
         base, offsets = self.bases.rank_base(p, slot.device)
         deltas = [self.targets[t.name] for t in p.targets if self.targets[t.name].delta]
-        rows = [_full_row(t, param, o, n) for param, o, n in entries for t in p.targets
+        rows = [full_row(t, param, o, n) for param, o, n in entries for t in p.targets
                 if not self.targets[t.name].delta]
         by_unit: dict[int, list] = {}
         copies = []  # bases moved on in full: one copy program for all of them
@@ -360,7 +330,7 @@ class UpdateDeltas:
             if key not in self.bases.arrays or not deltas or dense:  # no base yet, nobody takes deltas, or dense
                 copies.append((o, at, n))
                 self.bases.arrays[key] = base[at:at + n]
-                rows += [_full_row(x.t, param, o, n) for x in deltas]
+                rows += [full_row(x.t, param, o, n) for x in deltas]
             else:
                 by_unit.setdefault(unit, []).append((param, o, n, at))
         kernels.copy_spans(slot, base, copies)
@@ -415,7 +385,7 @@ class UpdateDeltas:
         if not found.count:
             return []
         if found.positions is None:
-            return [_full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
+            return [full_row(x.t, param, o, n) for param, o, n, _ in params for x in deltas]
         nrec = index_records.record_bytes(len(params), found.count, unit)
         payload = index_records.payload_bytes(found.count, unit)
         at = placed[0] if placed else self._spare(payload)
@@ -423,7 +393,7 @@ class UpdateDeltas:
         rows = []
         for x in deltas:
             if x.cursor + PREFIX.size + nrec > x.area[1]:
-                rows += [_full_row(x.t, param, o, n) for param, o, n, _ in params]
+                rows += [full_row(x.t, param, o, n) for param, o, n, _ in params]
                 continue
             table, pos = [], 0
             for param, _, n, _ in params:
@@ -509,8 +479,3 @@ class UpdateDeltas:
     # -- the report ------------------------------------------------------------------------------
     def reasons(self) -> dict[str, str]:
         return {name: (x.written_full if x.delta else x.reason) for name, x in self.targets.items()}
-
-
-def _full_row(t: Any, param: str, offset: int, nbytes: int) -> tuple[int, int, int, int]:
-    """The parameter's usual write to target ``t`` (its bytes checked against the target's table)."""
-    return offset, nbytes, t.writer_id, t.publication.target(param, nbytes, t.name).data_ptr
