@@ -20,6 +20,8 @@ Sections (each isolated: a failure is recorded and the next one runs):
   update_wire_small  update_wire's four (transport, slots) pairs, NIXL first, on Qwen3-0.6B TP1
   delta_profile  a steady delta and a full update under torch.profiler, a delta under cProfile
               (profile_gpu_delta.py)
+  full_profile  steady full updates at other slot counts and sizes, one under torch.profiler (the
+              device's busy union and idle gaps) and one under cProfile (profile_full_update.py)
   connect     benchmarks/profile_connect.py: each phase of a cold, warm, new-sender and disk-cache
               connect (Qwen3-4B TP2 VRAM receiver, NIXL, GPU slots), imports timed apart
 Prints one table per section and writes all rows as JSON.
@@ -37,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_gpu_delta  # noqa: E402  (beside this file)
 import bench_gpu_wire  # noqa: E402
+import profile_full_update  # noqa: E402
 import profile_gpu_delta  # noqa: E402
 from cprofile_rows import top_functions  # noqa: E402
 
@@ -393,6 +396,7 @@ SECTIONS = {"floor": section_floor, "bandwidth": section_bandwidth, "production"
             "update_fp8": section_update_fp8, "update_delta": lambda: bench_gpu_delta.section_update_delta(),
             "update_delta_fp8": lambda: bench_gpu_delta.section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
             "delta_profile": lambda: profile_gpu_delta.section_delta_profile(),
+            "full_profile": lambda: profile_full_update.section_full_profile(),
             "detection": lambda: bench_gpu_delta.detection_rows(),
             "update_wire": lambda: bench_gpu_wire.section_update_wire(),
             "update_wire_mooncake": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[:2]),
