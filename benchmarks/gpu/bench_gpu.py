@@ -397,6 +397,8 @@ SECTIONS = {"floor": section_floor, "bandwidth": section_bandwidth, "production"
             "update_delta_fp8": lambda: bench_gpu_delta.section_update_delta(fp8_config(), "tp=2,ep=2", steps=2),
             "delta_profile": lambda: profile_gpu_delta.section_delta_profile(),
             "full_profile": lambda: profile_full_update.section_full_profile(),
+            "full_profile_quick": lambda: profile_full_update.section_full_profile(
+                steps=3, settings=profile_full_update.SETTINGS[:2]),
             "detection": lambda: bench_gpu_delta.detection_rows(),
             "update_wire": lambda: bench_gpu_wire.section_update_wire(),
             "update_wire_mooncake": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[:2]),

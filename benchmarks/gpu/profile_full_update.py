@@ -63,7 +63,8 @@ def timeline_rows(trace_path: str, wall_s: float, label: str, top: int = 8) -> l
     return rows
 
 
-def section_full_profile(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 4) -> list[dict]:
+def section_full_profile(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 4,
+                         settings: tuple = SETTINGS) -> list[dict]:
     import cProfile
 
     import torch
@@ -83,12 +84,12 @@ def section_full_profile(model: str = "qwen3-4b", spec: str = "tp=2", steps: int
                           startup_timeout=600)
     version = 0
     try:
-        for n_slots, size in SETTINGS:
+        for n_slots, size in settings:
             sender = WeightSender(cfg, transport="nixl", buffer_device="cuda", num_slots=n_slots, buffer_size=size)
             sender.connect([SglangEngine(engine.url, name="vram-engine")])
             if getattr(sender, "recorder", None) is not None:
                 sender.recorder.wait()
-            profiled = (n_slots, size) == SETTINGS[0]
+            profiled = (n_slots, size) == settings[0]
             plan = ["first"] + ["steady"] * steps + (["torch", "cprofile"] if profiled else [])
             tensors: list = []
             for i, how in enumerate(plan):
