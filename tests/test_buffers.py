@@ -143,7 +143,7 @@ def test_closed_buffer_refuses_views():
 
 
 def test_settings_take_keywords_over_env_over_defaults(monkeypatch):
-    assert settings().buffer_size == 512 << 20 and settings().num_slots == 2 and settings().transfer_timeout == 30
+    assert settings().buffer_size == 512 << 20 and settings().num_slots is None and settings().transfer_timeout == 30
     monkeypatch.setenv("P2PW_BUFFER_SIZE", "64MiB")
     monkeypatch.setenv("P2PW_TRANSFER_TIMEOUT", "5")
     assert settings().buffer_size == 64 << 20 and settings().transfer_timeout == 5
@@ -155,6 +155,18 @@ def test_settings_take_keywords_over_env_over_defaults(monkeypatch):
     monkeypatch.setenv("P2PW_TRANSPORT", "carrier-pigeon")
     with pytest.raises(ValueError, match="P2PW_TRANSPORT"):
         settings()
+
+
+def test_unset_slot_count_is_two_host_slots_and_four_gpu_slots(monkeypatch):
+    """P2PW_NUM_SLOTS unset: host slots double-buffer, GPU slots take four (a GPU refills a slot faster
+    than its writes are seen complete: benchmarks/RESULTS.md, issue 36 item 6); a set count is kept."""
+    from p2pweights.sender.buffers import slot_count
+
+    assert slot_count(settings()) == slot_count(settings(buffer_device="cpu")) == 2
+    assert slot_count(settings(buffer_device="cuda")) == slot_count(settings(buffer_device="cuda:1")) == 4
+    assert slot_count(settings(num_slots=3, buffer_device="cuda")) == 3
+    monkeypatch.setenv("P2PW_NUM_SLOTS", "1")
+    assert slot_count(settings(buffer_device="cuda:0")) == slot_count(settings()) == 1
 
 
 def test_sizes_parse_with_units():

@@ -47,7 +47,7 @@ def test_every_p2pw_name_used_in_the_package_is_declared():
 
 def test_keyword_wins_over_environment_which_wins_over_default(monkeypatch):
     monkeypatch.delenv("P2PW_NUM_SLOTS", raising=False)
-    assert S.lookup("P2PW_NUM_SLOTS") == (2, "default")
+    assert S.lookup("P2PW_NUM_SLOTS") == (None, "default")  # unset: sender/buffers.slot_count decides by device
     monkeypatch.setenv("P2PW_NUM_SLOTS", "3")
     assert S.lookup("P2PW_NUM_SLOTS") == (3, "P2PW_NUM_SLOTS")
     assert S.lookup("num_slots", 4) == (4, "keyword")
@@ -123,6 +123,8 @@ def test_every_sender_setting_is_a_weight_sender_keyword(setting, tmp_path):
     from p2pweights.sender.weight_sender import WeightSender
 
     given = setting.default if setting.default is not None else str(tmp_path)  # None: any valid text
+    if setting.key == "num_slots":
+        given = 3  # unset by default (sender/buffers.slot_count): a count
     if setting.key == "prepare":
         given = False  # True would import sglang on a thread: the keyword path is the same
     sender = WeightSender(CONFIG, **{setting.key: given})

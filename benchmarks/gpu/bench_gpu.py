@@ -399,6 +399,8 @@ SECTIONS = {"floor": section_floor, "bandwidth": section_bandwidth, "production"
             "full_profile": lambda: profile_full_update.section_full_profile(),
             "full_profile_quick": lambda: profile_full_update.section_full_profile(
                 steps=3, settings=profile_full_update.SETTINGS[:2]),
+            "full_profile_slots": lambda: profile_full_update.section_full_profile(  # 1 GiB of slots, or 4 x 512 MiB
+                steps=3, settings=((4, 256 << 20), (8, 128 << 20), (2, 512 << 20), (4, 512 << 20)), profiled=False),
             "detection": lambda: bench_gpu_delta.detection_rows(),
             "update_wire": lambda: bench_gpu_wire.section_update_wire(),
             "update_wire_mooncake": lambda: bench_gpu_wire.section_update_wire(pairs=bench_gpu_wire.PAIRS[:2]),

@@ -64,7 +64,7 @@ def timeline_rows(trace_path: str, wall_s: float, label: str, top: int = 8) -> l
 
 
 def section_full_profile(model: str = "qwen3-4b", spec: str = "tp=2", steps: int = 4,
-                         settings: tuple = SETTINGS) -> list[dict]:
+                         settings: tuple = SETTINGS, profiled: bool = True) -> list[dict]:
     import cProfile
 
     import torch
@@ -89,8 +89,8 @@ def section_full_profile(model: str = "qwen3-4b", spec: str = "tp=2", steps: int
             sender.connect([SglangEngine(engine.url, name="vram-engine")])
             if getattr(sender, "recorder", None) is not None:
                 sender.recorder.wait()
-            profiled = (n_slots, size) == settings[0]
-            plan = ["first"] + ["steady"] * steps + (["torch", "cprofile"] if profiled else [])
+            traced = profiled and (n_slots, size) == settings[0]
+            plan = ["first"] + ["steady"] * steps + (["torch", "cprofile"] if traced else [])
             tensors: list = []
             for i, how in enumerate(plan):
                 version += 1

@@ -183,7 +183,9 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
     # the sender and its slots
     Setting("P2PW_BUFFER_SIZE", _size, 512 << 20, "bytes per transfer slot; raised to the largest parameter "
             "group, rounded up to 2 MiB", _positive, default_text="512MiB"),
-    Setting("P2PW_NUM_SLOTS", _int, 2, "transfer slots (2 = double buffering)", _at_least_one),
+    Setting("P2PW_NUM_SLOTS", _int, None, "transfer slots (2 = double buffering); unset: 2 host slots, 4 GPU slots "
+            "(a GPU's refill waits out a slot's writes less: docs/sender.md)", _at_least_one,
+            default_text="2 (host), 4 (GPU)"),
     Setting("P2PW_TRANSFER_TIMEOUT", _float, 30.0, "seconds a write may run before it is cancelled and the update "
             "fails naming the engine", _positive, default_text="30"),
     Setting("P2PW_TRANSPORT", _str, "auto", "`auto`, `nixl` or `mooncake`; `auto`: a sender takes the transport its "

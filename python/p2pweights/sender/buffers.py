@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -108,6 +109,19 @@ class TransferBuffers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: slots when P2PW_NUM_SLOTS is unset: host slots double-buffer; GPU slots refill faster than a slot's
+#: writes are seen complete, so two more hide that wait (benchmarks/RESULTS.md, issue 36 item 6)
+HOST_SLOTS, GPU_SLOTS = 2, 4
+
+
+def slot_count(settings: Any) -> int:
+    """The number of slots of a sender's ``settings``: its ``num_slots`` (P2PW_NUM_SLOTS) when set,
+    else by where they live (``buffer_device``)."""
+    if settings.num_slots is not None:
+        return int(settings.num_slots)
+    return GPU_SLOTS if str(settings.buffer_device).startswith("cuda") else HOST_SLOTS
 
 
 def slot_size(requested: int, largest_group_bytes: int = 0) -> int:

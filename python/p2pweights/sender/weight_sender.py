@@ -22,7 +22,7 @@ from ..models.registry import architecture_of, model_spec
 from ..models.stages import stage_hf_names
 from ..settings import Settings, sender_signature, settings
 from .adapter_update import AdapterUpdate, SenderAdapters
-from .buffers import TransferBuffers, slot_size
+from .buffers import TransferBuffers, slot_count, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes
 from .delta_writes import UpdateDeltas
@@ -280,7 +280,7 @@ class WeightSender:
             self._transport = self._make_transport()
             phases.count("agents created")
         phases.lap("transport agent")
-        self._buffers = TransferBuffers(need, self.settings.num_slots, pin=self.settings.pin,
+        self._buffers = TransferBuffers(need, slot_count(self.settings), pin=self.settings.pin,
                                         device=self.settings.buffer_device, spare_bytes=spare)
         phases.lap("buffer allocation + pinning")
         self._transport.register_memory(self._buffers.address, self._buffers.total_bytes, self._buffers.location)
@@ -307,7 +307,7 @@ class WeightSender:
 
     def _early_slots(self) -> EarlySlots:
         need = slot_size(self.settings.buffer_size)
-        return EarlySlots(self._make_transport, need, self.settings.num_slots, pin=self.settings.pin,
+        return EarlySlots(self._make_transport, need, slot_count(self.settings), pin=self.settings.pin,
                           device=self.settings.buffer_device, spare_bytes=spare_bytes(need, self._bases))
 
     def _make_transport(self) -> Any:

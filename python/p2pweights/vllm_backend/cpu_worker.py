@@ -46,12 +46,15 @@ With ``--lora`` the engine runs vLLM's LoRA (``--enable-lora`` and its flags): v
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 from typing import Any
 
 from ..models.checkpoint import checkpoint_tensors, random_checkpoint
+from ..replica import vllm_env
+from ..replica.vllm_check import reference_model
 from ..replica.vllm_layout import VllmLayout
 from ..replica.vllm_lora import VllmLoRASetting
 from . import BACKEND, register
@@ -178,11 +181,7 @@ def hopper_engine_config(config_dir: str, layout: VllmLayout) -> Any:
     """vLLM's config of a Hopper engine of ``layout`` with the ``p2pweights`` backend: the replica's
     (``vllm_env.engine_config``, under the Hopper stand-in), copied with ``weight_transfer_config``
     set (the replica's cached config is left as it is)."""
-    import copy
-
     from vllm.config import WeightTransferConfig
-
-    from ..replica import vllm_env
 
     vllm_env.prepare()
     register()
@@ -195,9 +194,6 @@ def build_hopper_rank(config_dir: str, layout: VllmLayout, seed: int, rank: int)
     """Engine rank ``rank`` of a Hopper engine of ``layout``: vLLM's model built, loaded from
     ``random_checkpoint(checkpoint_tensors(config), seed, quant_scheme(config))`` and post-processed
     under the Hopper stand-in, by the replica's reference path (``vllm_check.reference_model``)."""
-    from ..replica import vllm_env
-    from ..replica.vllm_check import reference_model
-
     vllm_env.prepare()
     return reference_model(config_dir, layout, rank, seed=seed)
 
@@ -351,8 +347,6 @@ def main(argv: list[str] | None = None) -> int:
 def serve_hopper_rank(config_dir: str, layout: VllmLayout, seed: int, rank: int, authkey: bytes, out: Any) -> int:
     """``--hopper``: build the Hopper engine rank, then serve every RPC inside its rank's vLLM context
     (``vllm_env.activate``: this process is that rank for its whole life)."""
-    from ..replica import vllm_env
-
     model = build_hopper_rank(config_dir, layout, seed, rank)
     vllm_config = hopper_engine_config(config_dir, layout)
     with vllm_env.activate(model):
