@@ -520,15 +520,22 @@ uint64_t delta_max_encoded(uint64_t nbytes) {
   return checked_add(nbytes, kDeltaHeaderBytes, &total) ? total : 0;
 }
 
-Status delta_encode(const uint8_t* cur, uint8_t* base, uint64_t nbytes, uint32_t unit, uint8_t* out, uint64_t out_cap,
-                    DeltaStats* stats, bool update_base, int threads) {
+// What both encoders check first: the unit, and an output that holds the worst case (`need`).
+static Status check_unit_and_output(uint64_t nbytes, uint32_t unit, const uint8_t* out, uint64_t out_cap, uint64_t* need) {
   if (unit != 1 && unit != 2 && unit != 4 && unit != 8)
     return Status(Code::kInvalidArgument, "delta encode: unit " + std::to_string(unit) + " is not 1, 2, 4 or 8");
-  const uint64_t need = delta_max_encoded(nbytes);
-  if (need == 0) return Status(Code::kInvalidArgument, "delta encode: a slot of 2^64 bytes");
-  if (!out || out_cap < need)
+  *need = delta_max_encoded(nbytes);
+  if (*need == 0) return Status(Code::kInvalidArgument, "delta encode: a slot of 2^64 bytes");
+  if (!out || out_cap < *need)
     return Status(Code::kInvalidArgument, "delta encode: the output holds " + std::to_string(out_cap) + " bytes, " +
-                                              std::to_string(need) + " needed (delta_max_encoded)");
+                                              std::to_string(*need) + " needed (delta_max_encoded)");
+  return Status::Ok();
+}
+
+Status delta_encode(const uint8_t* cur, uint8_t* base, uint64_t nbytes, uint32_t unit, uint8_t* out, uint64_t out_cap,
+                    DeltaStats* stats, bool update_base, int threads) {
+  uint64_t need = 0;
+  if (Status s = check_unit_and_output(nbytes, unit, out, out_cap, &need); !s.ok()) return s;
   if (nbytes && (!cur || !base)) return Status(Code::kInvalidArgument, "delta encode: null cur or base");
   if (!range_fits(reinterpret_cast<uintptr_t>(cur), nbytes) || !range_fits(reinterpret_cast<uintptr_t>(base), nbytes) ||
       !range_fits(reinterpret_cast<uintptr_t>(out), need))
@@ -547,13 +554,8 @@ Status delta_encode(const uint8_t* cur, uint8_t* base, uint64_t nbytes, uint32_t
 Status delta_encode_program(const int64_t* program, size_t count, uint64_t slot_bytes,
                             const std::vector<CopyInput>& inputs, uint64_t offset, uint64_t nbytes, uint8_t* base,
                             uint32_t unit, uint8_t* out, uint64_t out_cap, DeltaStats* stats, int threads) {
-  if (unit != 1 && unit != 2 && unit != 4 && unit != 8)
-    return Status(Code::kInvalidArgument, "delta encode: unit " + std::to_string(unit) + " is not 1, 2, 4 or 8");
-  const uint64_t need = delta_max_encoded(nbytes);
-  if (need == 0) return Status(Code::kInvalidArgument, "delta encode: a slot of 2^64 bytes");
-  if (!out || out_cap < need)
-    return Status(Code::kInvalidArgument, "delta encode: the output holds " + std::to_string(out_cap) + " bytes, " +
-                                              std::to_string(need) + " needed (delta_max_encoded)");
+  uint64_t need = 0;
+  if (Status s = check_unit_and_output(nbytes, unit, out, out_cap, &need); !s.ok()) return s;
   if (nbytes && !base) return Status(Code::kInvalidArgument, "delta encode: null base");
   uint64_t end = 0;
   if (!checked_add(offset, nbytes, &end) || end > slot_bytes)

@@ -117,8 +117,6 @@ class SlotFiller:
         ``deferred`` list, replayed groups may be left to it instead (sender/slot_producer.py)."""
         if self.producer is None:
             return rank.replica.load_groups(placed, tensors, self.target)
-        if deferred is None:
-            return self.producer(rank, placed, tensors, self.target)
         return self.producer(rank, placed, tensors, self.target, deferred=deferred)
 
     def loaded(self, extent: int) -> None:
