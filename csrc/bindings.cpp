@@ -303,15 +303,17 @@ PYBIND11_MODULE(_native, m) {
     return py::make_tuple(static_cast<int>(s.code()), s.message());
   }, py::arg("rec_addr"), py::arg("rec_len"), py::arg("dst_nbytes"),
      "Every field, the checksum and every run of a record checked against a destination of dst_nbytes: (code, message).");
-  m.def("delta_apply", [ptr](uint64_t rec, uint64_t rec_len, uint64_t dst, uint64_t dst_nbytes) {
+  m.def("delta_apply", [ptr](uint64_t rec, uint64_t rec_len, uint64_t dst, uint64_t dst_nbytes, bool checked) {
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = delta_apply(ptr(rec), rec_len, ptr(dst), dst_nbytes);
+      s = delta_apply(ptr(rec), rec_len, ptr(dst), dst_nbytes, checked);
     }
     return py::make_tuple(static_cast<int>(s.code()), s.message());
-  }, py::arg("rec_addr"), py::arg("rec_len"), py::arg("dst_addr"), py::arg("dst_nbytes"),
-     "delta_check, then the record's runs copied into dst (nothing written when the check fails): (code, message).");
+  }, py::arg("rec_addr"), py::arg("rec_len"), py::arg("dst_addr"), py::arg("dst_nbytes"), py::arg("checked") = false,
+     "delta_check, then the record's runs copied into dst (nothing written when the check fails): (code, message).\n"
+     "checked=True: the caller ran delta_check on these bytes; one copying walk, every run still bounded inside dst\n"
+     "(bytes changed since the check may end it partway, with an error).");
   m.def("delta_hash", [ptr](uint64_t addr, uint64_t nbytes, uint64_t seed) {
     py::gil_scoped_release nogil;
     return delta_hash(ptr(addr), nbytes, seed);

@@ -476,3 +476,51 @@ def test_mutated_records_are_refused_or_applied_exactly_as_the_reference_says():
             assert np.array_equal(dst, want), (seed, how)
             outcomes["applied"] += 1
     assert outcomes["refused"] > 100 and outcomes["applied"] > 10, outcomes
+
+
+def _mutated(rec: bytearray, r: random.Random) -> bytearray:
+    """The record torn, a bit flipped (left unsealed: a checked apply reads no checksum), or random
+    bytes spliced into its payload with payload_bytes kept honest."""
+    how = r.randrange(3)
+    if how == 0:
+        return rec[:r.randrange(len(rec))]
+    if how == 1:
+        rec[r.randrange(len(rec))] ^= 1 << r.randrange(8)
+        return rec
+    at = r.randrange(HEADER_BYTES, len(rec) + 1)
+    rec[at:at] = bytes(r.randrange(256) for _ in range(r.randrange(1, 6)))
+    rec[24:32] = (len(rec) - HEADER_BYTES).to_bytes(8, "little")
+    return rec
+
+
+def test_a_checked_apply_writes_what_the_apply_writes_and_never_outside_dst_when_the_bytes_changed_since():
+    """delta_apply(checked=True) (a delta area's apply, after its check of the same bytes): one
+    copying walk. On the record it checked it writes what the full apply writes; on bytes changed
+    since (a racing writer) it may stop partway with an error, but never stores outside dst, and
+    where it succeeds it wrote what the format says those bytes mean."""
+    stats = {"same": 0, "changed ok": 0, "changed refused": 0}
+    for seed in range(300):
+        rng = np.random.default_rng(20_000 + seed)
+        r = random.Random(seed)
+        base, cur, unit = random_change(rng, int(rng.integers(1, 600)))
+        rec = bytearray(bytes(deltas.encode(cur, base, unit)))
+        if seed % 3:
+            rec = _mutated(rec, r)
+        raw = np.frombuffer(bytes(rec) or b"\0", np.uint8).copy()
+        guard = rng.integers(0, 256, base.nbytes + 128, dtype=np.uint8)
+        before = guard.copy()
+        guard[64:64 + base.nbytes] = base
+        dst = guard[64:64 + base.nbytes]
+        code, message = _native.delta_apply(raw.ctypes.data, len(rec), dst.ctypes.data, dst.nbytes, checked=True)
+        assert np.array_equal(guard[:64], before[:64]) and np.array_equal(guard[64 + base.nbytes:], before[64 + base.nbytes:]), seed
+        want = ref_apply(bytes(seal(bytearray(rec))), base) if len(rec) >= HEADER_BYTES else None
+        if seed % 3 == 0:
+            assert code == int(_native.Code.OK) and np.array_equal(dst, cur), (seed, message)
+            stats["same"] += 1
+        elif code == int(_native.Code.OK):
+            assert want is not None and np.array_equal(dst, want), seed
+            stats["changed ok"] += 1
+        else:
+            assert want is None, (seed, message)
+            stats["changed refused"] += 1
+    assert min(stats.values()) > 10, stats

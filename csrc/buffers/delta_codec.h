@@ -91,8 +91,13 @@ Status delta_encode_program(const int64_t* program, size_t count, uint64_t slot_
 Status delta_check(const uint8_t* rec, uint64_t rec_len, uint64_t dst_nbytes);
 
 // delta_check, then each run copied into dst. Nothing is written when the check fails. rec and dst
-// may not overlap.
-Status delta_apply(const uint8_t* rec, uint64_t rec_len, uint8_t* dst, uint64_t dst_nbytes);
+// may not overlap. checked: the caller ran delta_check on these very bytes (a delta area checks
+// every record, and their digest, before it applies the first): the checksum and the checking walk
+// are skipped, one walk copies. That walk still bounds every run inside dst before its copy, so
+// bytes changed since the check (a writer racing the end) never store outside dst; they may end
+// the apply partway with an error, some runs applied: the caller's update fails (torn), as on any
+// failed apply.
+Status delta_apply(const uint8_t* rec, uint64_t rec_len, uint8_t* dst, uint64_t dst_nbytes, bool checked = false);
 
 // The record checksum's hash (64-bit, four lanes of multiply-rotate mixing): exposed so tools and
 // tests can seal a record.

@@ -276,7 +276,8 @@ class DeltaArea:
                     indexed = True
                 continue
             rec, n, dest, dst_nbytes = rest
-            code, message = _native.delta_apply(rec, n, dest, dst_nbytes)
+            # check() walked this record and the digest covers it: one copying walk (still bounded)
+            code, message = _native.delta_apply(rec, n, dest, dst_nbytes, checked=True)
             if code != int(_native.Code.OK):  # checked above: a failure here is a bug; the end fails (torn)
                 raise_for_status(code, f"engine {self.engine} rank {self.rank}: applying a delta record: {message}")
         if self.device != "cpu" and records:
