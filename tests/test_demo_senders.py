@@ -75,10 +75,11 @@ def test_a_step_sender_0_refuses_fails_every_sender_and_the_demo_says_why(cfg, e
 class _LosingPool(SenderPool):
     """Sender 1 dies once its tensors are made, before the step's "go"."""
 
-    def prepare(self, seed, changed=None):
-        super().prepare(seed, changed)
+    def prepare(self, seed, changed=None, plans_wait=0.0):
+        waited = super().prepare(seed, changed, plans_wait)
         self.procs[1].kill()
         self.procs[1].join()
+        return waited
 
 
 def test_a_sender_that_dies_fails_the_step_instead_of_hanging_the_others(cfg, engines):

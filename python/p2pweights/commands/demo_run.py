@@ -36,6 +36,10 @@ from typing import Any, Callable, Sequence
 from ..settings import format_size
 
 STEP_TIMEOUT = 600.0  # seconds a sender may take to answer a step; also its group's collective timeout
+# Before the second step and later, at most this long each sender waits for the copy plans its
+# background recorder is making (copyplans/background_recorder.py): in a real run the trainer's
+# rollout and training step give it that time; the demo's steps follow each other at once
+PLANS_WAIT_S = 120.0
 
 
 @dataclass
@@ -112,9 +116,12 @@ def _sender_main(conn: Any, model: str, index: int, count: int, port: int, overr
             if cmd == "close":
                 break
             if cmd == "prepare":
-                seed, changed = arg
+                seed, changed, plans_wait = arg
                 tensors = list(random_checkpoint(specs, seed=seed, changed=changed))
-                conn.send(("ready", None))
+                t0 = time.perf_counter()
+                if plans_wait and sender.recorder is not None:
+                    sender.recorder.wait(plans_wait)
+                conn.send(("ready", time.perf_counter() - t0))
             elif cmd == "go":
                 version, verify = arg
                 try:
@@ -244,10 +251,11 @@ class SenderPool:
                 answers[i] = (kind, payload)
         return [answers[i] for i in range(len(self.conns))]
 
-    def prepare(self, seed: int, changed: tuple[float, int] | None = None) -> None:
-        """Each sender makes ``random_checkpoint(specs, seed, changed=changed)``."""
-        self._tell("prepare", (seed, changed))
-        self._expect("ready", timeout=STEP_TIMEOUT)
+    def prepare(self, seed: int, changed: tuple[float, int] | None = None, plans_wait: float = 0.0) -> float:
+        """Each sender makes ``random_checkpoint(specs, seed, changed=changed)``, then waits up to
+        ``plans_wait`` seconds for its background copy-plan recorder to finish; the longest wait."""
+        self._tell("prepare", (seed, changed, plans_wait))
+        return max(waited for _, waited in self._expect("ready", timeout=STEP_TIMEOUT + plans_wait))
 
     def go(self, version: str, timeout: float, verify: bool = False) -> list[tuple[str, Any]]:
         self._tell("go", (version, verify))
@@ -314,7 +322,12 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
     try:
         for step in range(1, steps + 1):
             seed, changed = _version(step, seed_base, changed_fraction)
-            pool.prepare(seed, changed)  # the step's HF tensors, made before the clock starts
+            # the step's HF tensors, made before the clock starts; from the second step on, the copy
+            # plans recorded in the background, as a trainer's step between updates lets them finish
+            waited = pool.prepare(seed, changed, plans_wait=PLANS_WAIT_S if step > 1 else 0.0)
+            if waited >= 0.1:
+                progress(f"p2p: before step {step} the senders waited {waited:.1f} s for the copy plans they record "
+                         "in the background (in a real run the trainer's rollout and training step give them this time)")
             verified = verify == "on" or (verify == "alternate" and step % 2 == 0)
             sent = time.perf_counter()
             replies = pool.go(f"p2p-{step}", timeout, verified)
