@@ -14,7 +14,10 @@ lowest mantissa bit), as an RL step's small updates do; a unit of 4 compares ele
   the slot (the cost of a host copy of what a full write moves); ``+base GB/s``: the encode that
   also sets base := cur (``update_base``; base restored between repeats, untimed);
 - ``apply GB/s``: slot bytes per second of check + apply into a destination equal to the base;
-  ``apply/memcpy`` as above.
+  ``apply/memcpy`` as above;
+- ``area GB/s``: the same as an engine rank's delta area does it: ``check``, then
+  ``apply(checked=True)`` (one copying walk: deltas/area.py); ``chk+apply GB/s``: ``check``, then
+  an ``apply`` that checks again (what an area did before ``checked``).
 
 Every apply is compared with cur byte for byte, and every updated base too (``#wrong``: bytes that
 differ). ``--json`` prints the rows as JSON instead of the table; ``--out`` also writes them to FILE.
@@ -43,6 +46,8 @@ COLUMNS = [
     ("update_gbps", "+base GB/s", ".2f"),
     ("apply_gbps", "apply GB/s", ".2f"),
     ("apply_vs_memcpy", "apply/memcpy", ".2f"),
+    ("area_gbps", "area GB/s", ".2f"),
+    ("check_apply_gbps", "chk+apply GB/s", ".2f"),
     ("wrong", "#wrong", "d"),
 ]
 
@@ -105,13 +110,27 @@ def main() -> int:
                 rec = encode()
                 apply_s = best_of(a.repeats, lambda: deltas.apply(rec, dst), lambda: np.copyto(dst, pristine))
                 wrong += int(np.count_nonzero(dst != cur)) * 2
+
+                def area_apply():
+                    deltas.check(rec, dst.nbytes)
+                    deltas.apply(rec, dst, checked=True)
+
+                def check_then_apply():
+                    deltas.check(rec, dst.nbytes)
+                    deltas.apply(rec, dst)
+
+                area_s = best_of(a.repeats, area_apply, lambda: np.copyto(dst, pristine))
+                wrong += int(np.count_nonzero(dst != cur)) * 2
+                twice_s = best_of(a.repeats, check_then_apply, lambda: np.copyto(dst, pristine))
+                wrong += int(np.count_nonzero(dst != cur)) * 2
                 rows.append({
                     "unit": unit, "fraction": fraction, "threads": t, "mode": rec.stats.mode, "runs": rec.stats.runs,
                     "ratio": rec.stats.ratio, "changed_bytes": rec.stats.changed_bytes,
                     "encoded_bytes": rec.stats.encoded_bytes,
                     "encode_gbps": nbytes / enc_s / 1e9, "encode_vs_memcpy": enc_s / memcpy_s,
                     "update_gbps": nbytes / upd_s / 1e9,
-                    "apply_gbps": nbytes / apply_s / 1e9, "apply_vs_memcpy": apply_s / memcpy_s, "wrong": wrong,
+                    "apply_gbps": nbytes / apply_s / 1e9, "apply_vs_memcpy": apply_s / memcpy_s,
+                    "area_gbps": nbytes / area_s / 1e9, "check_apply_gbps": nbytes / twice_s / 1e9, "wrong": wrong,
                 })
     ok = not any(r["wrong"] for r in rows)
     memcpy_gbps = nbytes / memcpy_s / 1e9

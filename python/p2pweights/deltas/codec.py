@@ -146,12 +146,14 @@ def check(record: Any, dst_nbytes: int) -> None:
     _raise(*_native.delta_check(r_addr, r_len, int(dst_nbytes)))
 
 
-def apply(record: Any, dst: Any) -> None:
+def apply(record: Any, dst: Any, *, checked: bool = False) -> None:
     """Checks the record against ``dst``, then writes its runs there; a refused record raises (as
-    :func:`check`) with nothing written."""
+    :func:`check`) with nothing written. ``checked=True``: :func:`check` passed on these very bytes
+    (as a delta area checks every record first): one copying walk, every run still bounded inside
+    ``dst``; bytes changed since the check may raise partway, some runs written."""
     r_addr, r_len, _r = _span(record, "record")
     d_addr, d_len, _d = _span(dst, "dst", writable=True)
-    _raise(*_native.delta_apply(r_addr, r_len, d_addr, d_len))
+    _raise(*_native.delta_apply(r_addr, r_len, d_addr, d_len, checked))
 
 
 def header(record: Any) -> RecordHeader:
