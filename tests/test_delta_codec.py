@@ -512,7 +512,8 @@ def test_a_checked_apply_writes_what_the_apply_writes_and_never_outside_dst_when
         guard[64:64 + base.nbytes] = base
         dst = guard[64:64 + base.nbytes]
         code, message = _native.delta_apply(raw.ctypes.data, len(rec), dst.ctypes.data, dst.nbytes, checked=True)
-        assert np.array_equal(guard[:64], before[:64]) and np.array_equal(guard[64 + base.nbytes:], before[64 + base.nbytes:]), seed
+        after = 64 + base.nbytes
+        assert np.array_equal(guard[:64], before[:64]) and np.array_equal(guard[after:], before[after:]), seed
         want = ref_apply(bytes(seal(bytearray(rec))), base) if len(rec) >= HEADER_BYTES else None
         if seed % 3 == 0:
             assert code == int(_native.Code.OK) and np.array_equal(dst, cur), (seed, message)
