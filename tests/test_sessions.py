@@ -159,10 +159,10 @@ def test_an_owner_that_stops_renewing_leaves_the_engine_paused_and_torn_until_a_
     srv, hooks = server
     gone = _client(srv.url, owner=_token("dead"), label="dead-trainer")
     gone.pause_generation()
-    gone.begin_weight_update(lease=0.5)  # and never a renewal
+    gone.begin_weight_update(lease=3.0)  # and never a renewal (3 s: a loaded CI host stalls up to ~3.4 s)
     with pytest.raises(SessionConflict, match="dead-trainer"):
         _client(srv.url, owner=_token("b")).continue_generation()  # live: another's
-    time.sleep(1.0)
+    time.sleep(4.0)
     status, body = _raw_health(srv.url)
     assert status == p.OK and body["status"] == p.TORN and "dead-trainer" in body["message"]
     assert "expired" in body["message"]
@@ -449,12 +449,12 @@ def test_the_sender_renews_at_a_fraction_of_the_granted_lease_and_its_deadline_f
 
 
 def test_the_owners_deadline_passes_when_renewals_stop_and_is_minus_inf_once_the_engine_refused():
-    with ReceiverServer(Recording(), session_lease=1.0) as srv:
+    with ReceiverServer(Recording(), session_lease=3.0) as srv:  # 3 s: outlasts a loaded CI host's stalls
         session = UpdateSession(_client(srv.url), version=1, lease=30)
         session.open()
         assert session.lease_deadline() > time.monotonic()
         session._renewer._stop.set()  # the renewal thread stops (a paused or partitioned sender)
-        time.sleep(2.5)
+        time.sleep(4.0)
         assert session.lease_deadline() < time.monotonic()  # past, by the sender's own clock
         assert _weight_update(srv.url)["state"] == p.TORN  # and the engine agrees
         session._renewer._stop.clear()  # renewing again after the pause: the engine refuses it
