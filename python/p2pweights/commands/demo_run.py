@@ -327,7 +327,8 @@ def run_p2p(model: str, engines: Sequence[Any], *, senders: int, steps: int, tra
             waited = pool.prepare(seed, changed, plans_wait=PLANS_WAIT_S if step > 1 else 0.0)
             if waited >= 0.1:
                 progress(f"p2p: before step {step} the senders waited {waited:.1f} s for the copy plans they record "
-                         "in the background (in a real run the trainer's rollout and training step give them this time)")
+                         "in the background (in a real run the trainer's rollout and training step give them this "
+                         "time); this step checks each against the loaders (slower), the next ones replay them")
             verified = verify == "on" or (verify == "alternate" and step % 2 == 0)
             sent = time.perf_counter()
             replies = pool.go(f"p2p-{step}", timeout, verified)
