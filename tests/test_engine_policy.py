@@ -123,6 +123,24 @@ def test_a_malformed_manifest_is_400_changes_nothing_and_the_owner_may_end_again
     assert status == p.OK and len(host.ranks.applied) == 1
 
 
+def test_several_writers_segments_reach_the_ranks_and_overlapping_ones_are_400_before_any_rank(host):
+    """PP stages write one rank's area, each its own part: the end names one segment per writer. Every
+    host hands the ranks the same ascending segments; segments that overlap (one writer's digest
+    would vouch for another's bytes), too many, or out of order are refused before any rank applies."""
+    who = owner()
+    delta_session(host, who)
+    seg = [{**manifest(), "bytes": 64, "records": 1, "offsets": [0]},
+           {**manifest(), "start": 4096, "bytes": 64, "records": 1, "offsets": [4096]}]
+    overlapping = [seg[0], {**seg[1], "start": 32, "offsets": [32]}]
+    for bad in (overlapping, [seg[1], seg[0]], [], [manifest()] * 1025, [{**seg[1], "start": 4100}]):
+        status, answer = host.call("end", {DELTA_KEY: {"0": bad}}, who)
+        assert status == p.BAD_REQUEST, answer
+        assert host.state()["state"] == "open" and host.ranks.applied == []
+    status, ended = host.call("end", {DELTA_KEY: {"0": seg}}, who)
+    assert status == p.OK and len(host.ranks.applied) == 1, host.ranks.applied
+    assert {str(r): m for r, m in host.ranks.applied[0].items()} == {"0": seg}
+
+
 def test_deltas_are_applied_once_per_accepted_session(host):
     who = owner()
     delta_session(host, who)

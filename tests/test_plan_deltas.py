@@ -106,14 +106,13 @@ def test_text_output_says_the_first_update_is_full_and_prints_every_fraction(cap
     assert re.search(r"quantity\s+full\s+F=0\.01\s+F=0\.03\s+F=0\.1\n", out)
     assert re.search(r"sender memory for bases \(max\)\s+7\.679 GB", out)  # = bytes prepared per sender
     assert "default rates measured at 1% changed" in out
-    assert "- 4 trainer PP stages: deltas need one writer per engine rank's delta area" in out
+    assert "- sglang servers: their ranks publish a delta area only with" in out
+    assert "PP stages" not in out  # built: each stage writes its own part of every engine rank's area
 
 
 def test_the_plan_names_what_it_assumes_that_is_not_built(capsys):
     doc = plan_json(capsys, "--changed-fraction", "0.01", "--slots", "gpu")
-    assert [w.split(":")[0] for w in doc["delta"]["not_built"]] == ["sglang servers", "4 trainer PP stages"]
-    doc = plan_json(capsys, "--changed-fraction", "0.01", "--pp-gathered")
-    assert len(doc["delta"]["not_built"]) == 1  # one stage: only sglang's servers without the plugin
+    assert [w.split(":")[0] for w in doc["delta"]["not_built"]] == ["sglang servers"]  # PP stages take deltas
 
 
 def test_fp8_weights_are_compared_byte_by_byte(capsys):

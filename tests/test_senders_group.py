@@ -19,24 +19,30 @@ from replica_configs import write_config
 TIMEOUT = 180
 
 
-def _sender_main(conn, rank: int, port: int, cfg: str, urls, names) -> None:
-    """One trainer rank: join the group, connect, then run the updates the test sends."""
+def _sender_main(conn, rank: int, port: int, cfg: str, urls, names, pp: bool = False) -> None:
+    """One trainer rank: join the group, connect, then run the updates the test sends. ``pp``: the
+    two ranks are PP stages 0 and 1 (each pushes its own stage's tensors to every engine rank)."""
     try:
         import torch.distributed as dist
 
+        from p2pweights.models import stage_hf_names
         from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
         from p2pweights.sender import WeightSender
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        sender = WeightSender(cfg, group=dist.group.WORLD, transport="mooncake", buffer_size=1 << 20)
+        stage = {"pp_stage": rank, "pp_size": 2} if pp else {}
+        sender = WeightSender(cfg, group=dist.group.WORLD, transport="mooncake", buffer_size=1 << 20, **stage)
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
         specs = checkpoint_tensors(cfg)
+        mine = set(stage_hf_names(specs, sender.config["num_hidden_layers"], rank, 2)) if pp else set(specs)
         conn.send(("connected", None))
         while True:
             cmd, version, seed, how = conn.recv()
             if cmd == "close":
                 break
-            items = list(random_checkpoint(specs, seed))
+            # "changed:N": version N of the seed's family changed in 1% of each tensor
+            changed = (0.01, int(how.split(":")[1])) if how.startswith("changed:") else None
+            items = [(n, t) for n, t in random_checkpoint(specs, seed, changed=changed) if n in mine]
             try:
                 with sender.update(version) as u:
                     for i, (name, t) in enumerate(items):
@@ -61,7 +67,7 @@ def _sender_main(conn, rank: int, port: int, cfg: str, urls, names) -> None:
 
 
 class Senders:
-    def __init__(self, cfg, engines):
+    def __init__(self, cfg, engines, pp: bool = False):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["p2pweights.replica.preload"])
         with socket.socket() as s:
@@ -71,7 +77,7 @@ class Senders:
         for rank in range(2):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_sender_main, args=(child, rank, port, cfg, [e.url for e in engines],
-                                                       [e.name for e in engines]), daemon=True)
+                                                       [e.name for e in engines], pp), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -211,3 +217,34 @@ def test_a_group_writes_deltas_each_sender_to_its_own_ranks_and_sender_0_ends_fo
         if version == "d2":  # nothing changed: nothing crossed the wire
             assert r0["bytes_written"] == r1["bytes_written"] == 0
     assert {x["engine"] for x in r0["engines"]} | {x["engine"] for x in r1["engines"]} == {e.name for e in engines}
+
+
+def test_two_pp_stages_write_deltas_into_one_engine_rank_each_into_its_own_part_of_its_area(tmp_path):
+    """PP 2 in one group: both stages write every engine rank, each into its own part of the rank's
+    delta area; sender 0 ends with both stages' segments and every step is byte-exact. A step that
+    changed 1% of each tensor crosses the wire as a few percent of a full update."""
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       vocab_size=4096)
+    engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="ppd")
+    senders = None
+    try:
+        senders = Senders(cfg, engines, pp=True)
+        for step in range(3):
+            senders.update(f"p{step}", 41, how=(f"changed:{step}",) * 2)
+            _, r0 = senders.expect(0, "done")
+            _, r1 = senders.expect(1, "done")
+            for e in engines:
+                assert check_weights_equal(e.url, hf_seed=41, changed_fraction=0.01, changed_steps=step)["success"]
+            if step == 0:  # the first update after connect writes in full
+                assert r0["bytes_written"] == r0["bytes"] and r1["bytes_written"] == r1["bytes"]
+                continue
+            for r in (r0, r1):
+                assert r["delta_reason"] == {}, r["delta_reason"]
+                assert {x["delta"] for x in r["engines"]} == {True} and {x["rank"] for x in r["engines"]} == {0, 1}
+                assert 0 < r["bytes_written"] < 0.1 * r["bytes"], (r["bytes_written"], r["bytes"])
+        assert _versions(engines) == ["p2"]
+    finally:
+        if senders is not None:
+            senders.close()
+        for e in engines:
+            e.close()

@@ -208,14 +208,14 @@ class ApplyDeltasReq(Body):
     """p2pweights' ``POST /p2pw_apply_deltas`` (the session's owner; ``update(verify=True)`` with deltas):
     apply the session's deltas now, before the digests, instead of at ``end_weight_update``.
     ``manifests`` maps an engine rank (as a string) to what the owner wrote into its delta area
-    (deltas/area.py ``Manifest``)."""
+    (deltas/area.py ``Manifest``), or a list of them, one per writer (``parse_segments``: checked there)."""
 
-    manifests: dict[str, dict] = field(default_factory=dict)
+    manifests: dict[str, dict | list] = field(default_factory=dict)
 
 
 @dataclass
 class RankApplyDeltasReq(Body):
-    manifests: dict[str, dict] = field(default_factory=dict)
+    manifests: dict[str, dict | list] = field(default_factory=dict)
 
 
 # ---- the bodies of a leader's calls to its other ranks (receiver.rank_server, EngineRank.call) -----
@@ -230,7 +230,7 @@ class RankEndReq(Body):
     """A rank's end: the deltas of the session first, when the end carries them (``manifests``, as
     ``RankApplyDeltasReq``'s), then sglang's post-processing."""
 
-    manifests: dict[str, dict] | None = None
+    manifests: dict[str, dict | list] | None = None
 
 
 @dataclass

@@ -15,15 +15,18 @@ applied on the device of the weights: index_apply.py). A rank whose weights are 
 area in GPU memory.
 
 The session's owner names, in its end call, how many bytes and records it wrote, where each record
-begins and the SHA-256 of what it wrote (:class:`Manifest`): every codec record's bytes, every index
-record's prefix, header and table, then every index record's payload checksum (computed on the
-device; index_records.py). :meth:`DeltaArea.apply` refuses the whole area unless the offsets chain
-exactly (each the previous one plus its record's span, the last ending at the manifest's bytes),
-the bytes are exactly those, every record passes its checks and every destination lies inside the
-rank's weight regions — before the first byte is applied. Knowing every offset, a GPU area reads
-every record's prefix, header and table from the device in one copy, and every payload's device
-checks in one more: the waits per end do not grow with the records. A refused apply fails the end:
-the engine is torn, as after any failed update (docs/deltas.md).
+begins and the SHA-256 of what it wrote (:class:`Manifest`): every codec record's bytes, every
+index record's prefix, header and table, then every index record's payload checksum (computed on
+the device; index_records.py). Several writers of one rank (the senders of several PP stages) each
+write their own part of the area (:func:`writer_part`) and name it in their own manifest, a
+*segment* (:func:`parse_segments`: ascending and disjoint). :meth:`DeltaArea.apply` refuses the
+whole area unless in every segment the offsets chain exactly (each the previous one plus its
+record's span, the last ending at the segment's end), the bytes are exactly those, every record
+passes its checks and every destination lies inside the rank's weight regions — before the first
+byte of any segment is applied. Knowing every offset, a GPU area reads every record's prefix,
+header and table from the device in one copy, and every payload's device checks in one more: the
+waits per end do not grow with the records. A refused apply fails the end: the engine is torn, as
+after any failed update (docs/deltas.md).
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ from .codec import HEADER, HEADER_BYTES
 #: a record's prefix: destination address, codec record bytes
 PREFIX = struct.Struct("<QQ")
 ALIGN = 8
+#: segments (writers) one rank's manifest may name: a bound on the work an end body can ask for
+MAX_SEGMENTS = 1024
 _WINDOW = 4 << 10  # bytes of a GPU area read per record at first: the prefix, header and a table of 168 rows
 
 
@@ -64,11 +69,16 @@ class Manifest:
     #: each record's first byte in the area, ascending (None: the owner sent none; the rank walks the
     #: records, one read per record from a GPU area's device)
     offsets: tuple[int, ...] | None = None
+    #: the segment's first byte in the area (its writer's part, :func:`writer_part`): it holds
+    #: [start, start + bytes)
+    start: int = 0
 
     def to_dict(self) -> dict:
         d = {"bytes": self.bytes, "records": self.records, "sha256": self.sha256}
         if self.offsets is not None:
             d["offsets"] = list(self.offsets)
+        if self.start:
+            d["start"] = self.start
         return d
 
     @classmethod
@@ -76,10 +86,12 @@ class Manifest:
         """A manifest from a request body, each field type-checked (InvalidWrite names the field)."""
         if not isinstance(d, dict):
             raise InvalidWrite(f"{where}: a delta manifest must be an object, not {type(d).__name__}")
-        for key in ("bytes", "records"):
-            v = d.get(key)
+        for key in ("bytes", "records", "start"):
+            v = d.get(key, 0 if key == "start" else None)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidWrite(f"{where}: delta manifest field {key!r} must be an integer >= 0, got {v!r}")
+        if d.get("start", 0) % ALIGN:
+            raise InvalidWrite(f"{where}: delta manifest field 'start' must be a multiple of {ALIGN}")
         digest = d.get("sha256")
         if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise InvalidWrite(f"{where}: delta manifest field 'sha256' must be 64 lowercase hex digits")
@@ -88,7 +100,49 @@ class Manifest:
                 not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in offsets)):
             raise InvalidWrite(f"{where}: delta manifest field 'offsets' must list an integer >= 0 for each of its "
                                f"{d['records']} records")
-        return cls(int(d["bytes"]), int(d["records"]), digest, None if offsets is None else tuple(offsets))
+        return cls(int(d["bytes"]), int(d["records"]), digest, None if offsets is None else tuple(offsets),
+                   int(d.get("start", 0)))
+
+
+def parse_segments(d: Any, where: str) -> tuple[Manifest, ...]:
+    """One rank's manifests from a request body: one manifest (one writer), or a list of them, one per
+    writer, each type-checked, ascending and disjoint (InvalidWrite names the fault)."""
+    if not isinstance(d, list):
+        return (Manifest.parse(d, where),)
+    if not 1 <= len(d) <= MAX_SEGMENTS:
+        raise InvalidWrite(f"{where}: a list of delta manifests names 1 to {MAX_SEGMENTS} segments, not {len(d)}")
+    segments = tuple(Manifest.parse(m, f"{where}[{k}]") for k, m in enumerate(d))
+    disjoint(segments, where)
+    return segments
+
+
+def disjoint(segments: Sequence[Manifest], where: str) -> None:
+    """InvalidWrite unless the segments ascend and none overlaps the next: two writers' records never
+    share a byte of the area, so no writer's digest can vouch for another's bytes."""
+    for k in range(1, len(segments)):
+        prev, seg = segments[k - 1], segments[k]
+        if seg.start < prev.start + prev.bytes:
+            raise InvalidWrite(f"{where}: delta segment {k} begins at byte {seg.start}, inside segment {k - 1} "
+                               f"[{prev.start}, {prev.start + prev.bytes})")
+
+
+def segments_wire(segments: Sequence[Manifest]) -> Any:
+    """What an end body says for one rank: one manifest as itself, several as a list (ascending)."""
+    ordered = sorted(segments, key=lambda m: m.start)
+    if len(ordered) == 1 and not ordered[0].start:
+        return ordered[0].to_dict()
+    return [m.to_dict() for m in ordered]
+
+
+def writer_part(nbytes: int, writer: int, writers: int) -> tuple[int, int]:
+    """[start, end) of an ``nbytes`` area that writer ``writer`` of ``writers`` writes its records
+    into: equal parts, 8-byte aligned, the last one to the end. Every writer of a rank computes the
+    same parts, so none needs the others' word before it writes."""
+    if not 0 <= writer < writers:
+        raise ValueError(f"writer {writer} is not in [0, {writers})")
+    share = int(nbytes) // writers // ALIGN * ALIGN
+    start = writer * share
+    return start, (int(nbytes) if writer == writers - 1 else start + share)
 
 
 class DeltaArea:
@@ -159,16 +213,17 @@ class DeltaArea:
         return torch.from_numpy(self.array[at:at + n])
 
     def _offsets(self, manifest: Manifest) -> list[int]:
-        """Where each record begins: the manifest's offsets (checked to ascend inside its bytes; that
+        """Where each record begins: the manifest's offsets (checked to ascend inside its segment; that
         they chain exactly is checked against the records' prefixes), else found by walking the
         records (an owner that sends none: a GPU area then reads each prefix from the device)."""
+        first, end = manifest.start, manifest.start + manifest.bytes
         if manifest.offsets is None:
-            offsets, pos = [], 0
-            while pos < manifest.bytes:
-                if manifest.bytes - pos < PREFIX.size + HEADER_BYTES:
+            offsets, pos = [], first
+            while pos < end:
+                if end - pos < PREFIX.size + HEADER_BYTES:
                     self._refuse(InvalidWrite, f"a record at byte {pos} is cut short")
                 n = PREFIX.unpack(self._bytes(pos, PREFIX.size))[1]
-                if n < HEADER_BYTES or record_span(n) > manifest.bytes - pos:
+                if n < HEADER_BYTES or record_span(n) > end - pos:
                     self._refuse(InvalidWrite, f"the record at byte {pos} claims {n} bytes")
                 offsets.append(pos)
                 pos += record_span(n)
@@ -178,9 +233,9 @@ class DeltaArea:
             self._refuse(InvalidWrite, f"the manifest names {manifest.records} records, {len(offsets)} offsets and "
                                        f"{manifest.bytes} bytes")
         for k, at in enumerate(offsets):
-            if (at != 0 if k == 0 else at <= offsets[k - 1]) or at % ALIGN or manifest.bytes - at < PREFIX.size + HEADER_BYTES:
-                self._refuse(InvalidWrite, f"the records' offsets do not chain: record {k} at byte {at} of "
-                                           f"{manifest.bytes}")
+            if (at != first if k == 0 else at <= offsets[k - 1]) or at % ALIGN or end - at < PREFIX.size + HEADER_BYTES:
+                self._refuse(InvalidWrite, f"the records' offsets do not chain: record {k} at byte {at} of the "
+                                           f"segment [{first}, {end})")
         return offsets
 
     def check(self, manifest: Manifest, regions: Sequence[tuple[int, int]],
@@ -190,11 +245,12 @@ class DeltaArea:
         index_apply.Record)], the index records' device verdicts). Raises (nothing applied) unless all
         of them are sound. A GPU area is read from the device once for every record's prefix, header
         and table (twice when a table outgrows its window), and once for every payload's verdicts."""
-        if manifest.bytes > self.nbytes:
-            self._refuse(OutOfRegion, f"the manifest names {manifest.bytes} bytes; the area holds {self.nbytes}")
+        if manifest.start + manifest.bytes > self.nbytes:
+            self._refuse(OutOfRegion, f"the manifest names bytes [{manifest.start}, {manifest.start + manifest.bytes}); "
+                                      f"the area holds {self.nbytes}")
         self._reads = 0
         offsets = self._offsets(manifest)
-        ends = [*offsets[1:], manifest.bytes]
+        ends = [*offsets[1:], manifest.start + manifest.bytes]
         gpu = self.device != "cpu"
         windows = self._windows([(a, min(e - a, _WINDOW) if gpu else e - a) for a, e in zip(offsets, ends)])
         heads: dict[int, int] = {}  # index records: their prefix, header and table bytes
@@ -261,32 +317,42 @@ class DeltaArea:
         return index_apply.Record(pos, self._payload(payload_at, pos + PREFIX.size + n - payload_at), unit, count,
                                   total, rows)
 
-    def apply(self, manifest: Manifest, regions: Sequence[tuple[int, int]], tensors: Sequence[Any] = ()) -> dict:
-        """Check every record (:meth:`check`), then apply them into the weights: the index records
+    def apply(self, manifests: Manifest | Sequence[Manifest], regions: Sequence[tuple[int, int]],
+              tensors: Sequence[Any] = ()) -> dict:
+        """Check every record of every segment (:meth:`check`; ``manifests``: one manifest, or one per
+        writer, :func:`parse_segments`), then apply them into the weights: each segment's index records
         all at once (one kernel launch, or torch), where the first of them lies."""
+        segments = (manifests,) if isinstance(manifests, Manifest) else tuple(manifests)
+        disjoint(segments, f"engine {self.engine} rank {self.rank}")
         t0 = time.perf_counter()
-        records, checked = self.check(manifest, regions, tensors)
-        reads = self._reads + (self.device != "cpu" and bool(checked.records))  # the verdicts: one more
+        reads, checked_all = 0, []
+        for manifest in segments:  # every segment checked before the first byte of any is applied
+            records, checked = self.check(manifest, regions, tensors)
+            reads += self._reads + (self.device != "cpu" and bool(checked.records))  # the verdicts: one more
+            checked_all.append((records, checked))
         t1 = time.perf_counter()
-        indexed = False
-        for kind, *rest in records:
-            if kind == "index":
-                if not indexed:
-                    index_apply.apply(checked)
-                    indexed = True
-                continue
-            rec, n, dest, dst_nbytes = rest
-            # check() walked this record and the digest covers it: one copying walk (still bounded)
-            code, message = _native.delta_apply(rec, n, dest, dst_nbytes, checked=True)
-            if code != int(_native.Code.OK):  # checked above: a failure here is a bug; the end fails (torn)
-                raise_for_status(code, f"engine {self.engine} rank {self.rank}: applying a delta record: {message}")
-        if self.device != "cpu" and records:
+        for records, checked in checked_all:
+            indexed = False
+            for kind, *rest in records:
+                if kind == "index":
+                    if not indexed:
+                        index_apply.apply(checked)
+                        indexed = True
+                    continue
+                rec, n, dest, dst_nbytes = rest
+                # check() walked this record and the digest covers it: one copying walk (still bounded)
+                code, message = _native.delta_apply(rec, n, dest, dst_nbytes, checked=True)
+                if code != int(_native.Code.OK):  # checked above: a failure here is a bug; the end fails (torn)
+                    raise_for_status(code, f"engine {self.engine} rank {self.rank}: applying a delta record: {message}")
+        count = sum(len(records) for records, _ in checked_all)
+        if self.device != "cpu" and count:
             import torch
 
             torch.cuda.synchronize(self.device)  # applied before the end's post-processing reads them
-        self.last = {"records": len(records), "bytes": manifest.bytes, "check_s": round(t1 - t0, 6),
-                     "apply_s": round(time.perf_counter() - t1, 6), "device_reads": reads,
-                     "index_path": "kernels" if checked.device is not None else "torch"}
+        self.last = {"records": count, "bytes": sum(m.bytes for m in segments), "segments": len(segments),
+                     "check_s": round(t1 - t0, 6), "apply_s": round(time.perf_counter() - t1, 6),
+                     "device_reads": reads,
+                     "index_path": "kernels" if any(c.device is not None for _, c in checked_all) else "torch"}
         return dict(self.last)
 
     def close(self) -> None:

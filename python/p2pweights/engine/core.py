@@ -28,7 +28,8 @@ The rules, in the order a verb meets them:
    expired lease and an owner's release (``session.py``). Nobody is told success when the weights
    could be partly written. A call refused before it runs (a malformed body, manifests the begin
    did not accept) changes nothing: the owner may send it again.
-5. **The end** parses the owner's manifests once (``{"<rank>": manifest}``), takes the session's
+5. **The end** parses the owner's manifests once (``{"<rank>": manifest}``, or a list of disjoint
+   segments where several writers (PP stages) wrote one rank's area), takes the session's
    accepted deltas once, has every rank apply its own and then the engine post-process (one
    :class:`~.steps.End` step), and only then commits: a new base token at the current epoch, the
    session closed. The version is set only after the end (400 while a session is open); generation
@@ -57,7 +58,7 @@ from typing import Any, Callable, Iterable
 from ..control import bodies
 from ..control import protocol as p
 from ..control.error_answers import error_payload
-from ..deltas.area import Manifest
+from ..deltas.area import parse_segments, segments_wire
 from ..deltas.committed import BASE_KEY, DELTA_KEY, CommittedBase
 from ..errors import EngineError, InvalidRequest, InvalidWrite, OutOfOrder, P2PWeightsError
 from . import session as sk
@@ -397,7 +398,7 @@ class EngineCore:
             if not (isinstance(rank, str) and rank.isdigit()):
                 raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
             try:
-                parsed[int(rank)] = Manifest.parse(m, f"{verb} {DELTA_KEY}[{rank}]").to_dict()
+                parsed[int(rank)] = segments_wire(parse_segments(m, f"{verb} {DELTA_KEY}[{rank}]"))
             except InvalidWrite as e:
                 raise InvalidRequest(str(e)) from None
         self._base().accepted = False

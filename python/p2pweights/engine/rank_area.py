@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..deltas.area import DeltaArea, Manifest
+from ..deltas.area import DeltaArea, parse_segments
 from ..deltas.weight_views import device_views, host_views
 from ..errors import InvalidWrite
 
@@ -37,15 +37,15 @@ class RankDeltas:
             raise ValueError("a GPU delta area needs the tensors its records are applied through")
 
     def apply(self, manifests: Any) -> dict:
-        """This rank's manifest of ``manifests`` (``{"<rank>": manifest}``; none: nothing to apply),
-        checked whole against what the area holds, then applied into the weights."""
+        """This rank's manifest of ``manifests`` (``{"<rank>": manifest or [segment, ...]}``; none:
+        nothing to apply), every segment checked whole against what the area holds, then applied."""
         manifest = manifests.get(str(self.rank)) if isinstance(manifests, dict) else None
         if manifest is None:
             return {"rank": self.rank, "records": 0}
         if self.area is None:
             raise InvalidWrite(f"engine {self.engine} rank {self.rank} has no delta area (weights on {self.device})",
                                rank=self.rank)
-        parsed = Manifest.parse(manifest, f"engine {self.engine} rank {self.rank}")
+        parsed = parse_segments(manifest, f"engine {self.engine} rank {self.rank}")
         return {"rank": self.rank, **self.area.apply(parsed, self.writable, self.tensors)}
 
     def close(self) -> None:

@@ -136,11 +136,9 @@ def wire_share(codec_ratio: float, mode: str, room: float) -> tuple[float, float
 
 def not_built_yet(plan: Plan, links: Links) -> tuple[str, ...]:
     """What a delta update of this plan needs that is not built yet (docs/deltas.md: such updates
-    are written in full today)."""
-    out = ["sglang servers: their ranks publish a delta area only with the p2pweights sglang plugin"]
-    if plan.trainer.stages > 1:
-        out.append(f"{plan.trainer.stages} trainer PP stages: deltas need one writer per engine rank's delta area")
-    return tuple(out)
+    are written in full today). PP stages take deltas: each writes its own part of every engine
+    rank's area (docs/deltas.md, "Several writers of one rank")."""
+    return ("sglang servers: their ranks publish a delta area only with the p2pweights sglang plugin",)
 
 
 def predict_deltas(full: Cost, fractions: Sequence[float], unit: int, rates: DeltaRates = DeltaRates(),

@@ -24,7 +24,9 @@ answered (deltas/committed.py). :class:`UpdateDeltas` (one per update):
    answers.
 
 A group's sender 0 claims and ends for every sender: the others follow its word (``follow``,
-``follow_commit``) and hand it their manifests (``written``). A GPU slot's index records are counted
+``follow_commit``) and hand it their manifests (``written``). The PP stages of a group write the same
+engine ranks: each stage writes its own part of every area (deltas/area.py ``writer_part``), and
+the end names one segment per stage for such a rank. A GPU slot's index records are counted
 as each rank's loaders finish and gathered when the slot closes (``slot_records``): one wait for the
 device per slot. A staged slot (GPU tensors into a host slot, sender/fillers.py) is compared at its
 close too, once its last copy to the host landed: one wait per slot, then the host slot's path.
@@ -37,7 +39,7 @@ import numpy as np
 
 from .. import _native, settings
 from ..deltas import index_records, kernels
-from ..deltas.area import PREFIX, record_span
+from ..deltas.area import PREFIX, Manifest, record_span, segments_wire
 from ..deltas.committed import BASE_KEY, DELTA_KEY
 from ..errors import raise_for_status
 from .delta_bases import DeltaBases
@@ -62,7 +64,7 @@ class UpdateDeltas:
     """One update's delta decisions and records (see the module)."""
 
     def __init__(self, bases: DeltaBases, ranks: Sequence[Any], buffers: Any, *, wanted: bool, off_reason: str = "",
-                 keep: bool = True):
+                 keep: bool = True, writer: int = 0, writers: int = 1):
         self.bases = bases
         self.wanted = wanted  # False: delta=False (a staged slot keeps no base then: no wait for its copies)
         self.keep = keep  # keep the bases (False: this sender cannot use them; they are dropped)
@@ -70,7 +72,8 @@ class UpdateDeltas:
             bases.clear()
         self.ranks = list(ranks)
         self.buffers = buffers
-        self.targets = {t.name: DeltaTarget(t) for p in self.ranks for t in p.targets}
+        # writer of writers: this sender's part of every target's area (the PP stages of a group each write one)
+        self.targets = {t.name: DeltaTarget(t, writer, writers) for p in self.ranks for t in p.targets}
         self.off_reason = off_reason or ("" if wanted else "delta=False for this update")
         for x in self.targets.values():  # reported as is when no claim is made (control=False)
             x.reason = self.off_reason or FIRST
@@ -167,12 +170,14 @@ class UpdateDeltas:
         """Set each delta engine's end body: what every sender wrote into each rank's area."""
         if self.applied:
             return
-        merged: dict[str, dict] = {}
+        merged: dict[str, dict[str, list]] = {}
         for word in (self.written(), *every):
             for engine, ranks in word.items():
-                merged.setdefault(engine, {}).update(ranks)
+                for rank, manifest in ranks.items():  # a rank several senders wrote: one segment each
+                    merged.setdefault(engine, {}).setdefault(rank, []).append(Manifest.parse(manifest, engine))
         for e in engines:
-            e.end_extra = {DELTA_KEY: merged[e.name]} if e.name in merged else {}
+            ranks = merged.get(e.name)
+            e.end_extra = {DELTA_KEY: {r: segments_wire(ms) for r, ms in ranks.items()}} if ranks else {}
 
     def committed(self, engines: Sequence[Any], answers: Mapping[str, Any], ok: bool) -> dict:
         """After the commit (``answers``: each engine's end answer): keep the identities it gave;
@@ -284,7 +289,7 @@ class UpdateDeltas:
             return rows
         for x in writes:
             span = record_span(n)
-            if (rec is None or mode == "dense" or x.cursor + span > x.area[1]
+            if (rec is None or mode == "dense" or x.cursor + span > x.end
                     or self._spare_used + PREFIX.size > self._spare_view().nbytes):
                 if not in_slot:
                     replay.run(offset, nbytes)
@@ -392,7 +397,7 @@ class UpdateDeltas:
         check = index_records.write_payload(found, self._spare_t[at:at + payload])
         rows = []
         for x in deltas:
-            if x.cursor + PREFIX.size + nrec > x.area[1]:
+            if x.cursor + PREFIX.size + nrec > x.end:
                 rows += [full_row(x.t, param, o, n) for param, o, n, _ in params]
                 continue
             table, pos = [], 0

@@ -435,11 +435,13 @@ class WeightSender:
         if delta not in ("auto", True, False):
             raise ValueError(f'delta must be "auto", True or False, got {delta!r}')
         why, keep = ("" if delta in ("auto", True) else "delta=False for this update"), True
-        if not control or self.pp_size > 1:  # a coordinator's session; stages sharing an engine rank's area
-            why, keep = "control=False or pipeline stages: deltas need one session owner and one writer per rank", False
+        if not control:  # a coordinator's session: it would have to claim and end for the senders' deltas
+            why, keep = "control=False: deltas need the session's owner to be one of the senders", False
         elif self.settings.open_beside_slots:
             why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
-        return UpdateDeltas(self._bases, ranks, self._buffers, wanted=not why, off_reason=why, keep=keep)
+        # PP stages write the same engine ranks: each stage its own part of every delta area
+        return UpdateDeltas(self._bases, ranks, self._buffers, wanted=not why, off_reason=why, keep=keep,
+                            writer=self.pp_stage, writers=self.pp_size)
 
     def _follow_epochs(self, epochs: dict[str, int], instances: dict[str, str]) -> list[str]:
         from .engine_set import follow_engines
