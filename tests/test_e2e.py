@@ -208,6 +208,43 @@ def test_each_pp_stage_pushes_only_its_own_parameters(configs):
             e.close()
 
 
+def test_a_stages_senders_split_its_layers_each_writing_its_own_to_every_engine_rank(configs):
+    """split="layers": each of a stage's two senders prepares every engine rank and pushes only its
+    layers (the embedding with the first, the head with the last); together sglang's exact bytes,
+    and a sender refuses the other's tensors before anything is written."""
+    from p2pweights.control import UpdateSession
+    from p2pweights.errors import P2PWeightsError
+    from p2pweights.models import writer_hf_names
+
+    cfg = configs["dense"]
+    engines = start_engines(cfg, "tp=2", count=2, transport="mooncake", name_prefix="split")
+    try:
+        specs = checkpoint_tensors(cfg)
+        senders = [WeightSender(cfg, sender_index=k, num_senders=2, split="layers", transport="mooncake",
+                                buffer_size=1 << 20) for k in (0, 1)]
+        for s in senders:
+            s.connect(_clients(engines))
+            assert len(s.prepared) == 2 and {len(p.targets) for p in s.prepared} == {2}  # every rank, both engines
+        names = [set(writer_hf_names(specs, 2, 0, 1, k, 2)) for k in (0, 1)]
+        assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(specs) and all(names)
+        tensors = dict(random_checkpoint(specs, 8))
+        with UpdateSession(_clients(engines), "split-8"):
+            for k, sender in enumerate(senders):
+                with sender.update("split-8", control=False) as u:
+                    for n in sorted(names[k]):
+                        u.push(n, tensors[n])
+        for e in engines:
+            assert check_weights_equal(e.url, hf_seed=8)["success"]
+        other = next(iter(names[1]))
+        with pytest.raises(P2PWeightsError, match="another sender"):
+            senders[0].update("split-9", control=False).push(other, tensors[other])
+        for s in senders:
+            s.close()
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_sender_memory_stays_bounded_by_slots_and_incomplete_groups(tmp_path):
     """Invariant 6: besides its slots, a sender holds only the HF inputs of groups still incomplete
     and at most a slot's worth of inputs of groups placed in the current slot; never the model."""

@@ -23,6 +23,8 @@ from p2pweights.models import (
     stage_hf_names,
     stage_layers,
     stage_of,
+    writer_hf_names,
+    writer_layers,
 )
 from p2pweights.models.checkpoint import checkpoint_tensors
 
@@ -134,6 +136,28 @@ def test_each_hf_tensor_belongs_to_exactly_one_pp_stage():
     assert all(stage_of(n, 5, 3) == 2 for n in names if n.startswith("model.layers.5."))  # the MTP layer
     assert all(stage_of(n, 5, 3) == 1 for n in names if n.startswith(("model.layers.1.", "model.layers.2.")))
     assert stage_hf_names(names, 5, 0, 1) == names
+
+
+@pytest.mark.parametrize("pp,writers", [(1, 2), (2, 2), (3, 4), (1, 7)])
+def test_a_stages_layers_split_over_its_senders_give_every_hf_tensor_exactly_one_writer(pp, writers):
+    """split="layers": a layer's tensors stay with one writer (its parameter groups never split),
+    the embedding with the first writer of the first stage, the head and the MTP layer with the last
+    of the last; a writer past the stage's layer count pushes nothing of the layers."""
+    config = _tiny_deepseek(layers=5)
+    names = list(checkpoint_tensors(config))
+    mine = {(s, w): writer_hf_names(names, 5, s, pp, w, writers) for s in range(pp) for w in range(writers)}
+    assert sorted(n for ns in mine.values() for n in ns) == sorted(names)
+    for (s, _), ns in mine.items():
+        assert set(ns) <= set(stage_hf_names(names, 5, s, pp))
+    assert "model.embed_tokens.weight" in mine[(0, 0)]
+    assert {"model.norm.weight", "lm_head.weight"} <= set(mine[(pp - 1, writers - 1)])
+    assert all(n in mine[(pp - 1, writers - 1)] for n in names if n.startswith("model.layers.5."))  # MTP
+    for s in range(pp):
+        bounds = writer_layers(5, pp, s, writers)
+        for w, (a, b) in enumerate(bounds):
+            layers = {int(n.split(".")[2]) for n in mine[(s, w)] if n.startswith("model.layers.")} - {5}
+            assert layers == set(range(a, b))
+    assert writer_hf_names(names, 5, 0, 1, 0, 1) == names
 
 
 # -- bytes per engine rank ---------------------------------------------------------------------------

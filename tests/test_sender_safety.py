@@ -156,6 +156,13 @@ def test_pause_mode_is_an_argument_of_update(sender):
         sender.update("pm", on_failure="continue_unfinished")
 
 
+def test_a_split_the_sender_does_not_know_is_refused_at_construction(cfg):
+    from p2pweights.sender import WeightSender
+
+    with pytest.raises(ValueError, match="split must be one of 'engine_ranks', 'layers', got 'params'"):
+        WeightSender(cfg, split="params")
+
+
 # -- item 8: trainer inputs ---------------------------------------------------------------------------
 def test_the_tied_lm_head_of_an_hf_state_dict_is_skipped_as_sglang_skips_it(sender, engine, cfg):
     tensors = _tensors(cfg, 5)

@@ -19,22 +19,25 @@ from replica_configs import write_config
 TIMEOUT = 180
 
 
-def _sender_main(conn, rank: int, port: int, cfg: str, urls, names, pp: bool = False) -> None:
-    """One trainer rank: join the group, connect, then run the updates the test sends. ``pp``: the
-    two ranks are PP stages 0 and 1 (each pushes its own stage's tensors to every engine rank)."""
+def _sender_main(conn, rank: int, port: int, cfg: str, urls, names, split: str = "") -> None:
+    """One trainer rank: join the group, connect, then run the updates the test sends. ``split``:
+    "pp", the two ranks are PP stages 0 and 1; "layers", the two senders of one stage split its
+    layers (split="layers"); either way each pushes its own tensors to every engine rank."""
     try:
         import torch.distributed as dist
 
-        from p2pweights.models import stage_hf_names
+        from p2pweights.models import writer_hf_names
         from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
         from p2pweights.sender import WeightSender
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        stage = {"pp_stage": rank, "pp_size": 2} if pp else {}
-        sender = WeightSender(cfg, group=dist.group.WORLD, transport="mooncake", buffer_size=1 << 20, **stage)
+        how_split = {"pp": {"pp_stage": rank, "pp_size": 2}, "layers": {"split": "layers"}}.get(split, {})
+        sender = WeightSender(cfg, group=dist.group.WORLD, transport="mooncake", buffer_size=1 << 20, **how_split)
         sender.connect([SglangEngine(u, name=n) for u, n in zip(urls, names)])
         specs = checkpoint_tensors(cfg)
-        mine = set(stage_hf_names(specs, sender.config["num_hidden_layers"], rank, 2)) if pp else set(specs)
+        layers = sender.config["num_hidden_layers"]
+        mine = set(specs) if not split else set(writer_hf_names(specs, layers, sender.pp_stage, sender.pp_size,
+                                                                *sender.writer_in_stage()))
         conn.send(("connected", None))
         while True:
             cmd, version, seed, how = conn.recv()
@@ -67,7 +70,7 @@ def _sender_main(conn, rank: int, port: int, cfg: str, urls, names, pp: bool = F
 
 
 class Senders:
-    def __init__(self, cfg, engines, pp: bool = False):
+    def __init__(self, cfg, engines, split: str = ""):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["p2pweights.replica.preload"])
         with socket.socket() as s:
@@ -77,7 +80,7 @@ class Senders:
         for rank in range(2):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_sender_main, args=(child, rank, port, cfg, [e.url for e in engines],
-                                                       [e.name for e in engines], pp), daemon=True)
+                                                       [e.name for e in engines], split), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -219,16 +222,18 @@ def test_a_group_writes_deltas_each_sender_to_its_own_ranks_and_sender_0_ends_fo
     assert {x["engine"] for x in r0["engines"]} | {x["engine"] for x in r1["engines"]} == {e.name for e in engines}
 
 
-def test_two_pp_stages_write_deltas_into_one_engine_rank_each_into_its_own_part_of_its_area(tmp_path):
-    """PP 2 in one group: both stages write every engine rank, each into its own part of the rank's
-    delta area; sender 0 ends with both stages' segments and every step is byte-exact. A step that
-    changed 1% of each tensor crosses the wire as a few percent of a full update."""
+@pytest.mark.parametrize("split", ["pp", "layers"])
+def test_two_writers_of_every_engine_rank_write_deltas_each_into_its_own_part_of_its_area(tmp_path, split):
+    """Two PP stages in one group, or two senders of one stage splitting its layers: both write
+    every engine rank, each into its own part of the rank's delta area; sender 0 ends with both
+    writers' segments and every step is byte-exact. A step that changed 1% of each tensor crosses
+    the wire as a few percent of a full update."""
     cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                        vocab_size=4096)
     engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="ppd")
     senders = None
     try:
-        senders = Senders(cfg, engines, pp=True)
+        senders = Senders(cfg, engines, split=split)
         for step in range(3):
             senders.update(f"p{step}", 41, how=(f"changed:{step}",) * 2)
             _, r0 = senders.expect(0, "done")

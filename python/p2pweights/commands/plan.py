@@ -12,6 +12,7 @@ from ..errors import P2PWeightsError
 from ..models import UnknownModel, load_config
 from ..models.engine_layout import EngineLayout, parse_layout_spec
 from ..models.shapes import DTYPE_BYTES, ModelShape, PlanError, model_shape
+from ..models.stages import SPLITS
 from ..planner.assign import Engine, Plan, TrainerLayout, layout_label, make_plan
 from ..planner.cost import (
     GATHER_GBPS,
@@ -63,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layouts do not pile writes on a few senders (default: the plain rule)")
     parser.add_argument("--pp-gathered", action="store_true",
                         help="the trainer gathers PP too: every trainer rank is a sender of the whole model")
+    parser.add_argument("--split", default="engine_ranks", choices=SPLITS,
+                        help="how a stage's senders share its writes: engine_ranks (default: each writes whole "
+                             "engine ranks, so each gathers the whole stage) or layers (WeightSender(split="
+                             "'layers'): the stage's layers split over them, each gathering only its layers and "
+                             "writing them to every engine rank)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES),
                         help="dtype of the unquantized weights sent and held by the engines (default bf16); "
                              "an FP8 block-quantized config's linear weights count 1 byte per element plus "
@@ -119,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = read_model(args.model)
         shape = model_shape(config)
-        trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered)
+        trainer = parse_trainer(args.trainer, pp_gathered=args.pp_gathered, split=args.split)
         engines = (parse_engines(args.engines, args.engine, shape) if args.engine_kind == "sglang" else
                    vllm_engines(engine_sizes(args.engines), args.engine, config))
         links = Links(nic_gbps=args.nic_gbps, host_device_gbps=args.host_device_gbps,
@@ -128,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                       host_us_per_tensor=args.host_us_per_tensor, nics_per_node=args.nics_per_node,
                       gpus_per_node=args.gpus_per_node)
         plan = make_plan(trainer, engines, shape, balanced=args.balanced)
-        tensors = stage_tensor_counts(config, shape.layers, trainer.stages) if links.host_us_per_tensor else None
+        writers = trainer.senders_per_stage if trainer.split == "layers" else 1
+        tensors = stage_tensor_counts(config, shape.layers, trainer.stages, writers) if links.host_us_per_tensor else None
         cost = predict(plan, shape, links, args.dtype, tensors)
         fractions = parse_fractions(args.changed_fraction)
         rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area)
@@ -177,14 +184,14 @@ def _int(value: str, flag: str, key: str) -> int:
         raise PlanError(f"{flag}: {key}={value!r} is not a whole number") from None
 
 
-def parse_trainer(text: str, *, pp_gathered: bool = False) -> TrainerLayout:
+def parse_trainer(text: str, *, pp_gathered: bool = False, split: str = "engine_ranks") -> TrainerLayout:
     """``tp=4,pp=4,ep=16,fsdp=2,gpus=64`` -> TrainerLayout."""
     kv = _key_values(text, "--trainer", ("tp", "pp", "ep", "fsdp", "gpus"))
     if "gpus" not in kv:
         raise PlanError("--trainer: gpus is required, e.g. --trainer tp=4,pp=4,gpus=64")
     n = {k: _int(v, "--trainer", k) for k, v in kv.items()}
     return TrainerLayout(gpus=n["gpus"], tp=n.get("tp", 1), pp=n.get("pp", 1), ep=n.get("ep", 1),
-                         fsdp=n.get("fsdp", 1), pp_gathered=pp_gathered)
+                         fsdp=n.get("fsdp", 1), pp_gathered=pp_gathered, split=split)
 
 
 def parse_engines(engines: str, engine: str = "", shape: ModelShape | None = None) -> list[Engine]:
@@ -228,7 +235,8 @@ def plan_json(args: argparse.Namespace, shape: ModelShape, plan: Plan, cost: Cos
     doc = {
         "model": {"architecture": shape.architecture, "layers": shape.layers, "dtype": args.dtype,
                   "quantization": shape.fp8.describe() if shape.fp8 is not None else None},
-        "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "fsdp": t.fsdp, "pp_gathered": t.pp_gathered},
+        "trainer": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "ep": t.ep, "fsdp": t.fsdp, "pp_gathered": t.pp_gathered,
+                    "split": t.split},
         "engine_kind": getattr(args, "engine_kind", "sglang"),
         "engines": [{"engine": i, "gpus": e.gpus, "layout": layout_label(e.layout, shape)}
                     for i, e in enumerate(plan.engines)],
@@ -267,7 +275,8 @@ def render(shape: ModelShape, plan: Plan, cost: Cost, links: Links, dtype: str) 
     lines = [
         f"model      {shape.architecture}, {shape.layers} layers, {weights_label(shape, dtype)}",
         f"trainer    {t.gpus} GPUs tp={t.tp} pp={t.pp} ep={t.ep}" + (f" fsdp={t.fsdp}" if t.fsdp > 1 else "")
-        + (" (PP gathered)" if t.pp_gathered else ""),
+        + (" (PP gathered)" if t.pp_gathered else "")
+        + ("; each stage's layers split over its senders, each writing every engine rank" if t.split == "layers" else ""),
         f"engines    {len(plan.engines)} engines, {plan.engine_ranks} engine ranks; layouts: {'; '.join(layouts)}",
         f"senders    {t.senders_per_stage} per PP stage x {t.stages} stage(s); "
         f"{plan.active_senders_per_stage} per stage write",

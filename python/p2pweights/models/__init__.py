@@ -23,7 +23,7 @@ from .registry import (
     resolve_model,
     spec_of,
 )
-from .stages import stage_hf_names, stage_layers, stage_of
+from .stages import stage_hf_names, stage_layers, stage_of, writer_hf_names, writer_layers
 
 __all__ = [
     "BUILTIN",
@@ -39,4 +39,6 @@ __all__ = [
     "stage_hf_names",
     "stage_layers",
     "stage_of",
+    "writer_hf_names",
+    "writer_layers",
 ]

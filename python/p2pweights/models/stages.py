@@ -11,6 +11,10 @@ from typing import Iterable
 
 from .shapes import PlanError
 
+#: how a PP stage's senders share its writes (``WeightSender(split=...)``): whole engine ranks each,
+#: or the stage's layers split over them (:func:`writer_of`)
+SPLITS = ("engine_ranks", "layers")
+
 
 def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
     """[start, end) decoder layers of each trainer pipeline stage."""
@@ -59,3 +63,35 @@ def _stage(hf_name: str, num_layers: int, pp_size: int, bounds: list[tuple[int, 
             return pp_size - 1
         return next(s for s, (a, b) in enumerate(bounds) if a <= layer < b)
     return 0 if "embed_tokens" in hf_name else pp_size - 1
+
+
+def writer_layers(num_layers: int, pp_size: int, pp_stage: int, writers: int) -> list[tuple[int, int]]:
+    """[start, end) decoder layers of each of a stage's ``writers`` senders when the stage's layers
+    are split over them (``WeightSender(split="layers")``): the stage's layers split evenly as the
+    stages are; a writer past the stage's layer count gets none ((end, end))."""
+    a, b = stage_layers(num_layers, pp_size)[pp_stage]
+    used = min(writers, b - a)
+    bounds = [(a + x, a + y) for x, y in stage_layers(b - a, used)]
+    return bounds + [(b, b)] * (writers - used)
+
+
+def writer_of(hf_name: str, num_layers: int, pp_size: int, writers: int) -> tuple[int, int]:
+    """(PP stage, writer in it) of an HF tensor when each stage's layers are split over its
+    ``writers`` senders: a layer's tensors go with the layer, the embedding to the first writer of
+    the first stage, the final norm, the LM head and MTP layers to the last writer of the last."""
+    stage = stage_of(hf_name, num_layers, pp_size)
+    layer = layer_of(hf_name)
+    if layer is None or hf_name.startswith("mtp.") or layer >= num_layers:
+        return stage, (0 if stage == 0 and layer is None and "embed_tokens" in hf_name
+                       and not hf_name.startswith("mtp.") else writers - 1)
+    bounds = writer_layers(num_layers, pp_size, stage, writers)
+    return stage, next(w for w, (a, b) in enumerate(bounds) if a <= layer < b)
+
+
+def writer_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_size: int, writer: int,
+                    writers: int) -> list[str]:
+    """The HF names writer ``writer`` of stage ``pp_stage``'s ``writers`` pushes with the stage's
+    layers split over its senders (:func:`writer_of`), in the order given."""
+    if writers == 1:
+        return stage_hf_names(hf_names, num_layers, pp_stage, pp_size)
+    return [n for n in hf_names if writer_of(n, num_layers, pp_size, writers) == (pp_stage, writer)]

@@ -31,8 +31,9 @@ __all__ = [
 @dataclass(frozen=True)
 class TrainerLayout:
     """The trainer's parallelism: GPUs in all, TP, PP, EP, FSDP (parameters further sharded over
-    that many data-parallel ranks, ZeRO-3 style; only the cost model's gather reads it), and whether
-    it gathers PP as well (then every rank holds the whole model and there is one stage of senders)."""
+    that many data-parallel ranks, ZeRO-3 style; only the cost model's gather reads it), whether
+    it gathers PP as well (then every rank holds the whole model and there is one stage of senders),
+    and how a stage's senders share its writes (``split``; only the cost model reads it)."""
 
     gpus: int
     tp: int = 1
@@ -40,6 +41,9 @@ class TrainerLayout:
     ep: int = 1
     pp_gathered: bool = False
     fsdp: int = 1
+    #: how a stage's senders share its writes (models/stages.py SPLITS): whole engine ranks each, or
+    #: the stage's layers split over them, each writing its layers to every engine rank
+    split: str = "engine_ranks"
 
     @property
     def stages(self) -> int:

@@ -8,7 +8,8 @@ P2P: all PP stages write at once. Each sender runs a pipeline of stages over the
 
 - *trainer gather*: before a sender can push its stage's full HF tensors it gathers them from the
   trainer's TP/EP/FSDP shards: every byte of the stage it does not hold itself, at the gather
-  bandwidth (every sender of a stage gathers the whole stage: they are data replicas);
+  bandwidth (every sender of a stage gathers the whole stage: they are data replicas; with
+  ``split="layers"`` each gathers, prepares and is pushed only its layers, written to every engine rank);
 - *sender production*: the replica's sglang loaders (or, from the second update on, the replayed
   copy plans) fill slots from those tensors: each byte of every engine rank it prepares, once, at
   the production rate -- into the slot itself (GPU slots) or into the GPU staging buffer that
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
 from ..models.shapes import ModelShape, PlanError, RankBytes, engine_rank_bytes, full_model_bytes
+from ..models.stages import writer_layers
 from .assign import Plan, TrainerLayout
 from .host_path import HOST_US_PER_TENSOR, SENDER_HOST_PATH, host_path_seconds
 
@@ -173,7 +175,9 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
     stages = plan.trainer.stages
     gather = TrainerShards(shape, plan.trainer, dtype)
     wire_max = prepared_max = gathered_max = 0
-    for stage, (start, end) in enumerate(plan.stage_bounds):
+    if plan.trainer.split == "layers":
+        wire_max, prepared_max, gathered_max = _split_layers(plan, shape, rank_bytes, gather)
+    for stage, (start, end) in enumerate(plan.stage_bounds if plan.trainer.split != "layers" else ()):
         first, last = stage == 0, stage == stages - 1
         stage_bytes = {
             layout: rb.of_layers(start, end, first=first, last=last) for layout, rb in rank_bytes.items()
@@ -217,6 +221,29 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
         full_model_bytes=full,
         seconds_by_link=tuple(by_link),
     )
+
+
+def _split_layers(plan: Plan, shape: ModelShape, rank_bytes: dict[Hashable, RankBytes],
+                  gather: "TrainerShards") -> tuple[int, int, int]:
+    """(wire, prepared, gathered) bytes of the busiest sender when each stage's layers are split
+    over its senders (split="layers", models/stages.py ``writer_layers``): each sender prepares its
+    layers of every engine rank, writes them to every engine holding that rank, and gathers only
+    its layers from the trainer's shards."""
+    stages, writers = plan.trainer.stages, plan.trainer.senders_per_stage
+    engines_of: dict[Hashable, int] = {}
+    ranks_of: dict[Hashable, int] = {}
+    for e in plan.engines:
+        engines_of[e.layout] = engines_of.get(e.layout, 0) + 1
+        ranks_of[e.layout] = e.gpus
+    wire_max = prepared_max = gathered_max = 0
+    for stage in range(stages):
+        for w, (a, b) in enumerate(writer_layers(shape.layers, stages, stage, writers)):
+            first, last = stage == 0 and w == 0, stage == stages - 1 and w == writers - 1
+            per_rank = {layout: rb.of_layers(a, b, first=first, last=last) for layout, rb in rank_bytes.items()}
+            prepared_max = max(prepared_max, sum(ranks_of[k] * n for k, n in per_rank.items()))
+            wire_max = max(wire_max, sum(ranks_of[k] * engines_of[k] * n for k, n in per_rank.items()))
+            gathered_max = max(gathered_max, gather.gathered(a, b, first=first, last=last))
+    return wire_max, prepared_max, gathered_max
 
 
 class TrainerShards:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from ..errors import P2PWeightsError
 from ..models.checkpoint import trainer_tensors
-from ..models.stages import layer_of, stage_of
+from ..models.stages import layer_of, writer_of
 
 # us of sender host time per pushed HF tensor: the bulk push (Update.push_many), measured by
 # benchmarks/bench_push.py (staging + loading per tensor; its target, <= 5 us)
@@ -31,24 +31,27 @@ HOST_US_PER_TENSOR = 5.0
 SENDER_HOST_PATH = "sender per-tensor host path"
 
 
-def stage_tensor_counts(config: Any, num_layers: int, stages: int) -> tuple[int, ...] | None:
+def stage_tensor_counts(config: Any, num_layers: int, stages: int, writers: int = 1) -> tuple[int, ...] | None:
     """HF tensors a trainer pushes to each sender of each of ``stages`` PP stages (the whole
     checkpoint when ``stages`` is 1, as with ``--pp-gathered``), or None for an architecture whose
-    checkpoint schema the registry lacks (then the host path is not priced)."""
+    checkpoint schema the registry lacks (then the host path is not priced). ``writers`` > 1: each
+    stage's layers split over that many senders (split="layers"): one count per (stage, writer)."""
     try:
         names = trainer_tensors(config)
     except P2PWeightsError:
         return None
-    counts = [0] * stages
+    counts = [0] * (stages * writers)
     by_layer: dict[int, int] = {}
     for name in names:
         layer = layer_of(name)
         if layer is not None and not name.startswith("mtp."):
-            if layer not in by_layer:
-                by_layer[layer] = stage_of(name, num_layers, stages)  # one look-up per layer: the same rule
+            if layer not in by_layer:  # one look-up per layer: the same rule
+                stage, writer = writer_of(name, num_layers, stages, writers)
+                by_layer[layer] = stage * writers + writer
             counts[by_layer[layer]] += 1
         else:
-            counts[stage_of(name, num_layers, stages)] += 1
+            stage, writer = writer_of(name, num_layers, stages, writers)
+            counts[stage * writers + writer] += 1
     return tuple(counts)
 
 

@@ -112,8 +112,12 @@ def survey_engines(sender: Any, clients: Sequence[SglangEngine], phases: Any = N
 
 
 def plan_of(sender: Any, surveys: Sequence[Survey]) -> list[Any]:
-    """This sender's entries of the planner's rank assignment over ``surveys`` (in order)."""
-    plan = assign_engine_ranks(sender.num_senders, [PlanEngine(s.layout.world_size, s.layout.key) for s in surveys])
+    """This sender's entries of the planner's rank assignment over ``surveys`` (in order): with
+    split="layers" every engine rank (each sender of the stage writes its layers to all of them)."""
+    engines = [PlanEngine(s.layout.world_size, s.layout.key) for s in surveys]
+    if sender.split == "layers":
+        return assign_engine_ranks(1, engines)
+    plan = assign_engine_ranks(sender.num_senders, engines)
     return [p for p in plan if p.sender == sender.sender_index]
 
 

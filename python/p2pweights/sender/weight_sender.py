@@ -19,13 +19,13 @@ from ..copyplans import PlanRecorder, ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError
 from ..models.checkpoint import load_config
 from ..models.registry import architecture_of, model_spec
-from ..models.stages import stage_hf_names
+from ..models.stages import SPLITS, writer_hf_names
 from ..settings import Settings, sender_signature, settings
 from .adapter_update import AdapterUpdate, SenderAdapters
 from .buffers import TransferBuffers, slot_count, slot_size
 from .connect_report import ConnectPhases
 from .delta_bases import DeltaBases, spare_bytes
-from .delta_writes import UpdateDeltas
+from .delta_policy import update_deltas
 from .early_slots import EarlySlots
 from .gpu_staging import GpuStaging
 from .group import SenderGroup
@@ -57,6 +57,9 @@ class WeightSender:
     sender_index / num_senders: this rank among the data replicas of its PP stage (default: its
     rank and size in ``group`` when pp_size is 1, else 0 of 1).
     pp_stage / pp_size: the trainer's pipeline stage; the sender pushes only that stage's tensors.
+    split: how a stage's senders share the writes: "engine_ranks" (default; each writes whole engine
+    ranks, so each is pushed the whole stage) or "layers" (the stage's layers split over them,
+    models/stages.py ``writer_of``: each is pushed its layers only and writes them to every engine rank).
     replicas: the ModelReplicas to take replicas from (default: the process-wide one, shared).
     transforms: GroupTransforms run, in order, on every complete parameter group before its loaders
     (an FP8 block-quantized config adds quantize-on-send last, sender/quantize.py).
@@ -70,7 +73,7 @@ class WeightSender:
     def __init__(self, model: Any, *, sender_index: int | None = None, num_senders: int | None = None,
                  pp_stage: int = 0, pp_size: int = 1, replicas: Any = None,
                  transforms: Sequence[GroupTransform] = (), group: Any = None, metrics: Any = None,
-                 **overrides: Any):
+                 split: str = "engine_ranks", **overrides: Any):
         from ..replica import model_replicas  # replica/ (~0.1 s of modules) loads here, not at `import p2pweights`
 
         self.group = SenderGroup(group)
@@ -83,6 +86,9 @@ class WeightSender:
             raise ValueError(f"sender_index {sender_index} is not in [0, num_senders={num_senders})")
         if not 0 <= pp_stage < pp_size:
             raise ValueError(f"pp_stage {pp_stage} is not in [0, pp_size={pp_size})")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+        self.split = split
         self.model = model
         self.config = load_config(model)
         self.sender_index, self.num_senders = sender_index, num_senders
@@ -253,7 +259,8 @@ class WeightSender:
         # an engine running a draft: its target and draft roles joined (replica/roles.py), so every
         # weight each role's loader loads goes to that role's published regions ("draft." names)
         replica = rank_replica_of(self.replicas, self.model, layout, rank)  # a vLLM engine's: VllmReplicas
-        expected = stage_hf_names(replica.hf_specs, int(self.config["num_hidden_layers"]), self.pp_stage, self.pp_size)
+        expected = writer_hf_names(replica.hf_specs, int(self.config["num_hidden_layers"]), self.pp_stage, self.pp_size,
+                                   *self.writer_in_stage())
         stager = GroupStager([g.hf_names for g in replica.groups], replica.hf_specs, expected,
                              where=f"{layout.describe()} rank {rank}")
         return PreparedRank(layout.key, rank, replica, stager)
@@ -424,24 +431,14 @@ class WeightSender:
                               on_success=self._updated, verify=verify, owner=self.owner,
                               lease=self.settings.session_lease, copy_plans=self.settings.copy_plans,
                               open_beside_slots=self.settings.open_beside_slots, replay_order=self.replay_order,
-                              follow_epochs=self._follow_epochs, deltas=self._update_deltas(delta, control, ranks))
+                              follow_epochs=self._follow_epochs, deltas=update_deltas(self, delta, control, ranks))
         self._update.engines_skipped, self._update.isolate_failed = skipped, down == "skip" and control
         return self._update
 
-    def _update_deltas(self, delta: bool | str, control: bool, ranks: list[PreparedRank]) -> UpdateDeltas | None:
-        """This update's delta state (delta_writes.py), or None when the sender keeps no bases."""
-        if self._bases is None:
-            return None
-        if delta not in ("auto", True, False):
-            raise ValueError(f'delta must be "auto", True or False, got {delta!r}')
-        why, keep = ("" if delta in ("auto", True) else "delta=False for this update"), True
-        if not control:  # a coordinator's session: it would have to claim and end for the senders' deltas
-            why, keep = "control=False: deltas need the session's owner to be one of the senders", False
-        elif self.settings.open_beside_slots:
-            why, keep = "P2PW_OPEN_BESIDE_SLOTS: slots are filled before the engines answer the claim", False
-        # PP stages write the same engine ranks: each stage its own part of every delta area
-        return UpdateDeltas(self._bases, ranks, self._buffers, wanted=not why, off_reason=why, keep=keep,
-                            writer=self.pp_stage, writers=self.pp_size)
+    def writer_in_stage(self) -> tuple[int, int]:
+        """(this sender, senders) among the writers of every engine rank inside its PP stage: itself
+        of them all with split="layers", else the only one (it writes whole engine ranks)."""
+        return (self.sender_index, self.num_senders) if self.split == "layers" else (0, 1)
 
     def _follow_epochs(self, epochs: dict[str, int], instances: dict[str, str]) -> list[str]:
         from .engine_set import follow_engines
