@@ -208,10 +208,12 @@ def test_each_pp_stage_pushes_only_its_own_parameters(configs):
             e.close()
 
 
-def test_a_stages_senders_split_its_layers_each_writing_its_own_to_every_engine_rank(configs):
-    """split="layers": each of a stage's two senders prepares every engine rank and pushes only its
-    layers (the embedding with the first, the head with the last); together sglang's exact bytes,
-    and a sender refuses the other's tensors before anything is written."""
+@pytest.mark.parametrize("count", [2, 4])
+def test_a_stages_senders_split_its_layers_each_writing_its_own_to_every_engine_rank(configs, count):
+    """split="layers": each of a stage's senders pushes only its layers (the embedding with the
+    first, the head with the last) and writes them to its group's engine ranks: two senders of two
+    layers are one group (each prepares every engine rank), four are two groups (each one rank of
+    both engines); together sglang's exact bytes, and a sender refuses another's tensors."""
     from p2pweights.control import UpdateSession
     from p2pweights.errors import P2PWeightsError
     from p2pweights.models import writer_hf_names
@@ -220,17 +222,18 @@ def test_a_stages_senders_split_its_layers_each_writing_its_own_to_every_engine_
     engines = start_engines(cfg, "tp=2", count=2, transport="mooncake", name_prefix="split")
     try:
         specs = checkpoint_tensors(cfg)
-        senders = [WeightSender(cfg, sender_index=k, num_senders=2, split="layers", transport="mooncake",
-                                buffer_size=1 << 20) for k in (0, 1)]
-        for s in senders:
+        senders = [WeightSender(cfg, sender_index=k, num_senders=count, split="layers", transport="mooncake",
+                                buffer_size=1 << 20) for k in range(count)]
+        for k, s in enumerate(senders):
             s.connect(_clients(engines))
-            assert len(s.prepared) == 2 and {len(p.targets) for p in s.prepared} == {2}  # every rank, both engines
-        names = [set(writer_hf_names(specs, 2, 0, 1, k, 2)) for k in (0, 1)]
+            ranks = {p.rank for p in s.prepared}
+            assert ranks == ({0, 1} if count == 2 else {k // 2}) and {len(p.targets) for p in s.prepared} == {2}
+        names = [set(writer_hf_names(specs, 2, 0, 1, k % 2, 2)) for k in range(count)]
         assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(specs) and all(names)
         tensors = dict(random_checkpoint(specs, 8))
-        with UpdateSession(_clients(engines), "split-8"):
+        with UpdateSession(_clients(engines), f"split-{count}"):
             for k, sender in enumerate(senders):
-                with sender.update("split-8", control=False) as u:
+                with sender.update(f"split-{count}", control=False) as u:
                     for n in sorted(names[k]):
                         u.push(n, tensors[n])
         for e in engines:

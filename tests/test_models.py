@@ -27,6 +27,7 @@ from p2pweights.models import (
     writer_layers,
 )
 from p2pweights.models.checkpoint import checkpoint_tensors
+from p2pweights.models.stages import area_writer, check_split, layer_writers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -150,14 +151,26 @@ def test_a_stages_layers_split_over_its_senders_give_every_hf_tensor_exactly_one
     for (s, _), ns in mine.items():
         assert set(ns) <= set(stage_hf_names(names, 5, s, pp))
     assert "model.embed_tokens.weight" in mine[(0, 0)]
-    assert {"model.norm.weight", "lm_head.weight"} <= set(mine[(pp - 1, writers - 1)])
-    assert all(n in mine[(pp - 1, writers - 1)] for n in names if n.startswith("model.layers.5."))  # MTP
+    last = layer_writers(5, pp, pp - 1, writers)[0] - 1  # the last writer with layers (at most one per layer)
+    assert {"model.norm.weight", "lm_head.weight"} <= set(mine[(pp - 1, last)])
+    assert all(n in mine[(pp - 1, last)] for n in names if n.startswith("model.layers.5."))  # MTP
     for s in range(pp):
         bounds = writer_layers(5, pp, s, writers)
         for w, (a, b) in enumerate(bounds):
             layers = {int(n.split(".")[2]) for n in mine[(s, w)] if n.startswith("model.layers.")} - {5}
             assert layers == set(range(a, b))
     assert writer_hf_names(names, 5, 0, 1, 0, 1) == names
+
+
+def test_senders_past_a_stages_layers_form_groups_and_every_area_writer_has_its_own_index():
+    """7 senders of 3-layer stages: 3 writers x 2 groups of engine ranks; the 7th would write nothing
+    and is refused naming the fix. Each engine rank's area has one part per stage's layer writer."""
+    assert layer_writers(6, 2, 0, 7) == (3, 2) and layer_writers(6, 2, 1, 2) == (2, 1)
+    assert [area_writer(6, 2, s, w, 7) for s in (0, 1) for w in range(3)] == [(k, 6) for k in range(6)]
+    assert check_split("layers", 6, 5, 7, 0, 2) == "layers"
+    with pytest.raises(ValueError, match="sender 6 of 7 would write nothing; make num_senders a multiple of 3"):
+        check_split("layers", 6, 6, 7, 0, 2)
+    assert check_split("engine_ranks", 6, 6, 7, 0, 2) == "engine_ranks"
 
 
 # -- bytes per engine rank ---------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                       host_us_per_tensor=args.host_us_per_tensor, nics_per_node=args.nics_per_node,
                       gpus_per_node=args.gpus_per_node)
         plan = make_plan(trainer, engines, shape, balanced=args.balanced)
-        writers = trainer.senders_per_stage if trainer.split == "layers" else 1
+        writers = trainer.senders_per_stage if trainer.split == "layers" else 1  # the writers of a stage's layers
         tensors = stage_tensor_counts(config, shape.layers, trainer.stages, writers) if links.host_us_per_tensor else None
         cost = predict(plan, shape, links, args.dtype, tensors)
         fractions = parse_fractions(args.changed_fraction)

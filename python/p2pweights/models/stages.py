@@ -77,14 +77,15 @@ def writer_layers(num_layers: int, pp_size: int, pp_stage: int, writers: int) ->
 
 def writer_of(hf_name: str, num_layers: int, pp_size: int, writers: int) -> tuple[int, int]:
     """(PP stage, writer in it) of an HF tensor when each stage's layers are split over its
-    ``writers`` senders: a layer's tensors go with the layer, the embedding to the first writer of
-    the first stage, the final norm, the LM head and MTP layers to the last writer of the last."""
+    ``writers`` senders (at most one per layer: :func:`writer_layers`): a layer's tensors go with the
+    layer, the embedding to the first writer of the first stage, the final norm, the LM head and MTP
+    layers to the last writer that has layers of the last stage."""
     stage = stage_of(hf_name, num_layers, pp_size)
     layer = layer_of(hf_name)
-    if layer is None or hf_name.startswith("mtp.") or layer >= num_layers:
-        return stage, (0 if stage == 0 and layer is None and "embed_tokens" in hf_name
-                       and not hf_name.startswith("mtp.") else writers - 1)
     bounds = writer_layers(num_layers, pp_size, stage, writers)
+    if layer is None or hf_name.startswith("mtp.") or layer >= num_layers:
+        embedding = stage == 0 and layer is None and "embed_tokens" in hf_name and not hf_name.startswith("mtp.")
+        return stage, (0 if embedding else sum(1 for a, b in bounds if b > a) - 1)
     return stage, next(w for w, (a, b) in enumerate(bounds) if a <= layer < b)
 
 
@@ -95,3 +96,38 @@ def writer_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_
     if writers == 1:
         return stage_hf_names(hf_names, num_layers, pp_stage, pp_size)
     return [n for n in hf_names if writer_of(n, num_layers, pp_size, writers) == (pp_stage, writer)]
+
+
+def layer_writers(num_layers: int, pp_size: int, pp_stage: int, senders: int) -> tuple[int, int]:
+    """(writers, groups) of a stage's ``senders`` with its layers split over them (split="layers"):
+    ``writers`` = min(senders, the stage's layers) senders split the layers, and the senders form
+    ``groups`` = senders // writers such sets, each writing the engine ranks the planner gives its
+    group (``assign_engine_ranks(groups, ...)``): a stage with more senders than layers spreads its
+    writes over engine ranks too instead of writing every rank from a few senders."""
+    a, b = stage_layers(num_layers, pp_size)[pp_stage]
+    writers = min(senders, b - a)
+    return writers, senders // writers
+
+
+def area_writer(num_layers: int, pp_size: int, pp_stage: int, writer: int, senders: int) -> tuple[int, int]:
+    """(index, count) of writer ``writer`` of stage ``pp_stage`` among every writer of one engine
+    rank's delta area when each stage's layers are split over its ``senders`` (each stage's
+    :func:`layer_writers` in stage order): every sender computes the same parts of the area."""
+    counts = [layer_writers(num_layers, pp_size, s, senders)[0] for s in range(pp_size)]
+    return sum(counts[:pp_stage]) + writer, sum(counts)
+
+
+def check_split(split: str, num_layers: int, sender_index: int, senders: int, pp_stage: int, pp_size: int) -> str:
+    """``split`` if it is one of :data:`SPLITS` and, for "layers", this sender is one of the
+    writers × groups of its stage (:func:`layer_writers`); ValueError naming the fix otherwise."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    if split == "layers":
+        writers, groups = layer_writers(num_layers, pp_size, pp_stage, senders)
+        if sender_index >= writers * groups:
+            raise ValueError(
+                f"split='layers': PP stage {pp_stage}'s layers go to {writers} writers in each of {groups} group(s) of "
+                f"engine ranks, so its senders 0..{writers * groups - 1} write and sender {sender_index} of {senders} "
+                f"would write nothing; make num_senders a multiple of {writers}, or make senders only on the "
+                f"first {writers * groups} trainer ranks of the stage")
+    return split

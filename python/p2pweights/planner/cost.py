@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
 from ..models.shapes import ModelShape, PlanError, RankBytes, engine_rank_bytes, full_model_bytes
-from ..models.stages import writer_layers
-from .assign import Plan, TrainerLayout
+from ..models.stages import layer_writers, writer_layers
+from .assign import Plan, TrainerLayout, assign_engine_ranks
 from .host_path import HOST_US_PER_TENSOR, SENDER_HOST_PATH, host_path_seconds
 
 NIC_GBPS = 50.0  # GB/s per NIC: a 400 Gb/s NIC, one per GPU unless nics_per_node says otherwise
@@ -226,22 +226,22 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
 def _split_layers(plan: Plan, shape: ModelShape, rank_bytes: dict[Hashable, RankBytes],
                   gather: "TrainerShards") -> tuple[int, int, int]:
     """(wire, prepared, gathered) bytes of the busiest sender when each stage's layers are split
-    over its senders (split="layers", models/stages.py ``writer_layers``): each sender prepares its
-    layers of every engine rank, writes them to every engine holding that rank, and gathers only
-    its layers from the trainer's shards."""
-    stages, writers = plan.trainer.stages, plan.trainer.senders_per_stage
-    engines_of: dict[Hashable, int] = {}
-    ranks_of: dict[Hashable, int] = {}
-    for e in plan.engines:
-        engines_of[e.layout] = engines_of.get(e.layout, 0) + 1
-        ranks_of[e.layout] = e.gpus
+    over its senders (split="layers", models/stages.py ``layer_writers``): the senders form groups
+    of writers, each group given engine ranks as ``assign_engine_ranks`` gives a sender; each
+    sender prepares its layers of its group's engine ranks, writes them to every engine holding
+    such a rank, and gathers only its layers from the trainer's shards."""
+    stages, senders = plan.trainer.stages, plan.trainer.senders_per_stage
     wire_max = prepared_max = gathered_max = 0
     for stage in range(stages):
+        writers, groups = layer_writers(shape.layers, stages, stage, senders)
+        entries = assign_engine_ranks(groups, plan.engines)
         for w, (a, b) in enumerate(writer_layers(shape.layers, stages, stage, writers)):
             first, last = stage == 0 and w == 0, stage == stages - 1 and w == writers - 1
             per_rank = {layout: rb.of_layers(a, b, first=first, last=last) for layout, rb in rank_bytes.items()}
-            prepared_max = max(prepared_max, sum(ranks_of[k] * n for k, n in per_rank.items()))
-            wire_max = max(wire_max, sum(ranks_of[k] * engines_of[k] * n for k, n in per_rank.items()))
+            for g in range(groups):
+                mine = [e for e in entries if e.sender == g]
+                prepared_max = max(prepared_max, sum(per_rank[e.layout] for e in mine))
+                wire_max = max(wire_max, sum(per_rank[e.layout] * len(e.engines) for e in mine))
             gathered_max = max(gathered_max, gather.gathered(a, b, first=first, last=last))
     return wire_max, prepared_max, gathered_max
 

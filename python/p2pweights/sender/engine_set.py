@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from .. import transport as transports
 from ..control import SglangEngine
 from ..errors import EngineError
+from ..models.stages import layer_writers
 from ..planner.assign import Engine as PlanEngine
 from ..planner.assign import assign_engine_ranks
 from ..transport.publication import EnginePublication
@@ -113,10 +114,12 @@ def survey_engines(sender: Any, clients: Sequence[SglangEngine], phases: Any = N
 
 def plan_of(sender: Any, surveys: Sequence[Survey]) -> list[Any]:
     """This sender's entries of the planner's rank assignment over ``surveys`` (in order): with
-    split="layers" every engine rank (each sender of the stage writes its layers to all of them)."""
+    split="layers" its group's (each sender of a group writes its layers to all of them)."""
     engines = [PlanEngine(s.layout.world_size, s.layout.key) for s in surveys]
-    if sender.split == "layers":
-        return assign_engine_ranks(1, engines)
+    if sender.split == "layers":  # its group's engine ranks (models/stages.py layer_writers)
+        writers, groups = layer_writers(int(sender.config["num_hidden_layers"]), sender.pp_size, sender.pp_stage,
+                                        sender.num_senders)
+        return [p for p in assign_engine_ranks(groups, engines) if p.sender == sender.sender_index // writers]
     plan = assign_engine_ranks(sender.num_senders, engines)
     return [p for p in plan if p.sender == sender.sender_index]
 

@@ -19,7 +19,7 @@ from ..copyplans import PlanRecorder, ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError
 from ..models.checkpoint import load_config
 from ..models.registry import architecture_of, model_spec
-from ..models.stages import SPLITS, writer_hf_names
+from ..models.stages import check_split, layer_writers, writer_hf_names
 from ..settings import Settings, sender_signature, settings
 from .adapter_update import AdapterUpdate, SenderAdapters
 from .buffers import TransferBuffers, slot_count, slot_size
@@ -86,11 +86,10 @@ class WeightSender:
             raise ValueError(f"sender_index {sender_index} is not in [0, num_senders={num_senders})")
         if not 0 <= pp_stage < pp_size:
             raise ValueError(f"pp_stage {pp_stage} is not in [0, pp_size={pp_size})")
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
-        self.split = split
         self.model = model
         self.config = load_config(model)
+        self.split = check_split(split, int(self.config["num_hidden_layers"]), sender_index, num_senders, pp_stage,
+                                 pp_size)
         self.sender_index, self.num_senders = sender_index, num_senders
         self.pp_stage, self.pp_size = pp_stage, pp_size
         self.settings: Settings = settings(**overrides)
@@ -436,9 +435,12 @@ class WeightSender:
         return self._update
 
     def writer_in_stage(self) -> tuple[int, int]:
-        """(this sender, senders) among the writers of every engine rank inside its PP stage: itself
-        of them all with split="layers", else the only one (it writes whole engine ranks)."""
-        return (self.sender_index, self.num_senders) if self.split == "layers" else (0, 1)
+        """(this sender, writers) among the senders splitting its stage's layers for its engine ranks
+        (split="layers": models/stages.py ``layer_writers``), else (0, 1): it writes whole engine ranks."""
+        if self.split != "layers":
+            return 0, 1
+        writers, _ = layer_writers(int(self.config["num_hidden_layers"]), self.pp_size, self.pp_stage, self.num_senders)
+        return self.sender_index % writers, writers
 
     def _follow_epochs(self, epochs: dict[str, int], instances: dict[str, str]) -> list[str]:
         from .engine_set import follow_engines
