@@ -633,3 +633,39 @@ def test_a_host_slot_filled_through_gpu_staging_takes_deltas_and_the_engine_hold
         transport.close()
         buffers.close()
         area.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_writers_index_records_are_checked_in_one_read_each_digest_ending_with_its_own_checksums(device):
+    """Two writers (PP stages) each write index records of their own parameters into their own part
+    of one area: one apply checks both segments (each digest ends with the checksums of its own
+    records only) and applies both. Trading two records' checksums between the digests is refused."""
+    from p2pweights.deltas.area import writer_part
+
+    gen = torch.Generator().manual_seed(9)
+    old = [torch.randn(n, generator=gen).bfloat16().to(device) for n in (700, 300, 900, 50)]
+    new = [_changed(p.cpu(), 0.05, 20 + k).to(device) for k, p in enumerate(old)]
+    rank = Rank(old, device)
+    segments = []
+    for w, ks in enumerate(([0, 1], [2, 3])):  # writer 0: params 0-1, writer 1: params 2-3
+        start = writer_part(rank.area.nbytes, w, 2)[0]
+        rank.cursor, rank.records, rank.hash, rank.checks, rank.starts = start, 0, hashlib.sha256(), [], []
+        for k in ks:
+            found, _ = _find([old[k]], [new[k]], 2)
+            table = [(0, old[k].numel(), rank.weights.data_ptr() + rank.offsets[k])]
+            rank.write(found, table)
+        digest = rank.hash.copy()
+        digest.update(ir.checksum_words(rank.checks))
+        segments.append(Manifest(rank.cursor - start, rank.records, digest.hexdigest(), tuple(rank.starts), start))
+    before = rank.weights.clone()
+    a, b = segments
+    swapped = [Manifest(a.bytes, a.records, b.sha256, a.offsets, a.start), Manifest(b.bytes, b.records, a.sha256,
+                                                                                     b.offsets, b.start)]
+    with pytest.raises(InvalidWrite, match="segment 0: its bytes are not the ones"):
+        rank.area.apply(swapped, rank.regions, [rank.weights])
+    assert torch.equal(rank.weights, before)
+    figures = rank.area.apply(segments, rank.regions, [rank.weights])
+    assert figures["segments"] == 2 and figures["records"] == 4
+    assert figures["device_reads"] == (2 if device != "cpu" else 0)  # whatever the writers
+    for k, p in enumerate(new):
+        assert torch.equal(rank.param(k, p).view(torch.uint8), p.view(torch.uint8)), f"param {k}"

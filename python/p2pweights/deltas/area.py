@@ -238,23 +238,28 @@ class DeltaArea:
                                            f"segment [{first}, {end})")
         return offsets
 
-    def check(self, manifest: Manifest, regions: Sequence[tuple[int, int]],
+    def check(self, manifests: Manifest | Sequence[Manifest], regions: Sequence[tuple[int, int]],
               tensors: Sequence[Any] = ()) -> tuple[list[tuple], index_apply.Checked]:
-        """Every record of the manifest's bytes, checked (``tensors``: the weight regions as uint8
-        tensors, for index records): ([("runs", record address, bytes, dest, dest bytes) or ("index",
-        index_apply.Record)], the index records' device verdicts). Raises (nothing applied) unless all
-        of them are sound. A GPU area is read from the device once for every record's prefix, header
-        and table (twice when a table outgrows its window), and once for every payload's verdicts."""
-        if manifest.start + manifest.bytes > self.nbytes:
-            self._refuse(OutOfRegion, f"the manifest names bytes [{manifest.start}, {manifest.start + manifest.bytes}); "
-                                      f"the area holds {self.nbytes}")
+        """Every record of every segment (``manifests``: one manifest, or one per writer), checked
+        (``tensors``: the weight regions as uint8 tensors, for index records): ([("runs", record
+        address, bytes, dest, dest bytes) or ("index", index_apply.Record)], the index records'
+        device verdicts). Raises (nothing applied) unless all of them are sound. A GPU area is read
+        from the device once for every record's prefix, header and table (twice when a table
+        outgrows its window), and once for every payload's verdicts: whatever the writers."""
+        segments = (manifests,) if isinstance(manifests, Manifest) else tuple(manifests)
+        for m in segments:
+            if m.start + m.bytes > self.nbytes:
+                self._refuse(OutOfRegion, f"the manifest names bytes [{m.start}, {m.start + m.bytes}); the area "
+                                          f"holds {self.nbytes}")
         self._reads = 0
-        offsets = self._offsets(manifest)
-        ends = [*offsets[1:], manifest.start + manifest.bytes]
+        flat: list[tuple[int, int, int]] = []  # (segment, record's first byte, the next one's)
+        for si, m in enumerate(segments):
+            offsets = self._offsets(m)
+            flat += [(si, a, e) for a, e in zip(offsets, [*offsets[1:], m.start + m.bytes])]
         gpu = self.device != "cpu"
-        windows = self._windows([(a, min(e - a, _WINDOW) if gpu else e - a) for a, e in zip(offsets, ends)])
+        windows = self._windows([(a, min(e - a, _WINDOW) if gpu else e - a) for _, a, e in flat])
         heads: dict[int, int] = {}  # index records: their prefix, header and table bytes
-        for k, (pos, end, w) in enumerate(zip(offsets, ends, windows)):
+        for k, ((_, pos, end), w) in enumerate(zip(flat, windows)):
             n = PREFIX.unpack_from(w, 0)[1]
             if n < HEADER_BYTES or record_span(n) != end - pos:
                 self._refuse(InvalidWrite, f"the records' offsets do not chain: the record at byte {pos} spans "
@@ -266,24 +271,33 @@ class DeltaArea:
                 self._refuse(InvalidWrite, f"the record at byte {pos} is not an index record (a GPU area takes "
                                            f"no others)")
         longer = [k for k, need in heads.items() if need > len(windows[k])]  # tables past the window
-        for k, w in zip(longer, self._windows([(offsets[k], heads[k]) for k in longer])):
+        for k, w in zip(longer, self._windows([(flat[k][1], heads[k]) for k in longer])):
             windows[k] = w
-        digest = hashlib.sha256()
+        digests = [hashlib.sha256() for _ in segments]
+        counts = [0] * len(segments)
         out: list[tuple] = []
-        for k, (pos, w) in enumerate(zip(offsets, windows)):
+        indexed: list[int] = []  # each index record's segment, in order
+        for k, ((si, pos, _), w) in enumerate(zip(flat, windows)):
             dest, n = PREFIX.unpack_from(w, 0)
+            counts[si] += 1
             if k in heads:
-                digest.update(w[:heads[k]])
+                digests[si].update(w[:heads[k]])
                 out.append(("index", self._check_index(pos, n, w[:heads[k]], regions, tensors)))
+                indexed.append(si)
             else:
-                digest.update(w)
+                digests[si].update(w)
                 out.append(("runs", *self._check_runs(w, pos, n, dest, regions)))
         checked = index_apply.verdicts([r[1] for r in out if r[0] == "index"], tensors)  # one read for all
-        digest.update(checked.checksum_words())
-        if digest.hexdigest() != manifest.sha256:
-            self._refuse(InvalidWrite, "its bytes are not the ones the session's owner wrote (SHA-256 differs)")
-        if len(out) != manifest.records:
-            self._refuse(InvalidWrite, f"the manifest names {manifest.records} records; the area holds {len(out)}")
+        for si, check in zip(indexed, checked.checksums):  # each writer's digest ends with its records' checksums
+            digests[si].update(struct.pack("<Q", check))
+        for si, (m, digest) in enumerate(zip(segments, digests)):
+            which = f"segment {si}: " if len(segments) > 1 else ""
+            if digest.hexdigest() != m.sha256:
+                self._refuse(InvalidWrite, f"{which}its bytes are not the ones the session's owner wrote (SHA-256 "
+                                           f"differs)")
+            if counts[si] != m.records:
+                self._refuse(InvalidWrite, f"{which}the manifest names {m.records} records; the area holds "
+                                           f"{counts[si]}")
         if checked.bad:
             self._refuse(InvalidWrite, f"index record {checked.bad[0]}: its positions are not ascending inside its "
                                        f"table")
@@ -320,31 +334,27 @@ class DeltaArea:
     def apply(self, manifests: Manifest | Sequence[Manifest], regions: Sequence[tuple[int, int]],
               tensors: Sequence[Any] = ()) -> dict:
         """Check every record of every segment (:meth:`check`; ``manifests``: one manifest, or one per
-        writer, :func:`parse_segments`), then apply them into the weights: each segment's index records
-        all at once (one kernel launch, or torch), where the first of them lies."""
+        writer, :func:`parse_segments`), then apply them into the weights: the index records of every
+        segment at once (one kernel launch, or torch), where the first of them lies."""
         segments = (manifests,) if isinstance(manifests, Manifest) else tuple(manifests)
         disjoint(segments, f"engine {self.engine} rank {self.rank}")
         t0 = time.perf_counter()
-        reads, checked_all = 0, []
-        for manifest in segments:  # every segment checked before the first byte of any is applied
-            records, checked = self.check(manifest, regions, tensors)
-            reads += self._reads + (self.device != "cpu" and bool(checked.records))  # the verdicts: one more
-            checked_all.append((records, checked))
+        records, checked = self.check(segments, regions, tensors)  # every segment before a byte of any
+        reads = self._reads + (self.device != "cpu" and bool(checked.records))  # the verdicts: one more
         t1 = time.perf_counter()
-        for records, checked in checked_all:
-            indexed = False
-            for kind, *rest in records:
-                if kind == "index":
-                    if not indexed:
-                        index_apply.apply(checked)
-                        indexed = True
-                    continue
-                rec, n, dest, dst_nbytes = rest
-                # check() walked this record and the digest covers it: one copying walk (still bounded)
-                code, message = _native.delta_apply(rec, n, dest, dst_nbytes, checked=True)
-                if code != int(_native.Code.OK):  # checked above: a failure here is a bug; the end fails (torn)
-                    raise_for_status(code, f"engine {self.engine} rank {self.rank}: applying a delta record: {message}")
-        count = sum(len(records) for records, _ in checked_all)
+        indexed = False
+        for kind, *rest in records:
+            if kind == "index":
+                if not indexed:
+                    index_apply.apply(checked)
+                    indexed = True
+                continue
+            rec, n, dest, dst_nbytes = rest
+            # check() walked this record and the digest covers it: one copying walk (still bounded)
+            code, message = _native.delta_apply(rec, n, dest, dst_nbytes, checked=True)
+            if code != int(_native.Code.OK):  # checked above: a failure here is a bug; the end fails (torn)
+                raise_for_status(code, f"engine {self.engine} rank {self.rank}: applying a delta record: {message}")
+        count = len(records)
         if self.device != "cpu" and count:
             import torch
 
@@ -352,7 +362,7 @@ class DeltaArea:
         self.last = {"records": count, "bytes": sum(m.bytes for m in segments), "segments": len(segments),
                      "check_s": round(t1 - t0, 6), "apply_s": round(time.perf_counter() - t1, 6),
                      "device_reads": reads,
-                     "index_path": "kernels" if any(c.device is not None for _, c in checked_all) else "torch"}
+                     "index_path": "kernels" if checked.device is not None else "torch"}
         return dict(self.last)
 
     def close(self) -> None:
