@@ -129,12 +129,13 @@ def detection_rows(slot: int = 256 << 20, runs: int = 10) -> list[dict]:
 
 
 def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20, writers: int = 1,
-                      repeats: int = 1) -> list[dict]:
+                      repeats: int = 1, unit: int = 2) -> list[dict]:
     """An engine rank's apply alone, in this process: 1% of a rank's BF16 elements changed, one index
     record per 256 MiB slot in a GPU delta area (as a sender writes them), then ``DeltaArea.apply``:
     the host walk and checks, the device checks, the scatters. Checked equal after. ``writers``: the
     slots split over that many writers (PP stages), each writing its records into its own part of the
-    area and naming them in its own segment. ``repeats``: the "again" run that many times (best kept)."""
+    area and naming them in its own segment. ``repeats``: the "again" run that many times (best kept).
+    ``unit``: 2 (BF16 elements) or 1 (FP8: 1% of the bytes changed, twice the stores per byte)."""
     import hashlib
 
     import torch
@@ -144,7 +145,7 @@ def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20, writer
 
     weights = torch.randn(weight_bytes // 2, device="cuda").bfloat16().view(torch.uint8)
     new = weights.clone()
-    new.view(torch.int16)[::100] += 1
+    (new.view(torch.int16) if unit == 2 else new.view(torch.int8))[::100] += 1
     base = weights.clone()
     area = DeltaArea(weight_bytes // 8, device="cuda")
     slots = list(range(0, weight_bytes, slot))
@@ -153,9 +154,9 @@ def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20, writer
         start = cursor = writer_part(area.nbytes, w, writers)[0]
         digest, checks, offsets = hashlib.sha256(), [], []
         for at in slots[w * len(slots) // writers:(w + 1) * len(slots) // writers]:
-            found = index_records.find_changes(new, base, [(at, at, slot)], 2)
-            nrec = index_records.record_bytes(1, found.count, 2)
-            head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, [(0, slot // 2, weights.data_ptr() + at)])
+            found = index_records.find_changes(new, base, [(at, at, slot)], unit)
+            nrec = index_records.record_bytes(1, found.count, unit)
+            head = PREFIX.pack(0, nrec) + index_records.header_and_table(found, [(0, slot // unit, weights.data_ptr() + at)])
             offsets.append(cursor)
             area.tensor[cursor:cursor + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).cuda()
             checks.append(index_records.write_payload(found, area.tensor[cursor + len(head):cursor + PREFIX.size + nrec]))
@@ -172,6 +173,7 @@ def engine_apply_rows(weight_bytes: int = 4 << 30, slot: int = 256 << 20, writer
         figures = area.apply(segments, [(weights.data_ptr(), weight_bytes)], [weights])
         seconds = time.perf_counter() - t0
         rows.append({"engine_apply_weight_bytes": weight_bytes, "run": run, "records": records, "writers": writers,
+                     "unit": unit,
                      "area_bytes": sum(m.bytes for m in segments), "seconds": seconds, "check_s": figures["check_s"],
                      "apply_s": figures["apply_s"], "device_reads": figures["device_reads"],
                      "covered_gbps": weight_bytes / seconds / 1e9, "equal": bool(torch.equal(weights, new))})
