@@ -72,7 +72,10 @@ def test_a_vllm_workers_gpu_weights_keep_their_area_on_the_gpu_and_take_index_re
         model.register_parameter(f"w{k}", torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16().cuda(),
                                                              requires_grad=False))
     params = [p for _, p in model.named_parameters()]
-    memory = RankMemory(model, "nixl", 0, "vllm-gpu-test", deltas=True)
+    unsized = RankMemory(model, "nixl", 0, "vllm-gpu-test", deltas=True)  # a GPU area only where sized
+    assert unsized.area is None and unsized.publication().get("delta_area") is None
+    unsized.close()
+    memory = RankMemory(model, "nixl", 0, "vllm-gpu-test", deltas=True, area=16 << 20)
     try:
         assert memory.area is not None and memory.area.device == "cuda:0"
         assert memory.publication()["delta_area"] == [memory.area.address, memory.area.nbytes]
