@@ -168,6 +168,28 @@ def test_a_full_update_then_deltas_byte_exact_then_refusals(seeded, monkeypatch)
     assert held(seeded.engine) == expected(seeded.model_dir, 9)
 
 
+def test_two_pp_stages_write_deltas_into_the_real_servers_rank_each_into_its_own_part(seeded):
+    """Two PP stages, each its own sender process in one gloo group, write the real server's rank:
+    each stage its records into its own part of the rank's area, the plugin's scheduler applies both
+    segments (the engine core's one parse, engine/rank_area.py's one apply) before sglang's end."""
+    from test_senders_group import Senders
+
+    senders = Senders(seeded.model_dir, [SimpleNamespace(url=seeded.server.url, name="sglang-deltas")], split="pp")
+    try:
+        for step in range(3):
+            senders.update(f"pp{step}", SEED, how=(f"changed:{step}",) * 2)
+            _, r0 = senders.expect(0, "done")
+            _, r1 = senders.expect(1, "done")
+            model = reference_model(seeded.model_dir, EngineLayout.parse("tp=1"), 0, seed=SEED, post_process=True,
+                                    changed=(0.01, step))
+            assert held(seeded.engine) == {n: tensor_digest(t) for n, t in model.named_parameters()}
+            if step:  # both stages' writes took deltas
+                for r in (r0, r1):
+                    assert r["delta_reason"] == {} and 0 < r["bytes_written"] < r["bytes"] // 4, r
+    finally:
+        senders.close()
+
+
 # -- the publication's hooks, in this process ------------------------------------------------------
 def _session_request(self, method, url, params=None, data=None, headers=None, cookies=None, files=None, auth=None,
                      timeout=None, allow_redirects=True, proxies=None, hooks=None, stream=None, verify=None, cert=None,
