@@ -95,7 +95,19 @@ def writer_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_
     layers split over its senders (:func:`writer_of`), in the order given."""
     if writers == 1:
         return stage_hf_names(hf_names, num_layers, pp_stage, pp_size)
-    return [n for n in hf_names if writer_of(n, num_layers, pp_size, writers) == (pp_stage, writer)]
+    mine, of_layer = (pp_stage, writer), {}  # one look-up per layer (an MoE layer has thousands of names)
+    out = []
+    for n in hf_names:
+        layer = layer_of(n)
+        if layer is None or n.startswith("mtp."):
+            if writer_of(n, num_layers, pp_size, writers) == mine:
+                out.append(n)
+            continue
+        if layer not in of_layer:
+            of_layer[layer] = writer_of(n, num_layers, pp_size, writers)
+        if of_layer[layer] == mine:
+            out.append(n)
+    return out
 
 
 def layer_writers(num_layers: int, pp_size: int, pp_stage: int, senders: int) -> tuple[int, int]:
