@@ -7,7 +7,7 @@ model and the sender's "which names must this stage push" both read it here.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .shapes import PlanError
 
@@ -82,11 +82,25 @@ def writer_of(hf_name: str, num_layers: int, pp_size: int, writers: int) -> tupl
     layers to the last writer that has layers of the last stage."""
     stage = stage_of(hf_name, num_layers, pp_size)
     layer = layer_of(hf_name)
-    bounds = writer_layers(num_layers, pp_size, stage, writers)
     if layer is None or hf_name.startswith("mtp.") or layer >= num_layers:
         embedding = stage == 0 and layer is None and "embed_tokens" in hf_name and not hf_name.startswith("mtp.")
-        return stage, (0 if embedding else sum(1 for a, b in bounds if b > a) - 1)
+        return stage, (0 if embedding else layer_writers(num_layers, pp_size, stage, writers)[0] - 1)
+    bounds = writer_layers(num_layers, pp_size, stage, writers)
     return stage, next(w for w, (a, b) in enumerate(bounds) if a <= layer < b)
+
+
+def writers_of(hf_names: Iterable[str], num_layers: int, pp_size: int, writers: int) -> Iterator[tuple[str, tuple[int, int]]]:
+    """(name, :func:`writer_of` it) for each name, in order: one look-up per decoder layer (an MoE
+    layer has thousands of names)."""
+    of_layer: dict[int, tuple[int, int]] = {}
+    for n in hf_names:
+        layer = layer_of(n)
+        if layer is None or n.startswith("mtp."):
+            yield n, writer_of(n, num_layers, pp_size, writers)
+            continue
+        if layer not in of_layer:
+            of_layer[layer] = writer_of(n, num_layers, pp_size, writers)
+        yield n, of_layer[layer]
 
 
 def writer_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_size: int, writer: int,
@@ -95,19 +109,7 @@ def writer_hf_names(hf_names: Iterable[str], num_layers: int, pp_stage: int, pp_
     layers split over its senders (:func:`writer_of`), in the order given."""
     if writers == 1:
         return stage_hf_names(hf_names, num_layers, pp_stage, pp_size)
-    mine, of_layer = (pp_stage, writer), {}  # one look-up per layer (an MoE layer has thousands of names)
-    out = []
-    for n in hf_names:
-        layer = layer_of(n)
-        if layer is None or n.startswith("mtp."):
-            if writer_of(n, num_layers, pp_size, writers) == mine:
-                out.append(n)
-            continue
-        if layer not in of_layer:
-            of_layer[layer] = writer_of(n, num_layers, pp_size, writers)
-        if of_layer[layer] == mine:
-            out.append(n)
-    return out
+    return [n for n, w in writers_of(hf_names, num_layers, pp_size, writers) if w == (pp_stage, writer)]
 
 
 def layer_writers(num_layers: int, pp_size: int, pp_stage: int, senders: int) -> tuple[int, int]:

@@ -177,7 +177,7 @@ def predict(plan: Plan, shape: ModelShape, links: Links = Links(), dtype: str = 
     wire_max = prepared_max = gathered_max = 0
     if plan.trainer.split == "layers":
         wire_max, prepared_max, gathered_max = _split_layers(plan, shape, rank_bytes, gather)
-    for stage, (start, end) in enumerate(plan.stage_bounds if plan.trainer.split != "layers" else ()):
+    for stage, (start, end) in enumerate(plan.stage_bounds if plan.trainer.split == "engine_ranks" else ()):
         first, last = stage == 0, stage == stages - 1
         stage_bytes = {
             layout: rb.of_layers(start, end, first=first, last=last) for layout, rb in rank_bytes.items()
@@ -234,12 +234,13 @@ def _split_layers(plan: Plan, shape: ModelShape, rank_bytes: dict[Hashable, Rank
     wire_max = prepared_max = gathered_max = 0
     for stage in range(stages):
         writers, groups = layer_writers(shape.layers, stages, stage, senders)
-        entries = assign_engine_ranks(groups, plan.engines)
+        by_group: list[list] = [[] for _ in range(groups)]
+        for e in assign_engine_ranks(groups, plan.engines):
+            by_group[e.sender].append(e)
         for w, (a, b) in enumerate(writer_layers(shape.layers, stages, stage, writers)):
             first, last = stage == 0 and w == 0, stage == stages - 1 and w == writers - 1
             per_rank = {layout: rb.of_layers(a, b, first=first, last=last) for layout, rb in rank_bytes.items()}
-            for g in range(groups):
-                mine = [e for e in entries if e.sender == g]
+            for mine in by_group:
                 prepared_max = max(prepared_max, sum(per_rank[e.layout] for e in mine))
                 wire_max = max(wire_max, sum(per_rank[e.layout] * len(e.engines) for e in mine))
             gathered_max = max(gathered_max, gather.gathered(a, b, first=first, last=last))

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from ..errors import P2PWeightsError
 from ..models.checkpoint import trainer_tensors
-from ..models.stages import layer_of, writer_of
+from ..models.stages import writers_of
 
 # us of sender host time per pushed HF tensor: the bulk push (Update.push_many), measured by
 # benchmarks/bench_push.py (staging + loading per tensor; its target, <= 5 us)
@@ -41,17 +41,8 @@ def stage_tensor_counts(config: Any, num_layers: int, stages: int, writers: int 
     except P2PWeightsError:
         return None
     counts = [0] * (stages * writers)
-    by_layer: dict[int, int] = {}
-    for name in names:
-        layer = layer_of(name)
-        if layer is not None and not name.startswith("mtp."):
-            if layer not in by_layer:  # one look-up per layer: the same rule
-                stage, writer = writer_of(name, num_layers, stages, writers)
-                by_layer[layer] = stage * writers + writer
-            counts[by_layer[layer]] += 1
-        else:
-            stage, writer = writer_of(name, num_layers, stages, writers)
-            counts[stage * writers + writer] += 1
+    for _, (stage, writer) in writers_of(names, num_layers, stages, writers):  # the sender's own rule
+        counts[stage * writers + writer] += 1
     return tuple(counts)
 
 
