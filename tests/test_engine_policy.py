@@ -141,11 +141,42 @@ def test_several_writers_segments_reach_the_ranks_and_overlapping_ones_are_400_b
     assert {str(r): m for r, m in host.ranks.applied[0].items()} == {"0": seg}
 
 
-def test_deltas_are_applied_once_per_accepted_session(host):
+def test_each_area_byte_is_applied_at_most_once_per_session_the_rest_at_the_end(host):
+    """The owner applies segments as its slots' writes return (p2pw_apply_deltas), then ends with the
+    rest: every host hands each call's segments to the ranks; a segment overlapping bytes applied
+    before in the session (a replay) is 400 before any rank, the session still open; after the end
+    the session's deltas are gone."""
+    who = owner()
+    delta_session(host, who)
+    first = {**manifest(), "bytes": 64, "records": 1, "offsets": [0]}
+    second = {**manifest(), "start": 64, "bytes": 128, "records": 1, "offsets": [64]}
+    assert host.call("apply", {"manifests": {"0": first}}, who)[0] == p.OK
+    assert host.call("apply", {"manifests": {"0": [second]}}, who)[0] == p.OK
+    for replay in (first, [second], [{**first, "start": 32, "offsets": [32]}], [{**second, "start": 184, "offsets": [184]}]):
+        status, answer = host.call("apply", {"manifests": {"0": replay}}, who)
+        assert status == p.BAD_REQUEST and "applied already" in answer["message"], (replay, answer)
+        status, answer = host.call("end", {DELTA_KEY: {"0": replay}}, who)
+        assert status == p.BAD_REQUEST and "applied already" in answer["message"], (replay, answer)
+        assert host.state()["state"] == "open" and len(host.ranks.applied) == 2
+    rest = {**manifest(), "start": 192, "bytes": 64, "records": 1, "offsets": [192]}
+    status, ended = host.call("end", {DELTA_KEY: {"0": [rest]}}, who)
+    assert status == p.OK and len(host.ranks.applied) == 3, ended
+    assert [{str(r): m for r, m in a.items()} for a in host.ranks.applied] == [
+        {"0": first}, {"0": [second]}, {"0": [rest]}]
+    status, answer = host.call("apply", {"manifests": {"0": rest}}, who)
+    assert status == p.BAD_REQUEST, answer  # no session: nothing more is applied
+
+
+def test_an_end_after_its_deltas_were_applied_names_none_and_commits(host):
     who = owner()
     delta_session(host, who)
     assert host.call("apply", {"manifests": {"0": manifest()}}, who)[0] == p.OK
-    status, answer = host.call("end", {DELTA_KEY: {"0": manifest()}}, who)
+    status, ended = host.call("end", {}, who)
+    assert status == p.OK and set(ended[BASE_KEY]) == {"epoch", "token"}
+    host.call("pause", {}, who)
+    status, begun = host.call("begin", {}, who)  # a session whose begin accepted no deltas names none
+    assert status == p.OK
+    status, answer = host.call("apply", {"manifests": {"0": manifest()}}, who)
     assert status == p.BAD_REQUEST and "did not accept" in answer["message"]
 
 

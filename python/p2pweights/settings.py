@@ -202,6 +202,10 @@ REGISTRY: dict[str, Setting] = {s.env: s for s in (
             "engines that prove they hold this sender's last commit (docs/deltas.md; host slots with CPU inputs; "
             "the sender keeps a host copy of every byte it writes); `off`: every update in full, no copy",
             _one_of("auto", "off")),
+    Setting("P2PW_DELTA_APPLY_BESIDE", parse_bool, True, "`1`: the sender holding the session has each engine apply "
+            "a slot's delta records as soon as that slot's writes returned, while later slots are written (one "
+            "`p2pw_apply_deltas` call per engine at a time; the end applies the rest); `0`: every record at the end",
+            default_text="1"),
     Setting("P2PW_PREPARE", parse_bool, False, "`1`: a WeightSender starts, at construction, on a thread, what its "
             "first connect would import (sglang, the model's module) and its transport agent; connect waits for "
             "what is not done", default_text="0"),

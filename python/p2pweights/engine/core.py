@@ -29,10 +29,13 @@ The rules, in the order a verb meets them:
    could be partly written. A call refused before it runs (a malformed body, manifests the begin
    did not accept) changes nothing: the owner may send it again.
 5. **The end** parses the owner's manifests once (``{"<rank>": manifest}``, or a list of disjoint
-   segments where several writers (PP stages) wrote one rank's area), takes the session's
-   accepted deltas once, has every rank apply its own and then the engine post-process (one
-   :class:`~.steps.End` step), and only then commits: a new base token at the current epoch, the
-   session closed. The version is set only after the end (400 while a session is open); generation
+   segments where several writers (PP stages) wrote one rank's area, or one writer applied part of
+   its records beside its writes), has every rank apply its own and then the engine post-process
+   (one :class:`~.steps.End` step), and only then commits: a new base token at the current epoch,
+   the session closed. Inside the session the owner may apply segments before the end
+   (``p2pw_apply_deltas``, as its slots' writes return): every byte of a rank's area is applied at
+   most once per session (a segment overlapping one applied before is 400, nothing runs), and the
+   session's deltas end with its end. The version is set only after the end (400 while a session is open); generation
    continues only outside a session (400 while one is open).
 6. **Memory released and resumed** (colocated RL frees the weights' memory while it trains): once
    released, a begin is refused (400) until the memory is resumed, and a release inside an open
@@ -48,6 +51,7 @@ The rules, in the order a verb meets them:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import secrets
@@ -117,6 +121,8 @@ class EngineCore:
         # LoRA adapters (adapters.py): each adapter's slot is a target with its own base and version
         self.adapters = AdapterTargets(engine)
         self.target: str | None = None  # the adapter of the open (or last) session; None: the base weights
+        # each rank's area bytes applied in the open session, [(start, end)] ascending: none twice (rule 5)
+        self._applied: dict[int, list[tuple[int, int]]] = {}
         # this engine process's identity: a sender that finds another one at the same address (a
         # restart: new registrations, no base) re-plans it before writing (sender/engine_set.py)
         self.instance = secrets.token_hex(8)
@@ -203,6 +209,7 @@ class EngineCore:
         support = (yield DeltaSupport()) if claim is not None and adapter is None else ""
         base = self.adapters.base(adapter) if adapter is not None else self.base
         delta = base.open(claim, self.session.epoch, support)  # from here the target's bytes may change
+        self._applied = {}
         self.target = adapter
         try:
             answer = yield EngineVerb(BEGIN, body)
@@ -384,24 +391,32 @@ class EngineCore:
         return self.adapters.base(self.target) if self.target is not None else self.base
 
     def _manifests(self, manifests: Any, verb: str) -> dict[int, dict] | None:
-        """The owner's ``{"<rank>": manifest}`` checked whole (None: it names none), and the session's
-        accepted deltas taken: applied once (a second apply of the same records would be refused)."""
+        """The owner's ``{"<rank>": manifest}`` checked whole (None: it names none): no segment may
+        overlap area bytes applied before in this session (rule 5). Once checked, the bytes count as
+        applied (a refused apply tears the session anyway); the end takes the session's deltas."""
         if manifests is None:
+            if verb == END:
+                self._base().accepted = False
             return None
         if not self._base().accepted:
-            raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or they were "
-                                 f"applied already)")
+            raise InvalidRequest(f"{verb} names deltas, but this session's begin did not accept any (or the session "
+                                 f"ended)")
         if not isinstance(manifests, dict):
             raise InvalidRequest(f"{verb}: {DELTA_KEY} must be {{rank: manifest}}")
-        parsed = {}
+        parsed, spans = {}, {}
         for rank, m in manifests.items():
             if not (isinstance(rank, str) and rank.isdigit()):
                 raise InvalidRequest(f"{verb}: {DELTA_KEY} has a key {rank!r} that is not a rank")
+            where = f"{verb} {DELTA_KEY}[{rank}]"
             try:
-                parsed[int(rank)] = segments_wire(parse_segments(m, f"{verb} {DELTA_KEY}[{rank}]"))
+                segments = parse_segments(m, where)
             except InvalidWrite as e:
                 raise InvalidRequest(str(e)) from None
-        self._base().accepted = False
+            spans[int(rank)] = applied_after(self._applied.get(int(rank), []), segments, where)
+            parsed[int(rank)] = segments_wire(segments)
+        self._applied.update(spans)
+        if verb == END:
+            self._base().accepted = False
         return parsed
 
     def state(self) -> dict:
@@ -409,6 +424,22 @@ class EngineCore:
         state = self.session.state()
         adapters = self.adapters.state()  # LoRA adapters updated or torn (only when there are some)
         return {**state, "state": str(state["state"]), "instance": self.instance, **({"adapters": adapters} if adapters else {})}
+
+
+def applied_after(applied: list[tuple[int, int]], segments: Iterable[Any], where: str) -> list[tuple[int, int]]:
+    """``applied`` (a rank's [start, end) spans applied in the session, ascending) with ``segments``
+    added; InvalidRequest naming the segment when one overlaps a span applied before."""
+    out = list(applied)
+    for k, m in enumerate(segments):
+        if not m.bytes:
+            continue
+        lo, hi = m.start, m.start + m.bytes
+        at = bisect.bisect_right(out, (lo, hi))
+        if (at and out[at - 1][1] > lo) or (at < len(out) and out[at][0] < hi):
+            raise InvalidRequest(f"{where}: segment {k} names area bytes [{lo}, {hi}), part of which this session "
+                                 f"applied already (each byte of an area is applied at most once per session)")
+        out.insert(at, (lo, hi))
+    return out
 
 
 def _failed(verb: str, e: BaseException) -> Answer:

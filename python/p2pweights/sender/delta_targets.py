@@ -18,8 +18,30 @@ def gpu_areas(p: Any) -> bool:
     return any(t.publication.delta_area and t.publication.device_arch not in ("", "cpu") for t in p.targets)
 
 
+class Segment:
+    """Records one writer wrote one after another into one rank's area: one manifest's worth. Its digest
+    is made when it is sent (:meth:`manifest`), after its writes returned: the index records'
+    checksums (device scalars) are read then, without waiting for the device."""
+
+    def __init__(self, start: int):
+        self.start = self.end = start
+        self.records = 0
+        self.hash = hashlib.sha256()
+        self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
+        self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
+        self.slot = -1  # sealed: the transfer slot whose writes carried its last records
+        self.submitted = False  # sealed: that slot reached the writer
+
+    def manifest(self) -> Manifest:
+        """The owner's word on these records: the digest ends with the index records' checksums."""
+        digest = self.hash.copy()
+        digest.update(index_records.checksum_words(self.checks))
+        return Manifest(self.end - self.start, self.records, digest.hexdigest(), tuple(self.offsets), self.start)
+
+
 class DeltaTarget:
-    """One target engine rank's delta state in one update."""
+    """One target engine rank's delta state in one update: its records as segments, sealed one per
+    slot when the sender applies them beside its writes (sender/apply_beside.py), else one."""
 
     def __init__(self, t: Any, writer: int = 0, writers: int = 1):
         self.t = t
@@ -28,18 +50,52 @@ class DeltaTarget:
         self.area = t.publication.delta_area
         # this sender's part of the area: a rank's writers (PP stages) each write their own (area.writer_part)
         self.start, self.end = writer_part(self.area[1], writer, writers) if self.area else (0, 0)
-        self.cursor = self.start
-        self.records = 0
-        self.hash = hashlib.sha256()
-        self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
-        self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
+        self.records = 0  # in this update, all segments
+        self.open = Segment(self.start)  # the records being written
+        self.sealed: list[Segment] = []  # written, not yet sent to the engine
+        self.sent = 0  # segments applied beside the writes
         self.written_full = ""  # why its claim was accepted yet its parameters went in full (the report says it)
 
-    def manifest(self) -> Manifest:
-        """The owner's word on this rank's area: the digest ends with the index records' checksums."""
-        digest = self.hash.copy()
-        digest.update(index_records.checksum_words(self.checks))
-        return Manifest(self.cursor - self.start, self.records, digest.hexdigest(), tuple(self.offsets), self.start)
+    @property
+    def cursor(self) -> int:
+        """Where this target's next record goes in the area."""
+        return self.open.end
+
+    def add(self, span: int, head: bytes, body: Any = None, check: Any = None) -> None:
+        """One record of ``span`` bytes at the cursor: its prefix (and header and table) ``head``, then
+        a codec record's bytes ``body`` hashed too, or an index record's payload checksum ``check``."""
+        seg = self.open
+        seg.hash.update(head)
+        if body is not None:
+            seg.hash.update(body)
+        if check is not None:
+            seg.checks.append(check)
+        seg.offsets.append(seg.end)
+        seg.end += span
+        seg.records += 1
+        self.records += 1
+
+    def seal(self, slot: int, most: int) -> None:
+        """The open segment's records all went into transfer slot ``slot``: sealed (at most ``most``
+        sealed waiting; past that the open one grows on, so an end never names too many)."""
+        if self.open.records and len(self.sealed) < most:
+            seg, self.open = self.open, Segment(self.open.end)
+            seg.slot = slot
+            self.sealed.append(seg)
+
+    def take(self, returned: Any) -> list[Segment]:
+        """The sealed segments, oldest first, whose slots' writes all returned (``returned(slot)``)."""
+        k = 0
+        while k < len(self.sealed) and self.sealed[k].submitted and returned(self.sealed[k].slot):
+            k += 1
+        out, self.sealed = self.sealed[:k], self.sealed[k:]
+        self.sent += len(out)
+        return out
+
+    def rest(self) -> list[Segment]:
+        """Every segment not sent yet (sealed, then the open one): what the end names (an empty one when
+        nothing was written nor sent: the end still says so)."""
+        return [*self.sealed, *([self.open] if self.open.records or not (self.sealed or self.sent) else [])]
 
 
 def full_row(t: Any, param: str, offset: int, nbytes: int) -> tuple[int, int, int, int]:

@@ -58,6 +58,9 @@ STAGED = ("the last update (delta=False) filled host slots from GPU tensors and 
           "those parameters are written in full, their bases kept again from this update on")
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
 INDEX_RECORDS_ON_HOST = False
+#: segments of one rank sealed and not yet applied at most (the rest grow the open one): an end names
+#: at most this many plus one per writer, under deltas/area.py's MAX_SEGMENTS
+SEALED_MOST = 256
 
 
 class UpdateDeltas:
@@ -82,6 +85,9 @@ class UpdateDeltas:
         self.from_inputs = 0  # parameters compared straight from the trainer's tensors (their slot bytes unmade)
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
         self.applied = False  # apply_now ran: the ends carry no manifests
+        self.beside = False  # sealed per slot and applied as their writes return (sender/apply_beside.py)
+        self.beside_calls = self.beside_segments = 0
+        self.beside_seconds = 0.0
         self._claimed: list[Any] = []  # the engines claim() set a begin body for
         self._slot: int | None = None
         self._spare_array: np.ndarray | None = None
@@ -149,11 +155,36 @@ class UpdateDeltas:
                                                                   else "it answered no delta decision")
 
     def written(self) -> dict:
-        """This sender's manifests, ``{engine: {rank: manifest}}`` (every sender's go to sender 0)."""
+        """This sender's manifests not applied yet, ``{engine: {rank: [segment, ...]}}`` (every sender's
+        go to sender 0)."""
         out: dict[str, dict] = {}
         for x in self.targets.values():
-            if x.delta:
-                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = x.manifest().to_dict()
+            if x.delta and (segments := x.rest()):
+                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = [m.manifest().to_dict() for m in segments]
+        return out
+
+    # -- applied beside the writes (sender/apply_beside.py) ----------------------------------------
+    def seal(self, slot: int) -> None:
+        """Every delta target's records of the slot just closed (transfer slot ``slot``): sealed."""
+        if self.beside:
+            for x in self.targets.values():
+                if x.delta:
+                    x.seal(slot, SEALED_MOST)
+
+    def submitted(self, slot: int) -> None:
+        """Transfer slot ``slot`` reached the writer: its sealed segments may be applied once it returns."""
+        for x in self.targets.values():
+            for seg in x.sealed:
+                if seg.slot == slot:
+                    seg.submitted = True
+
+    def returned(self, returned: Any, busy: Any = ()) -> dict[str, dict[str, list]]:
+        """The sealed segments whose slots' writes all returned (``returned(slot)``), taken, but for
+        the engines ``busy``: ``{engine: {rank: [manifest, ...]}}``."""
+        out: dict[str, dict[str, list]] = {}
+        for x in self.targets.values():
+            if x.delta and x.sealed and x.t.engine.name not in busy and (segments := x.take(returned)):
+                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = [m.manifest() for m in segments]
         return out
 
     def apply_now(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
@@ -173,8 +204,9 @@ class UpdateDeltas:
         merged: dict[str, dict[str, list]] = {}
         for word in (self.written(), *every):
             for engine, ranks in word.items():
-                for rank, manifest in ranks.items():  # a rank several senders wrote: one segment each
-                    merged.setdefault(engine, {}).setdefault(rank, []).append(Manifest.parse(manifest, engine))
+                for rank, manifests in ranks.items():  # a rank several senders wrote: their segments
+                    for manifest in manifests if isinstance(manifests, list) else [manifests]:
+                        merged.setdefault(engine, {}).setdefault(rank, []).append(Manifest.parse(manifest, engine))
         for e in engines:
             ranks = merged.get(e.name)
             e.end_extra = {DELTA_KEY: {r: segments_wire(ms) for r, ms in ranks.items()}} if ranks else {}
@@ -303,11 +335,7 @@ class UpdateDeltas:
             remote = x.area[0] + x.cursor
             rows += [(self._spare_offset(at), PREFIX.size, x.t.writer_id, remote),
                      (self._spare_offset(rec), span - PREFIX.size, x.t.writer_id, remote + PREFIX.size)]
-            x.hash.update(prefix)
-            x.hash.update(self._spare_view()[rec:rec + span - PREFIX.size])
-            x.offsets.append(x.cursor)
-            x.cursor += span
-            x.records += 1
+            x.add(span, prefix, body=self._spare_view()[rec:rec + span - PREFIX.size])
             self.encoded += span
         return rows
 
@@ -410,11 +438,7 @@ class UpdateDeltas:
             remote = x.area[0] + x.cursor
             rows += [(self._spare_offset(hat), len(head), x.t.writer_id, remote),
                      (self._spare_offset(at), payload, x.t.writer_id, remote + len(head))]
-            x.hash.update(head)
-            x.checks.append(check)
-            x.offsets.append(x.cursor)
-            x.cursor += PREFIX.size + nrec
-            x.records += 1
+            x.add(PREFIX.size + nrec, head, check=check)
             self.encoded += PREFIX.size + nrec
         return rows
 
@@ -482,5 +506,9 @@ class UpdateDeltas:
         return self.buffers.slot_bytes + at
 
     # -- the report ------------------------------------------------------------------------------
+    def beside_figures(self) -> dict:
+        return {"segments_applied_beside": self.beside_segments, "apply_calls_beside": self.beside_calls,
+                "apply_beside_seconds": round(self.beside_seconds, 6)}
+
     def reasons(self) -> dict[str, str]:
         return {name: (x.written_full if x.delta else x.reason) for name, x in self.targets.items()}

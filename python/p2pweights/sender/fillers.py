@@ -34,6 +34,7 @@ class SlotHandOver:
         self.writer = writer
         self.times = times
         self._pending: tuple[int, list, Any] | None = None  # (slot, writes, CUDA event)
+        self.on_submit: Any = None  # called with each slot handed to the writer (apply_beside.py)
 
     @property
     def buffers(self) -> Any:
@@ -52,6 +53,8 @@ class SlotHandOver:
     def submit(self, slot: int, rows: list) -> None:
         self.writer.submit(slot, rows)
         self.times.slots += 1
+        if self.on_submit is not None:
+            self.on_submit(slot)
 
     def release(self, slot: int) -> None:
         self.writer.release_slot(slot)

@@ -125,6 +125,7 @@ class SlotPipeline:
         if self.deltas is not None:  # every rank's index records of the slot: one wait for the device
             t0 = time.perf_counter()
             self._rows += self.deltas.slot_records()
+            self.deltas.seal(self._filler.slot)  # applied once this slot's writes returned (apply_beside.py)
             self.times.staging += time.perf_counter() - t0
         rows, self._rows = self._rows, []
         self._filler.close(rows)

@@ -92,6 +92,11 @@ class UpdateReport:
     # parameters a delta update compared straight from the trainer's tensors through their copy
     # programs, without writing them into a slot first (sender/delta_writes.py)
     compared_from_inputs: int = 0
+    # delta segments the engine ranks applied beside the writes, in how many p2pw_apply_deltas calls, how
+    # long those took together (sender/apply_beside.py); the rest were applied at the end
+    segments_applied_beside: int = 0
+    apply_calls_beside: int = 0
+    apply_beside_seconds: float = 0.0
     # the sender's memory for updates (docs/sender.md, "Memory"): its transfer slots (spare bytes
     # included; in ``slot_location``), the most one prepared engine rank's incomplete parameter groups
     # held at once in this update (tensors pushed and waiting for the rest of their group, which the
@@ -152,7 +157,10 @@ class UpdateReport:
                          f"({self.bytes_written / max(self.bytes, 1):.1%}); {deltas} of {len(self.engines)} engine "
                          f"rank(s) took deltas; the sender's bases hold {format_size(self.base_bytes)}"
                          + (f"; {self.compared_from_inputs} parameter(s) compared from the trainer's tensors"
-                            if self.compared_from_inputs else ""))
+                            if self.compared_from_inputs else "")
+                         + (f"; {self.segments_applied_beside} segment(s) applied beside the writes in "
+                            f"{self.apply_calls_beside} call(s), {self.apply_beside_seconds:.3f} s"
+                            if self.apply_calls_beside else ""))
         if self.replayed_groups or self.recorded_plans or self.plan_bytes or self.background_plans:
             lines.append(f"  copy plans: {self.replayed_groups} groups replayed, {self.loader_groups} by the loaders, "
                          f"{self.recorded_plans} recorded, {self.background_plans} in the background; "

@@ -30,6 +30,7 @@ from ..control.protocol import PAUSE_MODES
 from ..copyplans import ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from ..settings import value as setting
+from .apply_beside import AppliesBeside
 from .bulk_push import push_fused, push_many
 from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
@@ -85,7 +86,7 @@ class Update:
         self._open_beside = setting("P2PW_OPEN_BESIDE_SLOTS", open_beside_slots)  # the sender's keyword, else the variable
         self.times = UpdateTimes()
         self._gate = OpenGate(writer)  # every slot reaches the writer through it (held while opening)
-        handover = SlotHandOver(self._gate, self.times)
+        handover = self._handover = SlotHandOver(self._gate, self.times)
         # groups with a verified copy plan are replayed, the others loaded (and, copy_plans="on", recorded):
         # slot_producer.py; the sender's replay order keeps what turned off across its updates
         producer = SlotProducer(self.times, replay_order or ReplayOrder(), mode=copy_plans)
@@ -93,6 +94,7 @@ class Update:
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
         self._deltas = self.pipeline.deltas = deltas  # a delta_writes.UpdateDeltas: delta records where accepted
+        self._beside: AppliesBeside | None = None  # applies the deltas as their slots' writes return
         self.pipeline.fuse_compare = not self._transforms  # a transform's tensors (FP8 quantize-on-send): the slot
         self.verify_seconds = 0.0
         # owner: the sender's one controller id, so that its next update may resume a session this
@@ -186,6 +188,7 @@ class Update:
             if self._deltas is not None:
                 self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
+        self._apply_beside()
         self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
         self._t0 = self._session.paused_at if self._session is not None else time.perf_counter()
@@ -253,9 +256,27 @@ class Update:
             self._count_failure(control_failures(self._open_error))
             raise self._open_error
         self._phase = "open"
+        self._apply_beside()
         self._t0 = self._session.paused_at  # the time users care about runs from the pause returning
         logger.info("update %s: paused and opened %d engine(s) in %.3f s beside the first slots (%s)", self.version,
                     len(self._engines), self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
+
+    def _apply_beside(self) -> None:
+        """The session's holder applies the engines' deltas as its slots' writes return (apply_beside.py)."""
+        if (self._session is not None and self._deltas is not None and setting("P2PW_DELTA_APPLY_BESIDE")
+                and any(x.delta for x in self._deltas.targets.values())):
+            self._beside = AppliesBeside(self._deltas, self._writer, self._engines)
+            self._handover.on_submit = self._beside.submitted
+
+    def _beside_failures(self) -> dict[str, str]:
+        """Every apply beside the writes returned (the pool closed): the engines whose apply failed."""
+        if self._beside is None:
+            return {}
+        self._handover.on_submit = None
+        try:
+            return self._beside.drain()
+        finally:
+            self._beside.close()
 
     # -- the trainer's calls ----------------------------------------------------------------------
     def __enter__(self) -> "Update":
@@ -338,6 +359,7 @@ class Update:
             raise
         t0 = time.perf_counter()
         rep: WriteReport = self._writer.finish(raise_on_failure=False)
+        torn = self._beside_failures()  # a refused apply beside the writes tore its engine: not ended
         self.times.waiting += time.perf_counter() - t0
         data_seconds = time.perf_counter() - self._t0
         logger.info("update %s: writes done: %d bytes to %d engine rank(s) in %.3f s", self.version, rep.bytes,
@@ -345,7 +367,7 @@ class Update:
         me = self._group.index
         differ = verify_update(self, rep)  # verify=True: before any engine is told to end (it stays paused)
         # weights that differ count as written: memory known to differ is never resumed (rolled back)
-        statuses = self._gather(SenderStatus(me, {**rep.failures, **{n: str(e) for n, e in differ.items()}},
+        statuses = self._gather(SenderStatus(me, {**rep.failures, **torn, **{n: str(e) for n, e in differ.items()}},
                                              written=self._written or bool(differ),
                                              deltas=self._deltas.written() if self._deltas is not None else {}))
         failures = all_failures(statuses) if differ else isolate_failed_engines(self, all_failures(statuses))
@@ -416,6 +438,7 @@ class Update:
             self.pipeline.abort()
         finally:
             self._writer.finish(raise_on_failure=False)  # every write returned before the slots are reused
+            self._beside_failures()
         statuses = self._gather(SenderStatus(me, why, written=self._written))
         self._end_failed(statuses, str(error))
 

@@ -35,6 +35,7 @@ def build_report(version: str, ranks: Sequence[Any], rep: WriteReport, times: Up
                         bytes_written=rep.bytes, base_bytes=deltas.bases.nbytes if deltas is not None else 0,
                         changed_bytes=deltas.changed if deltas is not None else 0,
                         compared_from_inputs=deltas.from_inputs if deltas is not None else 0,
+                        **(deltas.beside_figures() if deltas is not None else {}),
                         slot_bytes=int(buffers.total_bytes) if buffers is not None else 0,
                         slot_location=str(buffers.location) if buffers is not None else "",
                         staged_peak_bytes=max((p.stager.peak_held_bytes for p in ranks), default=0))

@@ -1,0 +1,83 @@
+"""Deltas applied beside the writes: an engine rank applies a slot's records while later slots are
+still written, so the apply left after the last write is one slot's, not the whole update's.
+
+The sender that holds the session (a sender alone, or a group's sender 0 for its own records) seals
+each delta target's records per transfer slot (delta_writes.py ``seal``). Once every write of a
+slot returned (the writer counts none still reading it), its sealed segments go to their engine in
+one ``p2pw_apply_deltas`` call on a worker thread, at most one call in flight per engine; the
+engine core applies each area byte at most once per session (engine/core.py, rule 5). What is
+still sealed or open at the end goes in the end body, as before. A refused apply tears that engine
+(core rule 4): :meth:`AppliesBeside.drain` names it among the update's failures, and it is not ended.
+
+``P2PW_DELTA_APPLY_BESIDE=0`` turns it off (every record applied at the end, one call per engine).
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+import time
+from typing import Any, Sequence
+
+from ..deltas.area import segments_wire
+
+logger = logging.getLogger("p2pweights.sender")
+
+
+class AppliesBeside:
+    """One update's applies beside its writes (see the module): ``poll`` after each slot reaches the
+    writer, ``drain`` once every write returned (before the end)."""
+
+    def __init__(self, deltas: Any, writer: Any, engines: Sequence[Any]):
+        self.deltas, self.writer = deltas, writer
+        self.engines = {e.name: e for e in engines}
+        deltas.beside = True
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(1, min(len(engines), 8)),
+                                                thread_name_prefix="p2pw-apply")
+        self._inflight: dict[str, futures.Future] = {}
+        self.failures: dict[str, str] = {}
+
+    def submitted(self, slot: int) -> None:
+        """Transfer slot ``slot`` reached the writer; then what returned meanwhile is applied."""
+        self.deltas.submitted(slot)
+        self.poll()
+
+    def poll(self) -> None:
+        """Send each engine not busy its segments whose writes returned."""
+        self._reap(block=False)
+        busy = {*self._inflight, *self.failures}  # one call per engine at a time; a torn one gets none
+        for name, ranks in self.deltas.returned(self._returned, busy).items():
+            self._inflight[name] = self._pool.submit(self._apply, name, ranks)
+
+    def drain(self) -> dict[str, str]:
+        """Wait for every call in flight (after the writer finished: nothing more returns); the engines
+        whose apply failed, with why. What was not sent stays for the end body."""
+        self._reap(block=True)
+        return dict(self.failures)
+
+    def close(self) -> None:
+        self._reap(block=True)
+        self._pool.shutdown(wait=True)
+
+    def _returned(self, slot: int) -> bool:
+        return self.writer.pending_batches(slot) == 0
+
+    def _apply(self, name: str, ranks: dict[str, list]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        self.engines[name].p2pw_apply_deltas({rank: segments_wire(ms) for rank, ms in ranks.items()})
+        return sum(len(ms) for ms in ranks.values()), time.perf_counter() - t0
+
+    def _reap(self, block: bool) -> None:
+        for name, fut in list(self._inflight.items()):
+            if not block and not fut.done():
+                continue
+            del self._inflight[name]
+            try:
+                segments, seconds = fut.result()
+            except Exception as e:  # noqa: BLE001 - the engine is torn: the update fails on it, no end
+                self.failures[name] = f"applying its delta records beside the writes failed: {type(e).__name__}: {e}"
+                logger.error("engine %s: %s", name, self.failures[name])
+                continue
+            # the update's figures (its report): counted on the update's thread
+            self.deltas.beside_calls += 1
+            self.deltas.beside_segments += segments
+            self.deltas.beside_seconds += seconds

@@ -1,0 +1,114 @@
+"""Deltas applied beside the writes (sender/apply_beside.py): real engine processes (tiny qwen3, TP2,
+~17 slots an update), Mooncake over loopback, sglang's loaders.
+
+The sender seals each slot's records and has the engine apply them once that slot's writes returned,
+while later slots are written; the end applies the rest. Proved byte-exact against an engine written
+in full, with and without the applies beside; a forged segment applied beside the writes tears that
+engine (named in the update's failure, never ended) and the next update heals it in full."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from p2pweights.control import SglangEngine
+from p2pweights.errors import UpdateFailed
+from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
+from p2pweights.receiver import check_weights_equal, start_engine
+from p2pweights.sender import WeightSender, delta_writes
+from replica_configs import write_config
+
+
+@pytest.fixture(scope="module")
+def wider(tmp_path_factory):  # 33 MB over 1 MiB slots: many slots an update
+    return write_config("qwen3", str(tmp_path_factory.mktemp("wider")), vocab_size=4096, hidden_size=512,
+                        intermediate_size=1536, head_dim=128, num_hidden_layers=4)
+
+
+def _change(items, fraction: float, gen: torch.Generator) -> None:
+    for _, t in items:
+        flat = t.view(-1)
+        k = int(flat.numel() * fraction)
+        if k:
+            idx = torch.randint(0, flat.numel(), (k,), generator=gen)
+            flat[idx] = torch.randn(k, generator=gen).to(flat.dtype)
+
+
+def _push(sender, version, items):
+    with sender.update(version) as u:
+        u.push_many(items)
+    return u.report
+
+
+def _checksums(url):
+    return SglangEngine(url).weights_checker("checksum")["per_engine_checksum"]
+
+
+@pytest.mark.parametrize("records", ["runs", "index"])
+def test_deltas_applied_beside_the_writes_equal_full_updates_byte_for_byte(wider, monkeypatch, records):
+    monkeypatch.setattr(delta_writes, "INDEX_RECORDS_ON_HOST", records == "index")
+    a = start_engine(wider, "tp=2", transport="mooncake", name="beside")
+    b = start_engine(wider, "tp=2", transport="mooncake", name="beside-full")
+    try:
+        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(wider), 3)]
+        gen = torch.Generator().manual_seed(0)
+        with WeightSender(wider, transport="mooncake", buffer_size=1 << 20) as sa, \
+                WeightSender(wider, transport="mooncake", buffer_size=1 << 20, delta="off") as sb:
+            sa.connect([a.url])
+            sb.connect([b.url])
+            for step, (fraction, beside) in enumerate([(None, "1"), (0.01, "1"), (0.03, "1"), (0.01, "0")]):
+                monkeypatch.setenv("P2PW_DELTA_APPLY_BESIDE", beside)
+                if fraction:
+                    _change(items, fraction, gen)
+                ra = _push(sa, f"v{step}", items)
+                _push(sb, f"v{step}", items)
+                assert _checksums(a.url) == _checksums(b.url), f"step {step} (changed {fraction})"
+                if fraction is None:  # the first update is full: nothing to apply
+                    assert ra.apply_calls_beside == 0
+                    continue
+                assert ra.delta_reason == {} and 0 < ra.bytes_written < ra.bytes / 4
+                if beside == "1":  # several slots' records applied while later slots were written
+                    assert ra.slots > 4 and ra.apply_calls_beside >= 1 and ra.segments_applied_beside >= 2, ra
+                    assert "applied beside the writes" in str(ra)
+                    assert ra.to_dict()["segments_applied_beside"] == ra.segments_applied_beside
+                else:
+                    assert ra.apply_calls_beside == ra.segments_applied_beside == 0
+            info = SglangEngine(a.url).server_info()["p2pw_weight_update"]
+            assert info["state"] == "none", info
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forged_segment_applied_beside_the_writes_tears_that_engine_and_the_next_update_heals(wider, monkeypatch):
+    engine = start_engine(wider, "tp=2", transport="mooncake", name="beside-forged")
+    try:
+        items = [(n, t.clone()) for n, t in random_checkpoint(checkpoint_tensors(wider), 21)]
+        with WeightSender(wider, transport="mooncake", buffer_size=1 << 20) as sender:
+            sender.connect([engine.url])
+            _push(sender, "1", items)
+            _change(items, 0.02, torch.Generator().manual_seed(1))
+            real = delta_writes.UpdateDeltas.returned
+            forged: list = []
+
+            def forging(self, returned, busy=()):  # as if a late writer had changed a byte of a sealed segment
+                out = real(self, returned, busy)
+                for ranks in out.values():
+                    for rank, manifests in ranks.items():
+                        ranks[rank] = [dataclasses.replace(m, sha256="0" * 64) for m in manifests]
+                        forged.append(rank)
+                return out
+
+            monkeypatch.setattr(delta_writes.UpdateDeltas, "returned", forging)
+            with pytest.raises(UpdateFailed, match="beside the writes failed.*SHA-256"):
+                _push(sender, "2", items)
+            assert forged  # the forgery reached an apply beside the writes
+            monkeypatch.setattr(delta_writes.UpdateDeltas, "returned", real)
+            info = SglangEngine(engine.url).server_info()["p2pw_weight_update"]
+            assert info["state"] == "torn" and SglangEngine(engine.url).weight_version() == "1", info
+            report = _push(sender, "3", list(random_checkpoint(checkpoint_tensors(wider), 22)))
+            assert len(report.delta_reason) == 2 and report.bytes_written == report.bytes  # full: the base is gone
+            assert check_weights_equal(engine.url, hf_seed=22)["success"]
+    finally:
+        engine.close()
