@@ -16,7 +16,7 @@ from p2pweights.control import SglangEngine
 from p2pweights.errors import UpdateFailed
 from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import check_weights_equal, start_engine
-from p2pweights.sender import WeightSender, delta_writes
+from p2pweights.sender import WeightSender, apply_beside, delta_writes
 from replica_configs import write_config
 
 
@@ -89,22 +89,22 @@ def test_a_forged_segment_applied_beside_the_writes_tears_that_engine_and_the_ne
             sender.connect([engine.url])
             _push(sender, "1", items)
             _change(items, 0.02, torch.Generator().manual_seed(1))
-            real = delta_writes.UpdateDeltas.returned
+            real = apply_beside.returned
             forged: list = []
 
-            def forging(self, returned, busy=()):  # as if a late writer had changed a byte of a sealed segment
-                out = real(self, returned, busy)
+            def forging(targets, done, busy=()):  # as if a late writer had changed a byte of a sealed segment
+                out = real(targets, done, busy)
                 for ranks in out.values():
                     for rank, manifests in ranks.items():
                         ranks[rank] = [dataclasses.replace(m, sha256="0" * 64) for m in manifests]
                         forged.append(rank)
                 return out
 
-            monkeypatch.setattr(delta_writes.UpdateDeltas, "returned", forging)
+            monkeypatch.setattr(apply_beside, "returned", forging)
             with pytest.raises(UpdateFailed, match="beside the writes failed.*SHA-256"):
                 _push(sender, "2", items)
             assert forged  # the forgery reached an apply beside the writes
-            monkeypatch.setattr(delta_writes.UpdateDeltas, "returned", real)
+            monkeypatch.setattr(apply_beside, "returned", real)
             info = SglangEngine(engine.url).server_info()["p2pw_weight_update"]
             assert info["state"] == "torn" and SglangEngine(engine.url).weight_version() == "1", info
             report = _push(sender, "3", list(random_checkpoint(checkpoint_tensors(wider), 22)))

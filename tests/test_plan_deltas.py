@@ -16,7 +16,7 @@ from conftest import BENCH_MODELS
 from p2pweights.cli import main
 from p2pweights.deltas.expected import expected_ratio
 from p2pweights.planner.cost import ENGINE_NIC, SENDER_NIC
-from p2pweights.planner.delta_cost import ENGINE_APPLY, SENDER_DETECT
+from p2pweights.planner.delta_cost import APPLY_BESIDE, APPLY_TAIL, ENGINE_APPLY, SENDER_DETECT, SLOT_BYTES
 
 QWEN3_235B = ["--model", str(BENCH_MODELS / "qwen3-235b-a22b"), "--trainer", "tp=4,pp=4,ep=16,gpus=64",
               "--engines", "2x32", "--engine", "tp=32,ep=32"]
@@ -40,8 +40,12 @@ def test_without_the_flag_the_plan_has_no_delta_section(capsys):
     assert code == 0 and "delta updates" not in out
 
 
-def test_wire_bytes_scale_by_the_expected_ratio_and_the_other_stages_stay(capsys):
-    doc = plan_json(capsys, "--changed-fraction", "0.01,0.03", "--changed-fraction", "0.001")
+@pytest.mark.parametrize("apply", ["beside", "at end"])
+def test_wire_bytes_scale_by_the_expected_ratio_and_the_other_stages_stay(capsys, apply):
+    """The apply beside the writes (the default) is one more pipeline stage, and only the last slot's
+    records are left after the last write; at the end (--apply-at-end) it follows every write."""
+    at_end = ["--apply-at-end"] if apply == "at end" else []
+    doc = plan_json(capsys, "--changed-fraction", "0.01,0.03", "--changed-fraction", "0.001", *at_end)
     cost, delta = doc["cost"], doc["delta"]
     assert [u["changed_fraction"] for u in delta["updates"]] == [0.01, 0.03, 0.001]
     assert delta["unit"] == 2 and delta["full_p2p_seconds"] == cost["p2p_seconds"]
@@ -55,9 +59,18 @@ def test_wire_bytes_scale_by_the_expected_ratio_and_the_other_stages_stay(capsys
             want = seconds * r if link in (ENGINE_NIC, SENDER_NIC) else seconds
             assert stages[link] == pytest.approx(want)
         assert stages[SENDER_DETECT] == pytest.approx(cost["bytes_prepared_per_sender_max"] / 3.4e9)
-        assert stages[ENGINE_APPLY] == pytest.approx(cost["bytes_per_engine_rank_max"] / 6.4e9)
-        pipeline = max(v for k, v in stages.items() if k != ENGINE_APPLY)
-        assert u["p2p_seconds"] == pytest.approx(pipeline + stages[ENGINE_APPLY])
+        whole = cost["bytes_per_engine_rank_max"] / 6.4e9
+        assert u["apply_seconds"] == pytest.approx(whole)
+        if at_end:
+            assert stages[ENGINE_APPLY] == pytest.approx(whole) and APPLY_BESIDE not in stages
+            pipeline = max(v for k, v in stages.items() if k != ENGINE_APPLY)
+            assert u["p2p_seconds"] == pytest.approx(pipeline + whole)
+            continue
+        last = min(SLOT_BYTES, cost["bytes_per_engine_rank_max"]) / 6.4e9
+        assert stages[APPLY_BESIDE] == pytest.approx(whole) and stages[APPLY_TAIL] == pytest.approx(last)
+        assert ENGINE_APPLY not in stages and u["apply_after_writes_seconds"] == pytest.approx(last) and last < whole
+        pipeline = max(v for k, v in stages.items() if k != APPLY_TAIL)
+        assert u["p2p_seconds"] == pytest.approx(pipeline + last)
     # a sparser update moves fewer bytes
     assert delta["updates"][2]["bytes_per_sender_max"] < delta["updates"][0]["bytes_per_sender_max"]
 
@@ -90,6 +103,8 @@ def test_slow_detection_or_apply_is_named_the_bottleneck(capsys):
     doc = plan_json(capsys, "--changed-fraction", "0.01", "--detect-gbps", "1")
     assert doc["delta"]["updates"][0]["bottleneck"] == SENDER_DETECT
     doc = plan_json(capsys, "--changed-fraction", "0.01", "--detect-gbps", "1e6", "--apply-gbps", "1")
+    assert doc["delta"]["updates"][0]["bottleneck"] == APPLY_BESIDE
+    doc = plan_json(capsys, "--changed-fraction", "0.01", "--detect-gbps", "1e6", "--apply-gbps", "1", "--apply-at-end")
     assert doc["delta"]["updates"][0]["bottleneck"] == ENGINE_APPLY
 
 

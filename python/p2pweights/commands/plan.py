@@ -28,7 +28,6 @@ from ..planner.delta_cost import (
     APPLY_GBPS,
     AREA_FRACTION,
     DETECT_GBPS,
-    ENGINE_APPLY,
     FIRST_FULL,
     DeltaPlan,
     DeltaRates,
@@ -108,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--apply-gbps", type=float, default=APPLY_GBPS,
                         help="an engine rank's delta apply rate in GB/s of the bytes its records cover (default "
                              f"{APPLY_GBPS:g}: the host codec, one thread, measured on the CPU VM at 1%% changed)")
+    parser.add_argument("--apply-at-end", action="store_true",
+                        help="model every delta record applied after the last write (P2PW_DELTA_APPLY_BESIDE=0); "
+                             "default: each slot's applied beside the later writes, the last slot's left after them")
     parser.add_argument("--delta-area", type=float, default=AREA_FRACTION, metavar="FRACTION",
                         help="an engine rank's delta area as a fraction of its bytes (default 1/8, "
                              "P2PW_DELTA_AREA's default): records past it go as full writes")
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         tensors = stage_tensor_counts(config, shape.layers, trainer.stages, writers) if links.host_us_per_tensor else None
         cost = predict(plan, shape, links, args.dtype, tensors)
         fractions = parse_fractions(args.changed_fraction)
-        rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area)
+        rates = DeltaRates(detect_gbps=args.detect_gbps, apply_gbps=args.apply_gbps, area_fraction=args.delta_area,
+                           apply_beside=not args.apply_at_end)
         deltas = (predict_deltas(cost, fractions, delta_unit(shape, args.dtype), rates, not_built_yet(plan, links))
                   if fractions else None)
         join = (predict_join(args.join, trainer, engines, shape, links, args.dtype, tensors,
@@ -345,7 +348,8 @@ def render_deltas(d: DeltaPlan) -> str:
         "",
         f"delta updates: {FIRST_FULL}",
         f"delta      units of {d.unit} byte(s) compared; change detection {r.detect_gbps:g} GB/s, "
-        f"apply {r.apply_gbps:g} GB/s; delta area {r.area_fraction:g} of an engine rank's bytes",
+        f"apply {r.apply_gbps:g} GB/s " + ("beside the writes" if r.apply_beside else "after the last write")
+        + f"; delta area {r.area_fraction:g} of an engine rank's bytes",
     ]
     if r.measured_at_one_percent and any(u.changed_fraction not in (0.0, 0.01) for u in ups):
         lines.append("           (default rates measured at 1% changed: slower at higher F, faster at lower F)")
@@ -364,7 +368,7 @@ def render_deltas(d: DeltaPlan) -> str:
     full_s = dict(full.seconds_by_link)
     for k, (link, _) in enumerate(ups[0].seconds_by_link if ups else ()):
         first = f"{full_s[link]:.3f} s" if link in full_s else "-"
-        lines.append(row(("  " if link == ENGINE_APPLY else "  time on ") + link, first,
+        lines.append(row(("  " if link.startswith("engine apply") else "  time on ") + link, first,
                          [f"{u.seconds_by_link[k][1]:.3f} s" for u in ups]))
     lines += [
         row("P2P predicted", f"{full.p2p_seconds:.3f} s", [f"{u.p2p_seconds:.3f} s" for u in ups]),

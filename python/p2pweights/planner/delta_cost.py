@@ -14,10 +14,13 @@ spread, as RL steps do), against the full update's stages:
   gathers, produces and (host slots) copies every byte.
 - *sender change detection* (new, in the pipeline): every prepared byte compared with its base, at
   ``detect_gbps``.
-- *engine apply* (new, in series: at the end of the session, after every write): the bytes the
-  rank's records cover, at ``apply_gbps``.
+- *engine apply*: the bytes the rank's records cover, at ``apply_gbps``. Beside the writes (the
+  default, ``P2PW_DELTA_APPLY_BESIDE=1``, sender/apply_beside.py) it is one more pipeline stage: a
+  slot's records are applied once its writes returned, while later slots are written, and only the
+  last slot's are left after the last write (``slot_bytes`` of covered bytes at most). At the end
+  (``apply_beside=False``, ``--apply-at-end``) it runs in series after every write.
 
-``p2p_seconds`` = the slowest pipeline stage + the apply. The first update after connect is always
+``p2p_seconds`` = the slowest pipeline stage + the apply left after the last write. The first update after connect is always
 full (the sender has no base): the full update's figures. Memory: a delta sender keeps a host copy
 of every byte it prepares (its bases: one per engine rank it prepares, shared by the engines it
 writes it to), and each engine rank its delta area.
@@ -46,6 +49,9 @@ AREA_FRACTION = 1 / 8  # deltas/area.py: an engine rank's delta area, an eighth 
 SPARE_FRACTION = 1 / 4  # sender/delta_writes.py: a slot's spare bytes for its records, a quarter of it
 SENDER_DETECT = "sender change detection"
 ENGINE_APPLY = "engine apply (after the writes)"
+APPLY_BESIDE = "engine apply (beside the writes)"
+APPLY_TAIL = "engine apply (the last slot's, after)"
+SLOT_BYTES = 512 << 20  # P2PW_BUFFER_SIZE's default: one slot
 FIRST_FULL = "the first update after connect is always full (the sender has no base): the full update's figures"
 
 
@@ -56,6 +62,8 @@ class DeltaRates:
     detect_gbps: float = DETECT_GBPS
     apply_gbps: float = APPLY_GBPS
     area_fraction: float = AREA_FRACTION
+    apply_beside: bool = True  # each slot's records applied as its writes return (else all after the last write)
+    slot_bytes: int = SLOT_BYTES  # the sender's slot: what is left to apply after the last write
 
     def __post_init__(self) -> None:
         for flag, v in (("--detect-gbps", self.detect_gbps), ("--apply-gbps", self.apply_gbps),
@@ -69,7 +77,8 @@ class DeltaRates:
         return self.detect_gbps == DETECT_GBPS or self.apply_gbps == APPLY_GBPS
 
     def as_json(self) -> dict:
-        return {"detect_gbps": self.detect_gbps, "apply_gbps": self.apply_gbps, "area_fraction": self.area_fraction}
+        return {"detect_gbps": self.detect_gbps, "apply_gbps": self.apply_gbps, "area_fraction": self.area_fraction,
+                "apply_beside": self.apply_beside, "slot_bytes": self.slot_bytes}
 
 
 @dataclass(frozen=True)
@@ -84,16 +93,18 @@ class DeltaCost:
     bytes_per_engine_rank_max: int
     bytes_per_sender_max: int
     p2p_seconds: float
-    apply_seconds: float
+    apply_seconds: float  # the whole apply (beside the writes or not)
     bottleneck: str
     seconds_by_link: tuple[tuple[str, float], ...]
+    apply_after_writes_seconds: float = 0.0  # what of it is left after the last write
 
     def as_json(self) -> dict:
         return {"changed_fraction": self.changed_fraction, "codec_ratio": self.codec_ratio,
                 "delta_share": self.delta_share, "wire_ratio": self.wire_ratio,
                 "bytes_per_engine_rank_max": self.bytes_per_engine_rank_max,
                 "bytes_per_sender_max": self.bytes_per_sender_max, "p2p_seconds": self.p2p_seconds,
-                "apply_seconds": self.apply_seconds, "bottleneck": self.bottleneck,
+                "apply_seconds": self.apply_seconds, "apply_after_writes_seconds": self.apply_after_writes_seconds,
+                "bottleneck": self.bottleneck,
                 "seconds_by_stage": dict(self.seconds_by_link)}
 
 
@@ -155,14 +166,22 @@ def predict_deltas(full: Cost, fractions: Sequence[float], unit: int, rates: Del
             stages.append((link, seconds * wire if link in (ENGINE_NIC, SENDER_NIC) else seconds))
         stages.append((SENDER_DETECT, full.bytes_prepared_per_sender_max / (rates.detect_gbps * GB)))
         apply_s = share * full.bytes_per_engine_rank_max / (rates.apply_gbps * GB)
-        slowest, pipeline = max(stages, key=lambda kv: kv[1])  # first listed wins a tie
-        bottleneck = ENGINE_APPLY if apply_s > pipeline else slowest
+        if rates.apply_beside:  # a pipeline stage; the last slot's records are left after the last write
+            after = share * min(rates.slot_bytes, full.bytes_per_engine_rank_max) / (rates.apply_gbps * GB)
+            stages.append((APPLY_BESIDE, apply_s))
+            slowest, pipeline = max(stages, key=lambda kv: kv[1])  # first listed wins a tie
+            bottleneck, timed = slowest, tuple(stages) + ((APPLY_TAIL, after),)
+        else:
+            after = apply_s
+            slowest, pipeline = max(stages, key=lambda kv: kv[1])
+            bottleneck = ENGINE_APPLY if apply_s > pipeline else slowest
+            timed = tuple(stages) + ((ENGINE_APPLY, apply_s),)
         updates.append(DeltaCost(
             changed_fraction=f, codec_ratio=rec.ratio, delta_share=share, wire_ratio=wire,
             bytes_per_engine_rank_max=round(full.bytes_per_engine_rank_max * wire),
             bytes_per_sender_max=round(full.bytes_per_sender_max * wire),
-            p2p_seconds=pipeline + apply_s, apply_seconds=apply_s, bottleneck=bottleneck,
-            seconds_by_link=tuple(stages) + ((ENGINE_APPLY, apply_s),)))
+            p2p_seconds=pipeline + after, apply_seconds=apply_s, bottleneck=bottleneck,
+            seconds_by_link=timed, apply_after_writes_seconds=after))
     return DeltaPlan(unit=unit, rates=rates, full=full, base_bytes_per_sender_max=full.bytes_prepared_per_sender_max,
                      area_bytes_per_engine_rank_max=round(full.bytes_per_engine_rank_max * rates.area_fraction),
                      updates=tuple(updates), not_built=tuple(not_built))

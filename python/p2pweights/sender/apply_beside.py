@@ -16,11 +16,49 @@ from __future__ import annotations
 import concurrent.futures as futures
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..deltas.area import segments_wire
+from ..settings import value as setting
 
 logger = logging.getLogger("p2pweights.sender")
+
+#: segments of one rank sealed and not yet applied at most (the rest grow the open one): an end names
+#: at most this many plus one per writer, under deltas/area.py's MAX_SEGMENTS
+SEALED_MOST = 256
+
+
+def start(update_deltas: Any, holds_session: bool, writer: Any, engines: Sequence[Any], handover: Any,
+          pipeline: Any) -> "AppliesBeside | None":
+    """The applies beside an update's writes, hooked into its pipeline and hand-over: only for the
+    sender that holds the session, with ``P2PW_DELTA_APPLY_BESIDE`` on and a target taking deltas."""
+    if not (holds_session and update_deltas is not None and setting("P2PW_DELTA_APPLY_BESIDE")
+            and any(x.delta for x in update_deltas.targets.values())):
+        return None
+    beside = AppliesBeside(update_deltas, writer, engines)
+    handover.beside = pipeline.beside = beside
+    return beside
+
+
+def finish(beside: "AppliesBeside | None", handover: Any, pipeline: Any) -> dict[str, str]:
+    """Every apply beside the writes returned (the pool closed): the engines whose apply failed."""
+    if beside is None:
+        return {}
+    handover.beside = pipeline.beside = None
+    try:
+        return beside.drain()
+    finally:
+        beside.close()
+
+
+def returned(targets: Iterable[Any], done: Callable[[int], bool], busy: Any = ()) -> dict[str, dict[str, list]]:
+    """The sealed segments whose slots' writes all returned (``done(slot)``), taken, but for the
+    engines ``busy``: ``{engine: {rank: [manifest, ...]}}``."""
+    out: dict[str, dict[str, list]] = {}
+    for x in targets:
+        if x.delta and x.sealed and x.t.engine.name not in busy and (segments := x.take(done)):
+            out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = [m.manifest() for m in segments]
+    return out
 
 
 class AppliesBeside:
@@ -30,22 +68,33 @@ class AppliesBeside:
     def __init__(self, deltas: Any, writer: Any, engines: Sequence[Any]):
         self.deltas, self.writer = deltas, writer
         self.engines = {e.name: e for e in engines}
-        deltas.beside = True
+        self.calls = self.segments = 0  # p2pw_apply_deltas calls that succeeded, the segments they named
+        self.seconds = 0.0  # those calls' time, summed
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, min(len(engines), 8)),
                                                 thread_name_prefix="p2pw-apply")
         self._inflight: dict[str, futures.Future] = {}
         self.failures: dict[str, str] = {}
 
+    def seal(self, slot: int) -> None:
+        """Every delta target's records of the slot just closed (transfer slot ``slot``): sealed."""
+        for x in self.deltas.targets.values():
+            if x.delta:
+                x.seal(slot, SEALED_MOST)
+
     def submitted(self, slot: int) -> None:
-        """Transfer slot ``slot`` reached the writer; then what returned meanwhile is applied."""
-        self.deltas.submitted(slot)
+        """Transfer slot ``slot`` reached the writer (its sealed segments may go once it returns); then
+        what returned meanwhile is applied."""
+        for x in self.deltas.targets.values():
+            for seg in x.sealed:
+                if seg.slot == slot:
+                    seg.submitted = True
         self.poll()
 
     def poll(self) -> None:
         """Send each engine not busy its segments whose writes returned."""
         self._reap(block=False)
         busy = {*self._inflight, *self.failures}  # one call per engine at a time; a torn one gets none
-        for name, ranks in self.deltas.returned(self._returned, busy).items():
+        for name, ranks in returned(self.deltas.targets.values(), self._returned, busy).items():
             self._inflight[name] = self._pool.submit(self._apply, name, ranks)
 
     def drain(self) -> dict[str, str]:
@@ -77,7 +126,9 @@ class AppliesBeside:
                 self.failures[name] = f"applying its delta records beside the writes failed: {type(e).__name__}: {e}"
                 logger.error("engine %s: %s", name, self.failures[name])
                 continue
-            # the update's figures (its report): counted on the update's thread
-            self.deltas.beside_calls += 1
-            self.deltas.beside_segments += segments
-            self.deltas.beside_seconds += seconds
+            self.calls, self.segments, self.seconds = self.calls + 1, self.segments + segments, self.seconds + seconds
+
+    def figures(self) -> dict:
+        """The update report's fields."""
+        return {"segments_applied_beside": self.segments, "apply_calls_beside": self.calls,
+                "apply_beside_seconds": round(self.seconds, 6)}

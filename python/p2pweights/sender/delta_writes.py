@@ -58,9 +58,6 @@ STAGED = ("the last update (delta=False) filled host slots from GPU tensors and 
           "those parameters are written in full, their bases kept again from this update on")
 #: host slots write index records too (the tests run the GPU slots' format and checks on the CPU)
 INDEX_RECORDS_ON_HOST = False
-#: segments of one rank sealed and not yet applied at most (the rest grow the open one): an end names
-#: at most this many plus one per writer, under deltas/area.py's MAX_SEGMENTS
-SEALED_MOST = 256
 
 
 class UpdateDeltas:
@@ -85,9 +82,6 @@ class UpdateDeltas:
         self.from_inputs = 0  # parameters compared straight from the trainer's tensors (their slot bytes unmade)
         self.full_bytes: dict[str, int] = {name: 0 for name in self.targets}  # what a full update writes
         self.applied = False  # apply_now ran: the ends carry no manifests
-        self.beside = False  # sealed per slot and applied as their writes return (sender/apply_beside.py)
-        self.beside_calls = self.beside_segments = 0
-        self.beside_seconds = 0.0
         self._claimed: list[Any] = []  # the engines claim() set a begin body for
         self._slot: int | None = None
         self._spare_array: np.ndarray | None = None
@@ -161,30 +155,6 @@ class UpdateDeltas:
         for x in self.targets.values():
             if x.delta and (segments := x.rest()):
                 out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = [m.manifest().to_dict() for m in segments]
-        return out
-
-    # -- applied beside the writes (sender/apply_beside.py) ----------------------------------------
-    def seal(self, slot: int) -> None:
-        """Every delta target's records of the slot just closed (transfer slot ``slot``): sealed."""
-        if self.beside:
-            for x in self.targets.values():
-                if x.delta:
-                    x.seal(slot, SEALED_MOST)
-
-    def submitted(self, slot: int) -> None:
-        """Transfer slot ``slot`` reached the writer: its sealed segments may be applied once it returns."""
-        for x in self.targets.values():
-            for seg in x.sealed:
-                if seg.slot == slot:
-                    seg.submitted = True
-
-    def returned(self, returned: Any, busy: Any = ()) -> dict[str, dict[str, list]]:
-        """The sealed segments whose slots' writes all returned (``returned(slot)``), taken, but for
-        the engines ``busy``: ``{engine: {rank: [manifest, ...]}}``."""
-        out: dict[str, dict[str, list]] = {}
-        for x in self.targets.values():
-            if x.delta and x.sealed and x.t.engine.name not in busy and (segments := x.take(returned)):
-                out.setdefault(x.t.engine.name, {})[str(x.t.rank)] = [m.manifest() for m in segments]
         return out
 
     def apply_now(self, engines: Sequence[Any], every: Sequence[Mapping[str, dict]] = ()) -> None:
@@ -506,9 +476,5 @@ class UpdateDeltas:
         return self.buffers.slot_bytes + at
 
     # -- the report ------------------------------------------------------------------------------
-    def beside_figures(self) -> dict:
-        return {"segments_applied_beside": self.beside_segments, "apply_calls_beside": self.beside_calls,
-                "apply_beside_seconds": round(self.beside_seconds, 6)}
-
     def reasons(self) -> dict[str, str]:
         return {name: (x.written_full if x.delta else x.reason) for name, x in self.targets.items()}

@@ -34,7 +34,7 @@ class SlotHandOver:
         self.writer = writer
         self.times = times
         self._pending: tuple[int, list, Any] | None = None  # (slot, writes, CUDA event)
-        self.on_submit: Any = None  # called with each slot handed to the writer (apply_beside.py)
+        self.beside: Any = None  # apply_beside.AppliesBeside: told of each slot handed over and each acquired
 
     @property
     def buffers(self) -> Any:
@@ -48,13 +48,15 @@ class SlotHandOver:
         t0 = time.perf_counter()
         slot = self.writer.acquire()
         self.times.waiting += time.perf_counter() - t0
+        if self.beside is not None:  # a slot came free: its writes returned, their records may be applied
+            self.beside.poll()
         return slot
 
     def submit(self, slot: int, rows: list) -> None:
         self.writer.submit(slot, rows)
         self.times.slots += 1
-        if self.on_submit is not None:
-            self.on_submit(slot)
+        if self.beside is not None:
+            self.beside.submitted(slot)
 
     def release(self, slot: int) -> None:
         self.writer.release_slot(slot)

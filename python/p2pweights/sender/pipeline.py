@@ -41,6 +41,7 @@ class SlotPipeline:
         self._placed_inputs: set[int] = set()
         self.digests: Any = None  # verify=True: a sender.verify.WrittenDigests, fed every loaded parameter
         self.deltas: Any = None  # a sender.delta_writes.UpdateDeltas: the rows of delta and full targets
+        self.beside: Any = None  # a sender.apply_beside.AppliesBeside: seals each closed slot's records
         # the delta compare may read replayed groups' bytes from their inputs, without the slot (no
         # transform of the update's: what a group's program copies is what the engine gets)
         self.fuse_compare = True
@@ -125,7 +126,8 @@ class SlotPipeline:
         if self.deltas is not None:  # every rank's index records of the slot: one wait for the device
             t0 = time.perf_counter()
             self._rows += self.deltas.slot_records()
-            self.deltas.seal(self._filler.slot)  # applied once this slot's writes returned (apply_beside.py)
+            if self.beside is not None:  # applied once this slot's writes returned
+                self.beside.seal(self._filler.slot)
             self.times.staging += time.perf_counter() - t0
         rows, self._rows = self._rows, []
         self._filler.close(rows)

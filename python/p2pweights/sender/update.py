@@ -30,7 +30,7 @@ from ..control.protocol import PAUSE_MODES
 from ..copyplans import ReplayOrder
 from ..errors import P2PWeightsError, SenderGroupError, UpdateFailed
 from ..settings import value as setting
-from .apply_beside import AppliesBeside
+from . import apply_beside
 from .bulk_push import push_fused, push_many
 from .fillers import FillerChoice, SlotHandOver
 from .group import SenderGroup, SenderStatus, all_failures, others_failures
@@ -49,7 +49,6 @@ from .write_fence import fence_engine, follow_epochs
 from .writer import PipelinedWriter, WriteReport
 
 logger = logging.getLogger("p2pweights.sender")
-
 
 
 class Update:
@@ -94,7 +93,7 @@ class Update:
         self._digests = WrittenDigests() if verify else None  # verify=True: what each slot held, per parameter
         self.pipeline.digests = self._digests
         self._deltas = self.pipeline.deltas = deltas  # a delta_writes.UpdateDeltas: delta records where accepted
-        self._beside: AppliesBeside | None = None  # applies the deltas as their slots' writes return
+        self._beside: apply_beside.AppliesBeside | None = None  # applies deltas as their slots' writes return
         self.pipeline.fuse_compare = not self._transforms  # a transform's tensors (FP8 quantize-on-send): the slot
         self.verify_seconds = 0.0
         # owner: the sender's one controller id, so that its next update may resume a session this
@@ -188,7 +187,8 @@ class Update:
             if self._deltas is not None:
                 self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
-        self._apply_beside()
+        self._beside = apply_beside.start(self._deltas, self._session is not None, self._writer, self._engines,
+                                          self._handover, self.pipeline)
         self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
         self._t0 = self._session.paused_at if self._session is not None else time.perf_counter()
@@ -256,27 +256,11 @@ class Update:
             self._count_failure(control_failures(self._open_error))
             raise self._open_error
         self._phase = "open"
-        self._apply_beside()
+        self._beside = apply_beside.start(self._deltas, self._session is not None, self._writer, self._engines,
+                                          self._handover, self.pipeline)
         self._t0 = self._session.paused_at  # the time users care about runs from the pause returning
         logger.info("update %s: paused and opened %d engine(s) in %.3f s beside the first slots (%s)", self.version,
                     len(self._engines), self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
-
-    def _apply_beside(self) -> None:
-        """The session's holder applies the engines' deltas as its slots' writes return (apply_beside.py)."""
-        if (self._session is not None and self._deltas is not None and setting("P2PW_DELTA_APPLY_BESIDE")
-                and any(x.delta for x in self._deltas.targets.values())):
-            self._beside = AppliesBeside(self._deltas, self._writer, self._engines)
-            self._handover.on_submit = self._beside.submitted
-
-    def _beside_failures(self) -> dict[str, str]:
-        """Every apply beside the writes returned (the pool closed): the engines whose apply failed."""
-        if self._beside is None:
-            return {}
-        self._handover.on_submit = None
-        try:
-            return self._beside.drain()
-        finally:
-            self._beside.close()
 
     # -- the trainer's calls ----------------------------------------------------------------------
     def __enter__(self) -> "Update":
@@ -359,7 +343,8 @@ class Update:
             raise
         t0 = time.perf_counter()
         rep: WriteReport = self._writer.finish(raise_on_failure=False)
-        torn = self._beside_failures()  # a refused apply beside the writes tore its engine: not ended
+        # a refused apply beside the writes tore its engine: not ended
+        torn = apply_beside.finish(self._beside, self._handover, self.pipeline)
         self.times.waiting += time.perf_counter() - t0
         data_seconds = time.perf_counter() - self._t0
         logger.info("update %s: writes done: %d bytes to %d engine rank(s) in %.3f s", self.version, rep.bytes,
@@ -438,7 +423,7 @@ class Update:
             self.pipeline.abort()
         finally:
             self._writer.finish(raise_on_failure=False)  # every write returned before the slots are reused
-            self._beside_failures()
+            apply_beside.finish(self._beside, self._handover, self.pipeline)
         statuses = self._gather(SenderStatus(me, why, written=self._written))
         self._end_failed(statuses, str(error))
 
@@ -512,4 +497,4 @@ class Update:
                             senders=senders, validate_seconds=self._validate_seconds,
                             pause_seconds=self._pause_seconds, deltas=self._deltas, buffers=self._writer.buffers,
                             skipped=list(self._inputs.skipped) if self._inputs is not None else [],
-                            verbs={n.strip("_"): s for n, s in self._verbs.items()})
+                            verbs={n.strip("_"): s for n, s in self._verbs.items()}, beside=self._beside)

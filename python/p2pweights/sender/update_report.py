@@ -11,10 +11,11 @@ from .writer import WriteReport
 def build_report(version: str, ranks: Sequence[Any], rep: WriteReport, times: UpdateTimes, *, seconds: float,
                  data_seconds: float, senders: int, validate_seconds: float, pause_seconds: float,
                  skipped: list[str], verbs: dict[str, float], deltas: Any = None,
-                 buffers: Any = None) -> UpdateReport:
+                 buffers: Any = None, beside: Any = None) -> UpdateReport:
     """``bytes``: what a full update writes (with ``deltas``: each target's parameters' bytes);
     ``bytes_written``: what crossed the transport (the writer's bytes, delta records included);
-    ``buffers``: the sender's transfer slots (the report's sender memory)."""
+    ``buffers``: the sender's transfer slots (the report's sender memory); ``beside``: the applies beside
+    the writes (apply_beside.py)."""
     by_id = {e.engine: e for e in rep.engines}
     reasons = deltas.reasons() if deltas is not None else {}
     engines = []
@@ -35,7 +36,7 @@ def build_report(version: str, ranks: Sequence[Any], rep: WriteReport, times: Up
                         bytes_written=rep.bytes, base_bytes=deltas.bases.nbytes if deltas is not None else 0,
                         changed_bytes=deltas.changed if deltas is not None else 0,
                         compared_from_inputs=deltas.from_inputs if deltas is not None else 0,
-                        **(deltas.beside_figures() if deltas is not None else {}),
+                        **(beside.figures() if beside is not None else {}),
                         slot_bytes=int(buffers.total_bytes) if buffers is not None else 0,
                         slot_location=str(buffers.location) if buffers is not None else "",
                         staged_peak_bytes=max((p.stager.peak_held_bytes for p in ranks), default=0))
