@@ -55,7 +55,7 @@ VLLM_SITE = ROOT / ".vllm_site"
 VLLM_TESTS = ("test_vllm_replica.py", "test_vllm_backend.py", "test_vllm_sender.py", "test_vllm_tp.py",
               "test_demo_vllm.py", "test_vllm_draft_replica.py", "test_vllm_draft.py",
               "test_vllm_dp.py", "test_vllm_lora.py", "test_vllm_check_layout_lora.py", "test_vllm_replay.py",
-              "test_vllm_adapter_update.py", "test_vllm_default_kernels_updates.py")
+              "test_vllm_adapter_update.py", "test_vllm_default_kernels_updates.py", "test_vllm_group_writers.py")
 
 
 def _vllm_importable() -> bool:

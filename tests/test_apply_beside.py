@@ -112,3 +112,48 @@ def test_a_forged_segment_applied_beside_the_writes_tears_that_engine_and_the_ne
             assert check_weights_equal(engine.url, hf_seed=22)["success"]
     finally:
         engine.close()
+
+
+class _Pub:
+    delta_area = [1 << 20, 1 << 16]
+
+
+class _Target:
+    publication = _Pub()
+
+
+def test_a_targets_records_are_sealed_per_slot_taken_once_returned_and_the_rest_go_to_the_end():
+    """A target's segments: sealed per slot only when it holds records, taken oldest first only once
+    submitted and returned, the rest (sealed, then open) for the end; each segment's manifest names
+    exactly its own records, chained from its start."""
+    from p2pweights.deltas.area import MAX_SEGMENTS
+    from p2pweights.sender.delta_targets import DeltaTarget
+
+    x = DeltaTarget(_Target())
+    assert [m.manifest().to_dict() for m in x.rest()] == [{"bytes": 0, "records": 0, "sha256": x.open.manifest().sha256,
+                                                           "offsets": []}]  # nothing written: the end says so
+    x.seal(0, 256)
+    assert x.sealed == []  # an empty segment is not sealed
+    x.add(24, b"a" * 16, body=b"b" * 8)
+    x.add(32, b"c" * 16, body=b"d" * 16)
+    x.seal(0, 256)
+    x.add(40, b"e" * 16, body=b"f" * 24)
+    x.seal(1, 256)
+    x.add(16, b"g" * 16)
+    first, second = x.sealed
+    assert (first.start, first.end, first.offsets, second.start, second.offsets) == (0, 56, [0, 24], 56, [56])
+    assert x.take(lambda slot: True) == []  # not submitted yet
+    first.submitted = second.submitted = True
+    assert x.take(lambda slot: slot == 1) == []  # slot 0's writes not returned: nothing after it either
+    assert x.take(lambda slot: slot == 0) == [first] and x.sent == 1
+    m = first.manifest()
+    import hashlib
+    assert m.sha256 == hashlib.sha256(b"a" * 16 + b"b" * 8 + b"c" * 16 + b"d" * 16).hexdigest()
+    assert (m.start, m.bytes, m.records, m.offsets) == (0, 56, 2, (0, 24))
+    rest = [s.manifest() for s in x.rest()]
+    assert [(r.start, r.bytes, r.records) for r in rest] == [(56, 40, 1), (96, 16, 1)] and x.cursor == 112
+    many = DeltaTarget(_Target(), writer=0, writers=MAX_SEGMENTS // 4)  # many writers: few sealed each
+    for k in range(10):
+        many.add(8, b"h" * 8)
+        many.seal(k, 256)
+    assert len(many.sealed) == 3 and many.open.records == 7  # (1024 // 256 - 1) sealed, the rest grows on

@@ -228,12 +228,13 @@ def test_two_writers_of_every_engine_rank_write_deltas_each_into_its_own_part_of
     every engine rank, each into its own part of the rank's delta area; sender 0 ends with both
     writers' segments and every step is byte-exact. A step that changed 1% of each tensor crosses
     the wire as a few percent of a full update."""
-    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    cfg = write_config("qwen3", str(tmp_path), hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                        vocab_size=4096)
     engines = start_engines(cfg, "tp=2", count=1, transport="mooncake", name_prefix="ppd")
     senders = None
     try:
         senders = Senders(cfg, engines, split=split)
+        beside = [0, 0]  # apply calls beside the writes, each sender (sender 1 under sender 0's owner)
         for step in range(3):
             senders.update(f"p{step}", 41, how=(f"changed:{step}",) * 2)
             _, r0 = senders.expect(0, "done")
@@ -243,11 +244,16 @@ def test_two_writers_of_every_engine_rank_write_deltas_each_into_its_own_part_of
             if step == 0:  # the first update after connect writes in full
                 assert r0["bytes_written"] == r0["bytes"] and r1["bytes_written"] == r1["bytes"]
                 continue
-            for r in (r0, r1):
+            for k, r in enumerate((r0, r1)):
                 assert r["delta_reason"] == {}, r["delta_reason"]
                 assert {x["delta"] for x in r["engines"]} == {True} and {x["rank"] for x in r["engines"]} == {0, 1}
                 assert 0 < r["bytes_written"] < 0.1 * r["bytes"], (r["bytes_written"], r["bytes"])
+                beside[k] += r["apply_calls_beside"]
+                assert r["slots"] >= 3, r["slots"]
         assert _versions(engines) == ["p2"]
+        # both writers applied records beside their writes: each fills 3+ slots, and acquiring its third
+        # waits for its first slot's writes, whose records then go (apply_beside.py)
+        assert all(beside), beside
     finally:
         if senders is not None:
             senders.close()

@@ -1,10 +1,12 @@
 """Deltas applied beside the writes: an engine rank applies a slot's records while later slots are
 still written, so the apply left after the last write is one slot's, not the whole update's.
 
-The sender that holds the session (a sender alone, or a group's sender 0 for its own records) seals
-each delta target's records per transfer slot (delta_writes.py ``seal``). Once every write of a
-slot returned (the writer counts none still reading it), its sealed segments go to their engine in
-one ``p2pw_apply_deltas`` call on a worker thread, at most one call in flight per engine; the
+Every sender seals its delta targets' records per transfer slot (``AppliesBeside.seal``): the
+sender that holds the session, and a group's other senders under the owner token sender 0 hands
+them at the opened step (over the trainer's own process group; the engine sees one owner). Once
+every write of a slot returned (the writer counts none still reading it), its sealed segments go to
+their engine in one ``p2pw_apply_deltas`` call on a worker thread, at most one call in flight per
+engine and sender; the
 engine core applies each area byte at most once per session (engine/core.py, rule 5). What is
 still sealed or open at the end goes in the end body, as before. A refused apply tears that engine
 (core rule 4): :meth:`AppliesBeside.drain` names it among the update's failures, and it is not ended.
@@ -28,14 +30,23 @@ logger = logging.getLogger("p2pweights.sender")
 SEALED_MOST = 256
 
 
-def start(update_deltas: Any, holds_session: bool, writer: Any, engines: Sequence[Any], handover: Any,
-          pipeline: Any) -> "AppliesBeside | None":
-    """The applies beside an update's writes, hooked into its pipeline and hand-over: only for the
-    sender that holds the session, with ``P2PW_DELTA_APPLY_BESIDE`` on and a target taking deltas."""
-    if not (holds_session and update_deltas is not None and setting("P2PW_DELTA_APPLY_BESIDE")
+def offer(session: Any) -> tuple[str, str] | None:
+    """What the session's holder tells its group at the opened step: its owner (token, label), so the
+    other senders apply their own records beside their writes; None when it does not apply beside."""
+    return (session.owner, session.owner_label) if session is not None and setting("P2PW_DELTA_APPLY_BESIDE") \
+        else None
+
+
+def start(update_deltas: Any, session: Any, writer: Any, engines: Sequence[Any], handover: Any, pipeline: Any,
+          statuses: Sequence[Any] = ()) -> "AppliesBeside | None":
+    """The applies beside an update's writes, hooked into its pipeline and hand-over: for the sender
+    holding ``session``, or another sender of its group under the owner sender 0 offered (``statuses``
+    of the opened step), with ``P2PW_DELTA_APPLY_BESIDE`` on and a target taking deltas."""
+    owner = None if session is not None else next((s.owner for s in statuses if s.owner), None)
+    if not ((session is not None or owner) and update_deltas is not None and setting("P2PW_DELTA_APPLY_BESIDE")
             and any(x.delta for x in update_deltas.targets.values())):
         return None
-    beside = AppliesBeside(update_deltas, writer, engines)
+    beside = AppliesBeside(update_deltas, writer, engines, owner)
     handover.beside = pipeline.beside = beside
     return beside
 
@@ -65,9 +76,13 @@ class AppliesBeside:
     """One update's applies beside its writes (see the module): ``poll`` after each slot reaches the
     writer, ``drain`` once every write returned (before the end)."""
 
-    def __init__(self, deltas: Any, writer: Any, engines: Sequence[Any]):
+    def __init__(self, deltas: Any, writer: Any, engines: Sequence[Any], owner: tuple[str, str] | None = None):
         self.deltas, self.writer = deltas, writer
         self.engines = {e.name: e for e in engines}
+        self._owner = owner  # a group's other sender: its calls carry sender 0's owner (cleared at close)
+        if owner is not None:
+            for e in engines:
+                e.session_owner, e.session_label = owner
         self.calls = self.segments = 0  # p2pw_apply_deltas calls that succeeded, the segments they named
         self.seconds = 0.0  # those calls' time, summed
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, min(len(engines), 8)),
@@ -106,6 +121,10 @@ class AppliesBeside:
     def close(self) -> None:
         self._reap(block=True)
         self._pool.shutdown(wait=True)
+        if self._owner is not None:
+            for e in self.engines.values():
+                if e.session_owner == self._owner[0]:
+                    e.session_owner = e.session_label = None
 
     def _returned(self, slot: int) -> bool:
         return self.writer.pending_batches(slot) == 0

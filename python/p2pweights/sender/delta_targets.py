@@ -6,7 +6,7 @@ import hashlib
 from typing import Any
 
 from ..deltas import index_records
-from ..deltas.area import Manifest, writer_part
+from ..deltas.area import MAX_SEGMENTS, Manifest, writer_part
 
 FIRST = "the first update after connect writes in full"
 
@@ -50,6 +50,8 @@ class DeltaTarget:
         self.area = t.publication.delta_area
         # this sender's part of the area: a rank's writers (PP stages) each write their own (area.writer_part)
         self.start, self.end = writer_part(self.area[1], writer, writers) if self.area else (0, 0)
+        # sealed segments waiting at most: every writer's rest still fits one end (area.MAX_SEGMENTS)
+        self.most_sealed = MAX_SEGMENTS // writers - 1
         self.records = 0  # in this update, all segments
         self.open = Segment(self.start)  # the records being written
         self.sealed: list[Segment] = []  # written, not yet sent to the engine
@@ -78,7 +80,7 @@ class DeltaTarget:
     def seal(self, slot: int, most: int) -> None:
         """The open segment's records all went into transfer slot ``slot``: sealed (at most ``most``
         sealed waiting; past that the open one grows on, so an end never names too many)."""
-        if self.open.records and len(self.sealed) < most:
+        if self.open.records and len(self.sealed) < min(most, self.most_sealed):
             seg, self.open = self.open, Segment(self.open.end)
             seg.slot = slot
             self.sealed.append(seg)

@@ -34,6 +34,9 @@ class SenderStatus:
     # delta updates (delta_writes.py): sender 0's claims and answers at opened, every sender's manifests
     # at written, sender 0's new identities at ended
     deltas: dict[str, Any] = field(default_factory=dict)
+    # sender 0's session owner (token, label) at opened: the group's senders apply their own delta
+    # records beside their writes under it (apply_beside.py); the trainer's own group, never an engine
+    owner: tuple[str, str] | None = None
 
     @property
     def ok(self) -> bool:

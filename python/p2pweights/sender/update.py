@@ -172,7 +172,7 @@ class Update:
         instances = dict(self._session.instances) if self._session is not None else {}
         said = self._deltas.said(self._engines) if self._deltas is not None and self._session is not None else {}
         statuses = self._gather(SenderStatus(me, control_failures(error), epochs=epochs, instances=instances,
-                                             deltas=said))
+                                             deltas=said, owner=apply_beside.offer(self._session)))
         if error is not None:
             self._phase, self.outcome = "failed", UNTOUCHED
             raise error
@@ -187,8 +187,8 @@ class Update:
             if self._deltas is not None:
                 self._deltas.follow({n: w for s in statuses for n, w in s.deltas.items()})
         self._phase = "open"
-        self._beside = apply_beside.start(self._deltas, self._session is not None, self._writer, self._engines,
-                                          self._handover, self.pipeline)
+        self._beside = apply_beside.start(self._deltas, self._session, self._writer, self._engines, self._handover,
+                                          self.pipeline, statuses)
         self._pause_seconds = time.perf_counter() - t0
         # The time users care about runs from pause_generation returning to the update returning.
         self._t0 = self._session.paused_at if self._session is not None else time.perf_counter()
@@ -256,8 +256,8 @@ class Update:
             self._count_failure(control_failures(self._open_error))
             raise self._open_error
         self._phase = "open"
-        self._beside = apply_beside.start(self._deltas, self._session is not None, self._writer, self._engines,
-                                          self._handover, self.pipeline)
+        self._beside = apply_beside.start(self._deltas, self._session, self._writer, self._engines, self._handover,
+                                          self.pipeline)
         self._t0 = self._session.paused_at  # the time users care about runs from the pause returning
         logger.info("update %s: paused and opened %d engine(s) in %.3f s beside the first slots (%s)", self.version,
                     len(self._engines), self._pause_seconds, self._verbs_text("pause_generation", "_begin"))
