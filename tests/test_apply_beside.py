@@ -18,6 +18,7 @@ from p2pweights.models.checkpoint import checkpoint_tensors, random_checkpoint
 from p2pweights.receiver import check_weights_equal, start_engine
 from p2pweights.sender import WeightSender, apply_beside, delta_writes
 from replica_configs import write_config
+from test_deltas_e2e import _change, _checksums
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +27,10 @@ def wider(tmp_path_factory):  # 33 MB over 1 MiB slots: many slots an update
                         intermediate_size=1536, head_dim=128, num_hidden_layers=4)
 
 
-def _change(items, fraction: float, gen: torch.Generator) -> None:
-    for _, t in items:
-        flat = t.view(-1)
-        k = int(flat.numel() * fraction)
-        if k:
-            idx = torch.randint(0, flat.numel(), (k,), generator=gen)
-            flat[idx] = torch.randn(k, generator=gen).to(flat.dtype)
-
-
 def _push(sender, version, items):
     with sender.update(version) as u:
         u.push_many(items)
     return u.report
-
-
-def _checksums(url):
-    return SglangEngine(url).weights_checker("checksum")["per_engine_checksum"]
 
 
 @pytest.mark.parametrize("records", ["runs", "index"])
