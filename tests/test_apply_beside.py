@@ -131,7 +131,8 @@ def test_a_targets_records_are_sealed_per_slot_taken_once_returned_and_the_rest_
     first, second = x.sealed
     assert (first.start, first.end, first.offsets, second.start, second.offsets) == (0, 56, [0, 24], 56, [56])
     assert x.take(lambda slot: True) == []  # not submitted yet
-    first.submitted = second.submitted = True
+    x.submitted(0)
+    x.submitted(1)
     assert x.take(lambda slot: slot == 1) == []  # slot 0's writes not returned: nothing after it either
     assert x.take(lambda slot: slot == 0) == [first] and x.sent == 1
     m = first.manifest()
@@ -143,5 +144,13 @@ def test_a_targets_records_are_sealed_per_slot_taken_once_returned_and_the_rest_
     many = DeltaTarget(_Target(), writer=0, writers=MAX_SEGMENTS // 4)  # many writers: few sealed each
     for k in range(10):
         many.add(8, b"h" * 8)
-        many.seal(k, 256)
+        many.seal(k % 2, 256)  # two slots, each used again
     assert len(many.sealed) == 3 and many.open.records == 7  # (1024 // 256 - 1) sealed, the rest grows on
+    for k in range(3):  # capped: the open segment spans both slots, each use of them submitted in turn
+        many.submitted(k % 2)
+    many.add(8, b"i" * 8)
+    many.seal(1, 256)  # slot 1 used again: that use not submitted yet
+    assert many.open.slots == {0: True, 1: False}
+    assert not many.open.returned(lambda slot: True)  # one of its slots' writes not even handed over
+    many.submitted(1)
+    assert many.open.returned(lambda slot: True) and not many.open.returned(lambda slot: slot == 1)

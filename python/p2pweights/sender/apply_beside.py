@@ -100,9 +100,7 @@ class AppliesBeside:
         """Transfer slot ``slot`` reached the writer (its sealed segments may go once it returns); then
         what returned meanwhile is applied."""
         for x in self.deltas.targets.values():
-            for seg in x.sealed:
-                if seg.slot == slot:
-                    seg.submitted = True
+            x.submitted(slot)
         self.poll()
 
     def poll(self) -> None:

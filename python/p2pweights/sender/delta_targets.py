@@ -29,8 +29,13 @@ class Segment:
         self.hash = hashlib.sha256()
         self.checks: list = []  # index records' payload checksums (device scalars), in the area's order
         self.offsets: list[int] = []  # each record's first byte in the area (the manifest names them)
-        self.slot = -1  # sealed: the transfer slot whose writes carried its last records
-        self.submitted = False  # sealed: that slot reached the writer
+        # the transfer slots whose writes carried its records, each with whether that use of it reached
+        # the writer yet (a segment spans several slots when sealing was capped)
+        self.slots: dict[int, bool] = {}
+
+    def returned(self, done: Any) -> bool:
+        """Every write of its records returned: each of its slots reached the writer and ``done(slot)``."""
+        return bool(self.slots) and all(submitted and done(slot) for slot, submitted in self.slots.items())
 
     def manifest(self) -> Manifest:
         """The owner's word on these records: the digest ends with the index records' checksums."""
@@ -78,17 +83,25 @@ class DeltaTarget:
         self.records += 1
 
     def seal(self, slot: int, most: int) -> None:
-        """The open segment's records all went into transfer slot ``slot``: sealed (at most ``most``
-        sealed waiting; past that the open one grows on, so an end never names too many)."""
-        if self.open.records and len(self.sealed) < min(most, self.most_sealed):
+        """Transfer slot ``slot`` closed, holding the open segment's last records: sealed (at most
+        ``most`` sealed waiting; past that the open one grows on, so an end never names too many)."""
+        if not self.open.records:
+            return
+        self.open.slots[slot] = False  # this use of the slot: not handed to the writer yet
+        if len(self.sealed) < min(most, self.most_sealed):
             seg, self.open = self.open, Segment(self.open.end)
-            seg.slot = slot
             self.sealed.append(seg)
 
-    def take(self, returned: Any) -> list[Segment]:
-        """The sealed segments, oldest first, whose slots' writes all returned (``returned(slot)``)."""
+    def submitted(self, slot: int) -> None:
+        """Transfer slot ``slot`` reached the writer: its segments' use of it is submitted."""
+        for seg in (*self.sealed, self.open):
+            if seg.slots.get(slot) is False:
+                seg.slots[slot] = True
+
+    def take(self, done: Any) -> list[Segment]:
+        """The sealed segments, oldest first, whose writes all returned (``done(slot)``)."""
         k = 0
-        while k < len(self.sealed) and self.sealed[k].submitted and returned(self.sealed[k].slot):
+        while k < len(self.sealed) and self.sealed[k].returned(done):
             k += 1
         out, self.sealed = self.sealed[:k], self.sealed[k:]
         self.sent += len(out)
