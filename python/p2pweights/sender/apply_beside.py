@@ -87,8 +87,9 @@ class AppliesBeside:
         self.seconds = 0.0  # those calls' time, summed
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, min(len(engines), 8)),
                                                 thread_name_prefix="p2pw-apply")
-        self._inflight: dict[str, futures.Future] = {}
-        self.failures: dict[str, str] = {}
+        self._inflight: dict[str, tuple[futures.Future, list[str]]] = {}  # engine -> (its call, its ranks)
+        self.failures: dict[str, str] = {}  # "engine/rankN" -> why its apply failed
+        self._torn: set[str] = set()  # engines whose apply failed: they get no more calls
 
     def seal(self, slot: int) -> None:
         """Every delta target's records of the slot just closed (transfer slot ``slot``): sealed."""
@@ -106,13 +107,15 @@ class AppliesBeside:
     def poll(self) -> None:
         """Send each engine not busy its segments whose writes returned."""
         self._reap(block=False)
-        busy = {*self._inflight, *self.failures}  # one call per engine at a time; a torn one gets none
+        busy = {*self._inflight, *self._torn}  # one call per engine at a time; a torn one gets none
         for name, ranks in returned(self.deltas.targets.values(), self._returned, busy).items():
-            self._inflight[name] = self._pool.submit(self._apply, name, ranks)
+            self._inflight[name] = (self._pool.submit(self._apply, name, ranks), list(ranks))
 
     def drain(self) -> dict[str, str]:
-        """Wait for every call in flight (after the writer finished: nothing more returns); the engines
-        whose apply failed, with why. What was not sent stays for the end body."""
+        """Wait for every call in flight (after the writer finished: nothing more returns); the engine
+        ranks whose apply failed (``"engine/rankN"``, as the writer names a rank whose writes failed, so
+        ``on_engine_down="skip"`` leaves such an engine out alike), with why. What was not sent stays for
+        the end body."""
         self._reap(block=True)
         return dict(self.failures)
 
@@ -133,15 +136,17 @@ class AppliesBeside:
         return sum(len(ms) for ms in ranks.values()), time.perf_counter() - t0
 
     def _reap(self, block: bool) -> None:
-        for name, fut in list(self._inflight.items()):
+        for name, (fut, ranks) in list(self._inflight.items()):
             if not block and not fut.done():
                 continue
             del self._inflight[name]
             try:
                 segments, seconds = fut.result()
             except Exception as e:  # noqa: BLE001 - the engine is torn: the update fails on it, no end
-                self.failures[name] = f"applying its delta records beside the writes failed: {type(e).__name__}: {e}"
-                logger.error("engine %s: %s", name, self.failures[name])
+                why = f"applying its delta records beside the writes failed: {type(e).__name__}: {e}"
+                self._torn.add(name)
+                self.failures.update({f"{name}/rank{rank}": why for rank in ranks})
+                logger.error("engine %s: %s", name, why)
                 continue
             self.calls, self.segments, self.seconds = self.calls + 1, self.segments + segments, self.seconds + seconds
 
