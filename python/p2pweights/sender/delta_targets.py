@@ -21,7 +21,7 @@ def gpu_areas(p: Any) -> bool:
 class Segment:
     """Records one writer wrote one after another into one rank's area: one manifest's worth. Its digest
     is made when it is sent (:meth:`manifest`), after its writes returned: the index records'
-    checksums (device scalars) are read then, without waiting for the device."""
+    checksums (device scalars) are read then, long after the device made them."""
 
     def __init__(self, start: int):
         self.start = self.end = start
